@@ -1,0 +1,31 @@
+# Every target creates .venv at the repo root and installs what it needs by itself.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch first, from an explicit spec: on machines whose pip has a local CPU wheel this avoids a multi-GB
+# CUDA download. Elsewhere override it, e.g. `make test TORCH_SPEC='torch>=2.9'`.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= .work/demo-model
+
+.PHONY: venv demo test test-slow clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)' || $(PY) -m pip install -q 'torch>=2.9'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/weightstream demo --out $(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-slow: venv
+	WEIGHTSTREAM_SLOW=1 $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .work

@@ -1,0 +1,77 @@
+"""Cache policies over expert keys, shared by the simulator and the runtime expert cache.
+
+A policy is pure bookkeeping over keys ``(layer, expert)``: it knows nothing of bytes, slots or threads.
+The one place that decides hits, misses and victims is :func:`access_layer`; the simulator and
+``ExpertCache`` both call it, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRUPolicy:
+    """Least recently used."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int):
+        assert capacity >= 1, capacity
+        self.capacity = capacity
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def on_hit(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def on_insert(self, key: Key) -> None:
+        assert key not in self._order and len(self._order) < self.capacity, key
+        self._order[key] = None
+
+    def evict(self, pinned: set[Key]) -> Key:
+        """Remove and return the victim, never one of ``pinned``."""
+        for key in self._order:
+            if key not in pinned:
+                del self._order[key]
+                return key
+        raise RuntimeError("every resident expert is pinned; the cache is below one layer's working set")
+
+
+@dataclass(slots=True)
+class LayerAccess:
+    """Outcome of one layer's lookups: which keys hit, which missed, and what each miss evicted."""
+
+    hits: list[Key]
+    misses: list[Key]
+    evicted: list[Key]
+
+
+def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None) -> LayerAccess:
+    """Look up one layer's chosen experts in order; the layer's own experts are never evicted for each other."""
+    keys = [(layer, int(e)) for e in experts]
+    pin = set(keys) if pinned is None else pinned | set(keys)
+    out = LayerAccess([], [], [])
+    for key in keys:
+        if key in policy:
+            policy.on_hit(key)
+            out.hits.append(key)
+            continue
+        if len(policy) >= policy.capacity:
+            out.evicted.append(policy.evict(pin))
+        policy.on_insert(key)
+        out.misses.append(key)
+    return out
+
+
+def unique_in_order(experts: Sequence[int]) -> list[int]:
+    """Experts in first-use order without repeats (a prefill step lists an expert once per token)."""
+    return list(dict.fromkeys(int(e) for e in experts))

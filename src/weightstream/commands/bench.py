@@ -1,0 +1,6 @@
+"""`weightstream bench`: placeholder until its issue lands."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="(not yet available)")
+    p.set_defaults(func=lambda args: (print("weightstream bench is not available yet"), 2)[1])
