@@ -49,7 +49,7 @@ def fast_rates(w: Workload) -> dict:
         w.__dict__.pop("next_use", None)
         return run_one(w, name, int(ws * m))
 
-    rates = {name: {f"{m}x": n / timed(lambda: one_size(name, m))[0] for m in SIZES} for name in POLICIES}
+    rates = {name: {f"{m}x": n / timed(lambda name=name, m=m: one_size(name, m))[0] for m in SIZES} for name in POLICIES}
     t_pass, _ = timed(lambda: (w.__dict__.pop("lru_distances", None), w.lru_distances))
     t_sizes, _ = timed(lambda: [run_one(w, "lru", int(ws * m)) for m in SIZES])
     rates["lru_all_sizes_one_pass"] = n * len(SIZES) / (t_pass + t_sizes)
@@ -60,7 +60,7 @@ def reference_rates(trace, prompts: int) -> dict:
     """Lookups/s of the reference path (what the runtime cache runs) on the first `prompts` requests."""
     sub = trace.slice_steps(0, trace.first_step_of_request(prompts))
     w, ws = Workload(sub), sub.shape.working_set_bytes
-    return {name: sub.n_accesses / timed(lambda: run_one(w, name, int(ws * 2.0), Options(), "reference"), 1)[0]
+    return {name: sub.n_accesses / timed(lambda name=name: run_one(w, name, int(ws * 2.0), Options(), "reference"), 1)[0]
             for name in POLICIES}
 
 
@@ -79,7 +79,7 @@ def libcachesim_rates(w: Workload) -> dict:
         out = {}
         for name, cls in (("lru", lcs.LRU), ("slru", lcs.SLRU), ("lfu", lcs.LFU), ("belady", lcs.Belady)):
             reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
-            out[name] = n / timed(lambda: cls(slots).process_trace(reader), 1)[0]
+            out[name] = n / timed(lambda cls=cls, reader=reader: cls(slots).process_trace(reader), 1)[0]
     return out
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--reference-prompts", type=int, default=40, help="requests replayed on the reference path")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, as the target says
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
     t_load, trace = timed(lambda: load(args.trace))
     w = Workload(trace)
     fast = fast_rates(w)

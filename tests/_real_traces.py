@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -28,14 +28,14 @@ def need_traces() -> None:
         pytest.skip(f"real traces not found under {TRACES} (set WEIGHTSTREAM_TRACES)")
 
 
-@lru_cache(maxsize=None)
+@cache
 def mixtral():
     """Mixtral-8x7B decode routing: HumanEval then GSM8K, 2 problems each."""
     need_traces()
     return import_vllm_jsonl(MIXTRAL_FILES, resolve_shape("mixtral-8x7b"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def deepseek(n_files: int | None = None):
     """DeepSeek-V2-Lite prompt routing, all 399 prompts or the first `n_files`."""
     need_traces()

@@ -4,13 +4,11 @@ agreement on the real traces where the semantics are the same."""
 import libcachesim as lcs
 import numpy as np
 import pytest
+from _real_traces import deepseek, mixtral
 from libcachesim import libcachesim_python as lcs_c
 from libcachesim.cache import CacheBase, _create_common_params
 
-from _real_traces import deepseek, mixtral
-
-from weightstream.cache.policies import (AdaptivePolicy, ByteBudget, LFUPolicy, PinnedPolicy, SLRUPolicy,
-                                         make_policy)
+from weightstream.cache.policies import AdaptivePolicy, ByteBudget, LFUPolicy, PinnedPolicy, SLRUPolicy, make_policy
 from weightstream.cache.policy import LRUPolicy, access_layer
 from weightstream.errors import WeightstreamError
 from weightstream.sim import Workload, kernels

@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from _real_traces import deepseek, mixtral
+
 from weightstream.errors import WeightstreamError
 from weightstream.sim import Workload, replay
 from weightstream.sim.replay import Options, run_one
@@ -50,10 +50,8 @@ def naive_hits(trace, name, slots, static=(), share=0.5, count_from=0):
                     if name == "lfu":
                         victim = min(candidates, key=lambda c: (count[c], last[c]))
                     elif name == "belady":
-                        def upcoming(c):
-                            pos = where[c][bisect.bisect_right(where[c], i)] if where[c][-1] > i else len(flat)
-                            return pos
-                        victim = max(candidates, key=upcoming)
+                        victim = max(candidates, key=lambda c, i=i: where[c][bisect.bisect_right(where[c], i)]
+                                     if where[c][-1] > i else len(flat))
                     else:
                         victim = candidates[0]
                     (lists[0] if victim in lists[0] else lists[1]).remove(victim)
@@ -177,7 +175,7 @@ def test_replay_api_counts_judged_part_and_accepts_options():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, check=False)
 
 
 def test_simulate_cli_json_table_and_plot(tmp_path):
@@ -200,3 +198,16 @@ def test_simulate_cli_json_table_and_plot(tmp_path):
     assert table.returncode == 0 and table.stdout.count("belady") == 3 and "MiB/token" in table.stdout
     bad = _cli("simulate", str(tmp_path / "m.npz"), "--sizes", "0.01x")
     assert bad.returncode == 2 and "below the 2 experts one layer of one step uses" in bad.stderr
+
+
+def test_sizes_in_bytes_multiples_and_ranges():
+    from weightstream.sim.sizes import parse_sizes
+
+    assert parse_sizes("1x, 0.5x,4500MiB,2GiB,1.5GB,123", 1000) == [1000, 500, 4500 * 2**20, 2 * 2**30, 1_500_000_000, 123]
+    assert parse_sizes("0.5x:8x:0.5x", 2574)[1::2] == [2574 * m for m in range(1, 9)]  # lands exactly on 1x, 2x...
+    assert parse_sizes("1GiB:3GiB:1GiB", 1) == [2**30, 2 * 2**30, 3 * 2**30]
+    for bad in ("", "foo", "2 parsecs", "-1x", "4x:1x:1x", "0x"):
+        with pytest.raises(WeightstreamError):
+            parse_sizes(bad, 1000)
+    with pytest.raises(WeightstreamError, match="protected share"):
+        Options(protected_share=1.5)

@@ -14,7 +14,7 @@ MIB = 2**20
 
 
 def tiny_shape(**kw):
-    base = dict(name="tiny", layers=[1, 2, 3], n_experts=4, top_k=2, expert_bytes=[1000] * 3)
+    base = {"name": "tiny", "layers": [1, 2, 3], "n_experts": 4, "top_k": 2, "expert_bytes": [1000] * 3}
     return ModelShape(**{**base, **kw})
 
 

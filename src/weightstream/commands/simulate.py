@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from weightstream.errors import WeightstreamError
 
@@ -17,6 +18,7 @@ listed; a layer's own experts are never evicted to serve each other; the cache p
 examples:
   weightstream simulate ds.npz                                     # every policy at 0.5x..8x
   weightstream simulate ds.npz --policies lru,slru --sizes 1x,1.5x,2GiB,4500MiB --plot ds.png
+  weightstream simulate ds.npz --policies lru,slru --sizes 1x:4x:0.05x  # find where SLRU overtakes LRU
   weightstream simulate ds.npz --train-share 0 --json              # count every access (engine parity)
 """
 
@@ -32,7 +34,8 @@ def register(sub) -> None:
                    help="comma-separated: lru, slru, lfu, pinned, adaptive, belady (default: all)")
     p.add_argument("--sizes", default="0.5x,1x,1.5x,2x,4x,8x",
                    help="comma-separated cache sizes: bytes with a unit (4500MiB, 2GiB) or multiples of one "
-                   "token's working set (1x = top-k experts in every routed layer); default 0.5x,1x,1.5x,2x,4x,8x")
+                   "token's working set (1x = top-k experts in every routed layer), or START:STOP:STEP ranges "
+                   "such as 1x:4x:0.25x; default 0.5x,1x,1.5x,2x,4x,8x")
     p.add_argument("--train-share", type=float, default=0.5,
                    help="first share of the requests that picks the pinned experts and warms every cache; all "
                    "figures count only the remaining requests (default 0.5; 0 counts everything, pinned in-sample)")
@@ -74,6 +77,13 @@ def _table(trace, results, w) -> None:
     console.print(table)
 
 
+def _print_json(trace, results, w) -> None:
+    json.dump({"tokens": w.judged_tokens, "accesses": trace.n_accesses - w.count_from,
+               "working_set_bytes": trace.shape.working_set_bytes,
+               "results": [r.to_json() for r in results]}, sys.stdout)
+    print()
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -84,12 +94,12 @@ def run(args) -> int:
     from weightstream.sim.sizes import parse_sizes
     from weightstream.trace import load
 
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise WeightstreamError(f"--plot {args.plot}: its directory does not exist; create it or choose another")
     trace = load(args.trace)
     policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
     w = Workload(trace, args.train_share)
     opts = Options(protected_share=args.protected_share, threshold=args.adaptive_threshold)
-    if not 0.0 <= opts.protected_share <= 1.0:
-        raise WeightstreamError(f"--protected-share must be within 0..1, got {opts.protected_share}")
     results = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"replaying {trace.n_accesses:,} lookups", total=len(policies) * len(sizes))
@@ -101,10 +111,7 @@ def run(args) -> int:
         plot_results(results, trace.shape.working_set_bytes, args.plot,
                      title=f"{trace.shape.name}, {w.judged_tokens} judged tokens")
     if args.json:
-        json.dump({"tokens": w.judged_tokens, "accesses": trace.n_accesses - w.count_from,
-                   "working_set_bytes": trace.shape.working_set_bytes,
-                   "results": [r.to_json() for r in results]}, sys.stdout)
-        print()
+        _print_json(trace, results, w)
     else:
         _table(trace, results, w)
         if args.plot:

@@ -99,6 +99,22 @@ def _first_unpinned(lst, nxt, ends, pin, g):
 
 
 @njit(cache=True)
+def _slru_promote(k, seg, prv, nxt, ends, n_protected, protected_capacity):
+    """A hit moves k to protected's newest end; overflow demotes protected's oldest to probation's newest."""
+    _unlink(k, prv, nxt, ends, seg[k])
+    if seg[k] == 1:
+        n_protected += 1
+    seg[k] = 2
+    _append(k, prv, nxt, ends, 2)
+    if n_protected > protected_capacity:
+        d = ends[2, 0]
+        _unlink(d, prv, nxt, ends, 2)
+        _append(d, prv, nxt, ends, 1)
+        seg[d], n_protected = 1, n_protected - 1
+    return n_protected
+
+
+@njit(cache=True)
 def slru_hits(keys, gstart, n_keys, capacity, protected_capacity):
     """SLRUPolicy's decisions (list 1 = probation, list 2 = protected, 0 = absent)."""
     prv, nxt = np.full(n_keys, -1, np.int64), np.full(n_keys, -1, np.int64)
@@ -113,16 +129,7 @@ def slru_hits(keys, gstart, n_keys, capacity, protected_capacity):
             k = keys[i]
             if seg[k] > 0:
                 hits[i] = 1
-                _unlink(k, prv, nxt, ends, seg[k])
-                if seg[k] == 1:
-                    n_protected += 1
-                seg[k] = 2
-                _append(k, prv, nxt, ends, 2)
-                if n_protected > protected_capacity:
-                    d = ends[2, 0]
-                    _unlink(d, prv, nxt, ends, 2)
-                    _append(d, prv, nxt, ends, 1)
-                    seg[d], n_protected = 1, n_protected - 1
+                n_protected = _slru_promote(k, seg, prv, nxt, ends, n_protected, protected_capacity)
                 continue
             if size >= capacity:
                 v = _first_unpinned(1, nxt, ends, pin, g)

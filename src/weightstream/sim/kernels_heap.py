@@ -94,7 +94,7 @@ def _heap_replay(keys, gstart, n_keys, capacity, next_use, belady):
                     _sift_down(h, pos, prio, pos[k], n)
                 continue
             if n >= capacity:
-                v, n = _pop_unpinned(h, pos, prio, n, pin, g, buf)
+                _, n = _pop_unpinned(h, pos, prio, n, pin, g, buf)
             prio[k] = -next_use[i] if belady else (1 << FREQ_SHIFT) | tick
             n = _push(h, pos, prio, k, n)
     return hits

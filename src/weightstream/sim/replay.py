@@ -62,6 +62,12 @@ class Options:
     threshold: float = 1.8
     pinned_keys: list[tuple[int, int]] | None = None
 
+    def __post_init__(self):
+        if not 0.0 <= self.protected_share <= 1.0:
+            raise WeightstreamError(f"SLRU protected share must be within 0..1, got {self.protected_share}")
+        if self.threshold <= 0:
+            raise WeightstreamError(f"adaptive threshold must be a positive multiple, got {self.threshold}")
+
 
 def _capacity(w: Workload, cache_bytes: int) -> int | None:
     """Slots for `cache_bytes`, or None when expert sizes differ and the budget is counted in bytes."""

@@ -4,5 +4,14 @@ from weightstream.trace.format import PHASES, Trace, TraceWriter
 from weightstream.trace.npz import load, save
 from weightstream.trace.shapes import KNOWN_CONFIGS, ModelShape, resolve_shape, shape_from_config
 
-__all__ = ["PHASES", "KNOWN_CONFIGS", "ModelShape", "Trace", "TraceWriter", "load", "resolve_shape", "save",
-           "shape_from_config"]
+__all__ = [
+           "KNOWN_CONFIGS",
+           "PHASES",
+           "ModelShape",
+           "Trace",
+           "TraceWriter",
+           "load",
+           "resolve_shape",
+           "save",
+           "shape_from_config",
+]

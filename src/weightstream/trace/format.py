@@ -56,7 +56,7 @@ class Trace:
         hit = np.flatnonzero(self.step_request >= request)
         return int(hit[0]) if len(hit) else self.n_steps
 
-    def slice_steps(self, first_step: int, end_step: int) -> "Trace":
+    def slice_steps(self, first_step: int, end_step: int) -> Trace:
         """A trace of steps [first_step, end_step) only, keeping just the requests those steps belong to."""
         g0, g1 = int(self.step_groups[first_step]), int(self.step_groups[end_step])
         a0, a1 = self.access_range(first_step, end_step)
