@@ -11,7 +11,7 @@ import torch
 from weightstream.cache.policy import Key, access_layer, make_policy
 from weightstream.cache.sizes import format_bytes
 from weightstream.errors import WeightstreamError
-from weightstream.io.aligned import AlignedArena, region_bytes
+from weightstream.io.aligned import AlignedArena, aligned_bytes, region_bytes
 from weightstream.io.reader import DEMAND, DirectReader, ReadRequest
 from weightstream.store.layout import ExpertLayout, ModelLayout
 
@@ -22,7 +22,8 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
-    expert_bytes_missed: int = 0
+    expert_bytes_missed: int = 0  # the missed experts' own bytes
+    aligned_bytes_missed: int = 0  # what O_DIRECT must fetch for them: their 4 KiB-aligned spans
     layer_misses: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -52,7 +53,7 @@ class ExpertCache:
             raise WeightstreamError(
                 f"expert cache of {format_bytes(budget_bytes)} is below one token's working set of "
                 f"{format_bytes(working_set)} for this model ({len(layout.num_experts)} MoE layers x top-{layout.top_k} "
-                f"x {format_bytes(self.slot_bytes)} per expert slot); use at least {working_set} bytes (1x)")
+                f"x {format_bytes(self.slot_bytes)} per expert slot); use --expert-cache {working_set} (1x) or more")
         self.n_slots = min(budget_bytes // self.slot_bytes, len(layout.experts))
         self.budget_bytes = budget_bytes
         self.policy = make_policy(policy, self.n_slots, working_set_slots=working_set // self.slot_bytes,
@@ -119,6 +120,7 @@ class ExpertCache:
             requests.append(ReadRequest(piece.path, piece.offset, piece.nbytes, dest))
             dest += region_bytes(piece.nbytes)
         self.stats.expert_bytes_missed += expert.nbytes
+        self.stats.aligned_bytes_missed += sum(aligned_bytes(p) for p in expert.pieces)
 
         def done(error: BaseException | None) -> None:
             if error is None:

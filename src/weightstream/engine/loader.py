@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 
 import torch
@@ -15,7 +16,7 @@ from weightstream.engine import experts as ws_experts
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
-from weightstream.store.layout import build_layout, experts_modules
+from weightstream.store.layout import build_layout, experts_modules, streamable_modules
 
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
@@ -34,6 +35,7 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(ckpt),
                                                  experts_implementation=ws_experts.IMPLEMENTATION)
+    streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir))
     _load_dense(model, layout.dense, model_dir)
     budget = parse_size(expert_cache, layout.working_set_bytes, "expert cache")
@@ -116,3 +118,32 @@ def _init_buffers(model) -> None:
     still = [n for n, b in model.named_buffers() if b.is_meta]
     if still:
         raise WeightstreamError(f"buffers {still} could not be initialised for {model.config.model_type}")
+
+
+def resolve_model(name: str) -> str:
+    """A local directory as is; otherwise a Hugging Face model id, downloaded (config, tokenizer, safetensors)."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
+        raise WeightstreamError(f"{name}: not a model directory; pass a directory with config.json and "
+                                "*.safetensors (make one with `weightstream synth`) or a Hugging Face id org/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as exc:  # offline, unknown id, gated model: one clear line
+        raise WeightstreamError(f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
+                                f"{exc}); pass a local model directory instead") from exc
+
+
+def load_tokenizer(model_dir: str, required: bool):
+    """The checkpoint's tokenizer, or None when it has none and none is needed."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        if required:
+            raise WeightstreamError(f"{model_dir}: no usable tokenizer ({exc}); pass --prompt-ids instead of "
+                                    "--prompt") from exc
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -25,6 +26,12 @@ def region_bytes(nbytes: int) -> int:
 def aligned_span(offset: int, nbytes: int) -> tuple[int, int]:
     """The 4 KiB-aligned file range [start, end) that covers [offset, offset + nbytes)."""
     return round_down(offset), round_up(offset + nbytes)
+
+
+def aligned_bytes(piece) -> int:
+    """Bytes an O_DIRECT read of `piece` (path, offset, nbytes) fetches: its aligned span, cut at end of file."""
+    start, end = aligned_span(piece.offset, piece.nbytes)
+    return min(end, os.path.getsize(piece.path)) - start
 
 
 class AlignedArena:

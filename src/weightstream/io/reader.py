@@ -47,7 +47,7 @@ class DirectReader:
             raise WeightstreamError(f"--io-threads {threads}: need at least 1 I/O thread")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise WeightstreamError(f"chunk size {chunk_bytes}: must be a positive multiple of {ALIGN} bytes")
-        self.arena, self.chunk_bytes, self.want_direct = arena, chunk_bytes, direct
+        self.arena, self.chunk_bytes, self.want_direct, self.threads = arena, chunk_bytes, direct, threads
         self._warn = warn or (lambda msg: print(f"weightstream: {msg}", file=sys.stderr))
         self._fds: dict[str, tuple[int, bool]] = {}
         self._probe = AlignedArena(ALIGN)

@@ -104,14 +104,21 @@ def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")}
 
 
-def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelLayout:
-    """Map every checkpoint tensor onto the (meta) model: expert pieces per (layer, expert), dense tensors."""
-    model_type = model.config.model_type
+def streamable_modules(model: torch.nn.Module, model_dir: str) -> dict[str, torch.nn.Module]:
+    """The experts modules, or an error naming the architecture and the supported ones."""
     modules = experts_modules(model)
     if not modules:
         raise WeightstreamError(
-            f"{ckpt.model_dir}: architecture {model_type!r} has no experts module that goes through transformers' "
-            f"experts interface, so weightstream cannot stream it; supported (tested): {', '.join(TESTED_ARCHITECTURES)}")
+            f"{model_dir}: architecture {model.config.model_type!r} has no experts module that goes through "
+            f"transformers' experts interface, so weightstream cannot stream it; supported (tested): "
+            f"{', '.join(TESTED_ARCHITECTURES)}")
+    return modules
+
+
+def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelLayout:
+    """Map every checkpoint tensor onto the (meta) model: expert pieces per (layer, expert), dense tensors."""
+    model_type = model.config.model_type
+    modules = streamable_modules(model, ckpt.model_dir)
     module_layers = {path: _layer_index(path, i) for i, path in enumerate(modules)}
     params = {f"{path}.{n}": (path, n, p) for path, m in modules.items() for n, p in m.named_parameters(recurse=False)}
     found: dict[tuple[str, int, str], list[tuple[int, Piece]]] = {}
