@@ -55,6 +55,12 @@ class LayerAccess:
     evicted: list[Key]
 
 
+def _needs_room(policy, key: Key) -> bool:
+    # Optional hook for byte budgets (experts of different sizes); slot-counted policies need none.
+    hook = getattr(policy, "needs_room", None)
+    return hook(key) if hook is not None else len(policy) >= policy.capacity
+
+
 def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None) -> LayerAccess:
     """Look up one layer's chosen experts in order; the layer's own experts are never evicted for each other."""
     keys = [(layer, int(e)) for e in experts]
@@ -65,7 +71,7 @@ def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | 
             policy.on_hit(key)
             out.hits.append(key)
             continue
-        if len(policy) >= policy.capacity:
+        while _needs_room(policy, key):
             out.evicted.append(policy.evict(pin))
         policy.on_insert(key)
         out.misses.append(key)

@@ -1,6 +1,112 @@
-"""`weightstream simulate`: placeholder until its issue lands."""
+"""`weightstream simulate`: replay a routing trace through cache policies at several sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from weightstream.errors import WeightstreamError
+
+MIB = 2**20
+
+EPILOG = """\
+Replay: one lookup per (token, routed layer, chosen expert), steps in order, layers ascending, experts as
+listed; a layer's own experts are never evicted to serve each other; the cache persists across requests.
+
+examples:
+  weightstream simulate ds.npz                                     # every policy at 0.5x..8x
+  weightstream simulate ds.npz --policies lru,slru --sizes 1x,1.5x,2GiB,4500MiB --plot ds.png
+  weightstream simulate ds.npz --train-share 0 --json              # count every access (engine parity)
+"""
 
 
 def register(sub) -> None:
-    p = sub.add_parser("simulate", help="(not yet available)")
-    p.set_defaults(func=lambda args: (print("weightstream simulate is not available yet"), 2)[1])
+    p = sub.add_parser(
+        "simulate", help="replay a routing trace through cache policies and sizes: hits, bytes read per token",
+        description="Replay a routing trace (from `weightstream trace import/record`) through expert-cache policies "
+        "at several cache sizes and report hits, misses and expert bytes read per token.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="trace file (.npz) written by `weightstream trace`")
+    p.add_argument("--policies", default="lru,slru,lfu,pinned,adaptive,belady",
+                   help="comma-separated: lru, slru, lfu, pinned, adaptive, belady (default: all)")
+    p.add_argument("--sizes", default="0.5x,1x,1.5x,2x,4x,8x",
+                   help="comma-separated cache sizes: bytes with a unit (4500MiB, 2GiB) or multiples of one "
+                   "token's working set (1x = top-k experts in every routed layer); default 0.5x,1x,1.5x,2x,4x,8x")
+    p.add_argument("--train-share", type=float, default=0.5,
+                   help="first share of the requests that picks the pinned experts and warms every cache; all "
+                   "figures count only the remaining requests (default 0.5; 0 counts everything, pinned in-sample)")
+    p.add_argument("--protected-share", type=float, default=0.5, help="SLRU protected segment share (default 0.5)")
+    p.add_argument("--adaptive-threshold", type=float, default=1.8,
+                   help="adaptive: LRU below this multiple of the working set, SLRU at or above (default 1.8)")
+    p.add_argument("--method", choices=("auto", "fast", "reference"), default="auto",
+                   help="fast: compiled replays; reference: the runtime's own policy objects (slow, identical)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
+    p.set_defaults(func=run)
+
+
+def _policies(text: str) -> list[str]:
+    from weightstream.sim import SIM_POLICIES
+
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIM_POLICIES]
+    if not names or unknown:
+        raise WeightstreamError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(SIM_POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def _table(trace, results, w) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ws = trace.shape.working_set_bytes
+    table = Table(title=f"{trace.shape.name}: {w.judged_tokens} tokens judged (requests {w.train_requests + 1}.."
+                  f"{len(trace.requests)} of {len(trace.requests)}), working set {ws / MIB:.0f} MiB")
+    for col in ("policy", "cache MiB", "x WS", "slots", "hits", "misses", "hit rate", "MiB/token"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in sorted(results, key=lambda r: (r.cache_bytes, r.policy)):
+        table.add_row(r.policy, f"{r.cache_bytes / MIB:.0f}", f"{r.cache_bytes / ws:.2f}",
+                      "-" if r.slots is None else str(r.slots), str(r.hits), str(r.misses),
+                      f"{r.hit_rate:.2%}", f"{r.bytes_per_token / MIB:.1f}")
+    console = Console()
+    console.width = max(console.width, 100)  # keep every column readable in pipes and narrow terminals
+    console.print(table)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from weightstream.sim import Options, Workload
+    from weightstream.sim.plot import plot_results
+    from weightstream.sim.replay import run_one
+    from weightstream.sim.sizes import parse_sizes
+    from weightstream.trace import load
+
+    trace = load(args.trace)
+    policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
+    w = Workload(trace, args.train_share)
+    opts = Options(protected_share=args.protected_share, threshold=args.adaptive_threshold)
+    if not 0.0 <= opts.protected_share <= 1.0:
+        raise WeightstreamError(f"--protected-share must be within 0..1, got {opts.protected_share}")
+    results = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(f"replaying {trace.n_accesses:,} lookups", total=len(policies) * len(sizes))
+        for name in policies:
+            for size in sizes:
+                results.append(run_one(w, name, size, opts, args.method))
+                progress.advance(task)
+    if args.plot:
+        plot_results(results, trace.shape.working_set_bytes, args.plot,
+                     title=f"{trace.shape.name}, {w.judged_tokens} judged tokens")
+    if args.json:
+        json.dump({"tokens": w.judged_tokens, "accesses": trace.n_accesses - w.count_from,
+                   "working_set_bytes": trace.shape.working_set_bytes,
+                   "results": [r.to_json() for r in results]}, sys.stdout)
+        print()
+    else:
+        _table(trace, results, w)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,188 @@
+"""Replay a routing trace through cache policies: the reference path (access_layer + policy objects, the
+runtime's own code) and compiled fast paths that must decide exactly the same hits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightstream.cache.policies import ByteBudget, make_policy
+from weightstream.cache.policy import access_layer
+from weightstream.errors import WeightstreamError
+from weightstream.sim import kernels
+from weightstream.sim.belady import BeladyPolicy
+from weightstream.sim.kernels_heap import belady_hits, lfu_hits
+from weightstream.sim.workload import Workload
+from weightstream.trace import Trace
+
+SIM_POLICIES = ("lru", "slru", "lfu", "pinned", "adaptive", "belady")
+
+
+@dataclass(slots=True)
+class Result:
+    """What one policy at one cache size read over the judged part of a trace."""
+
+    policy: str
+    cache_bytes: int
+    slots: int | None        # None under a byte budget (experts of different sizes)
+    hits: int
+    misses: int
+    tokens: int
+    bytes_read: int
+    misses_per_layer: list[int]
+
+    @property
+    def accesses(self) -> int:
+        """Judged expert lookups."""
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per judged lookup."""
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Expert bytes read per judged token."""
+        return self.bytes_read / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict:
+        """The `simulate --json` record."""
+        return {"policy": self.policy, "cache_bytes": self.cache_bytes, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hit_rate, "bytes_per_token": self.bytes_per_token}
+
+
+@dataclass(slots=True)
+class Options:
+    """Policy knobs: SLRU's protected share, adaptive's threshold, an explicit pinned set (else chosen)."""
+
+    protected_share: float = 0.5
+    threshold: float = 1.8
+    pinned_keys: list[tuple[int, int]] | None = None
+
+
+def _capacity(w: Workload, cache_bytes: int) -> int | None:
+    """Slots for `cache_bytes`, or None when expert sizes differ and the budget is counted in bytes."""
+    size = w.trace.shape.uniform_bytes
+    if size is None:
+        if cache_bytes < w.min_bytes:
+            raise WeightstreamError(f"cache of {cache_bytes} bytes is below the {w.min_bytes} bytes one layer of one "
+                                    f"step needs in this trace; use at least that")
+        return None
+    slots = cache_bytes // size
+    if slots < w.min_slots:
+        raise WeightstreamError(f"cache of {cache_bytes} bytes holds {slots} expert slot(s) of {size} bytes, below "
+                                f"the {w.min_slots} experts one layer of one step uses; use at least "
+                                f"{w.min_slots * size} bytes")
+    return slots
+
+
+def _adaptive_inner(w: Workload, cache_bytes: int, slots: int | None, opts: Options) -> str:
+    shape = w.trace.shape
+    ratio = slots / shape.working_set_slots if slots is not None else cache_bytes / shape.working_set_bytes
+    return "lru" if ratio < opts.threshold else "slru"
+
+
+def _pinned_set(w: Workload, slots: int, opts: Options) -> list[tuple[int, int]]:
+    # Keep enough unpinned slots for the largest layer group; the rest hold the training share's favourites.
+    return opts.pinned_keys if opts.pinned_keys is not None else w.pinned_keys(slots - w.min_slots)
+
+
+def _fast_hits(w: Workload, name: str, slots: int, cache_bytes: int, opts: Options) -> np.ndarray:
+    if name == "adaptive":
+        name = _adaptive_inner(w, cache_bytes, slots, opts)
+    if name == "lru":
+        return w.lru_distances < slots
+    if name == "slru":
+        return kernels.slru_hits(w.keys, w.gstart, w.n_keys, slots, int(slots * opts.protected_share))
+    if name == "lfu":
+        return lfu_hits(w.keys, w.gstart, w.n_keys, slots)
+    if name == "belady":
+        return belady_hits(w.keys, w.gstart, w.n_keys, slots, w.next_use)
+    static = np.zeros(w.n_keys, np.uint8)
+    layer_pos = {layer: i for i, layer in enumerate(w.trace.shape.layers)}
+    for layer, expert in _pinned_set(w, slots, opts):
+        static[layer_pos[layer] * w.trace.shape.n_experts + expert] = 1
+    return kernels.pinned_hits(w.keys, w.gstart, w.n_keys, slots, static)
+
+
+def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, opts: Options):
+    """The policy object the reference replay (and the runtime) uses, wrapped in a byte budget if needed."""
+    shape = w.trace.shape
+    capacity = slots if slots is not None else cache_bytes // min(shape.expert_bytes)
+    if name == "belady":
+        n_exp, layers = shape.n_experts, shape.layers
+        access_keys = [(layers[k // n_exp], k % n_exp) for k in w.keys.tolist()]
+        policy = BeladyPolicy(capacity, access_keys, w.next_use.tolist())
+    elif name == "pinned":
+        keys = opts.pinned_keys
+        if keys is None:
+            keys = w.pinned_keys(slots - w.min_slots) if slots is not None else w.pinned_keys(
+                capacity, byte_limit=cache_bytes - w.min_bytes)
+        policy = make_policy("pinned", capacity, pinned_keys=keys)
+    elif name == "adaptive" and slots is None:
+        inner = _adaptive_inner(w, cache_bytes, slots, opts)
+        policy = make_policy(inner, capacity, **({"protected_share": opts.protected_share} if inner == "slru" else {}))
+    else:
+        extra = {"slru": {"protected_share": opts.protected_share},
+                 "adaptive": {"threshold": opts.threshold, "protected_share": opts.protected_share}}.get(name, {})
+        policy = make_policy(name, capacity, working_set_slots=shape.working_set_slots, **extra)
+    if slots is None:
+        policy = ByteBudget(policy, cache_bytes, dict(zip(shape.layers, shape.expert_bytes)))
+    return policy
+
+
+def _reference_misses(w: Workload, policy) -> tuple[int, np.ndarray]:
+    """Replay every group through access_layer in order; count judged hits and misses per layer."""
+    t = w.trace
+    offsets, layers, experts = t.group_offsets.tolist(), t.group_layer.tolist(), t.experts.tolist()
+    layer_pos = {layer: i for i, layer in enumerate(t.shape.layers)}
+    misses, hits = np.zeros(len(t.shape.layers), np.int64), 0
+    for g in range(len(layers)):
+        a, b = offsets[g], offsets[g + 1]
+        out = access_layer(policy, layers[g], experts[a:b])
+        if a >= w.count_from:
+            hits += len(out.hits)
+            misses[layer_pos[layers[g]]] += len(out.misses)
+    return hits, misses
+
+
+def run_one(w: Workload, name: str, cache_bytes: int, opts: Options | None = None, method: str = "auto") -> Result:
+    """One policy at one size over the judged part of `w`."""
+    opts = opts or Options()
+    if name not in SIM_POLICIES:
+        raise WeightstreamError(f"unknown policy {name!r}; choose from {', '.join(SIM_POLICIES)}")
+    slots = _capacity(w, int(cache_bytes))
+    if method not in ("auto", "fast", "reference"):
+        raise WeightstreamError(f"method must be auto, fast or reference, not {method!r}")
+    if method == "fast" and slots is None:
+        raise WeightstreamError("the fast path needs experts of one size; use method='reference' for byte budgets")
+    if method != "reference" and slots is not None:
+        hit = _fast_hits(w, name, slots, int(cache_bytes), opts)[w.count_from:].astype(bool)
+        per_layer = np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
+        hits = int(hit.sum())
+    else:
+        hits, per_layer = _reference_misses(w, build_policy(w, name, slots, int(cache_bytes), opts))
+    bytes_read = int(np.dot(per_layer, np.asarray(w.trace.shape.expert_bytes, np.int64)))
+    return Result(name, int(cache_bytes), slots, hits, int(per_layer.sum()), w.judged_tokens, bytes_read,
+                  per_layer.tolist())
+
+
+def replay(trace: Trace, policy_name: str, cache_bytes: int, *, train_share: float = 0.0, method: str = "auto",
+           **opts) -> Result:
+    """Replay `trace` through one policy with access_layer semantics (steps in order, layers ascending)."""
+    return run_one(Workload(trace, train_share), policy_name, cache_bytes, Options(**opts), method)
+
+
+def simulate(trace: Trace, policies: Sequence[str], sizes: Sequence[int], *, train_share: float = 0.0,
+             method: str = "auto", on_result: Callable[[Result], None] | None = None, **opts) -> list[Result]:
+    """Every policy at every size (bytes); one workload is shared so LRU's distances are computed once."""
+    w, options, results = Workload(trace, train_share), Options(**opts), []
+    for name in policies:
+        for size in sizes:
+            results.append(run_one(w, name, size, options, method))
+            if on_result:
+                on_result(results[-1])
+    return results

@@ -1,0 +1,127 @@
+"""Model shapes for routing traces: which layers route, how many experts, top-k, and bytes of one expert.
+
+Named shapes are the real models' ``config.json`` fields, so a name and a config file go through one parser.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightstream.errors import WeightstreamError
+
+# The fields below are copied from each model's published config.json (only those the shape needs).
+KNOWN_CONFIGS: dict[str, dict] = {
+    "mixtral-8x7b": {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "deepseek-v2-lite": {"model_type": "deepseek_v2", "hidden_size": 2048, "moe_intermediate_size": 1408,
+                         "num_hidden_layers": 27, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "olmoe-1b-7b": {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+                    "num_hidden_layers": 16, "num_experts": 64, "num_experts_per_tok": 8},
+    "gpt-oss-20b": {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+                    "num_hidden_layers": 24, "num_local_experts": 32, "num_experts_per_tok": 4},
+}
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """What a trace needs to know about its model: routed layers, experts per layer, top-k, expert bytes."""
+
+    name: str
+    layers: list[int]          # model layer indices that route to experts, ascending
+    n_experts: int             # routed experts per layer
+    top_k: int                 # experts chosen per token per layer
+    expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per entry of `layers`
+
+    def __post_init__(self):
+        if not self.layers or sorted(set(self.layers)) != list(self.layers):
+            raise WeightstreamError(f"model shape {self.name!r}: layers must be a non-empty ascending list")
+        if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
+            raise WeightstreamError(f"model shape {self.name!r}: need 1 <= top_k ({self.top_k}) <= experts "
+                                    f"({self.n_experts})")
+        if len(self.expert_bytes) != len(self.layers) or min(self.expert_bytes) < 1:
+            raise WeightstreamError(f"model shape {self.name!r}: need one positive expert size per routed layer")
+
+    @property
+    def uniform_bytes(self) -> int | None:
+        """Bytes of one expert when every layer's experts are the same size, else None."""
+        return self.expert_bytes[0] if len(set(self.expert_bytes)) == 1 else None
+
+    @property
+    def working_set_slots(self) -> int:
+        """Experts one decode token touches across all routed layers."""
+        return self.top_k * len(self.layers)
+
+    @property
+    def working_set_bytes(self) -> int:
+        """Bytes one decode token touches across all routed layers."""
+        return self.top_k * sum(self.expert_bytes)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able form (stored inside trace files)."""
+        return {"name": self.name, "layers": list(self.layers), "n_experts": self.n_experts,
+                "top_k": self.top_k, "expert_bytes": list(self.expert_bytes)}
+
+
+def _moe_layers(cfg: dict) -> list[int]:
+    n = int(cfg["num_hidden_layers"])
+    kind = cfg.get("model_type", "")
+    if "first_k_dense_replace" in cfg or kind.startswith("deepseek"):
+        first, freq = int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("moe_layer_freq", 1))
+        return [i for i in range(n) if i >= first and i % freq == 0]
+    if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:
+        dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1) or 1)
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    return list(range(n))
+
+
+def _first(cfg: dict, keys: tuple[str, ...], what: str, source: str) -> int:
+    for key in keys:
+        if cfg.get(key):
+            return int(cfg[key])
+    raise WeightstreamError(f"{source}: no {what} field ({' / '.join(keys)}); is this a MoE model's config.json?")
+
+
+def shape_from_config(cfg: dict, name: str, source: str = "config", dtype_bytes: int | None = None) -> ModelShape:
+    """Derive a shape from transformers config fields; expert bytes = 3 x hidden x intermediate x dtype (+ biases)."""
+    cfg = cfg.get("text_config", cfg)
+    hidden = _first(cfg, ("hidden_size",), "hidden size", source)
+    inter = _first(cfg, ("moe_intermediate_size", "intermediate_size"), "expert intermediate size", source)
+    experts = _first(cfg, ("n_routed_experts", "num_local_experts", "num_experts"), "expert count", source)
+    top_k = _first(cfg, ("num_experts_per_tok", "experts_per_token", "moe_topk"), "top-k", source)
+    width = dtype_bytes or DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
+    params = 3 * hidden * inter
+    if cfg.get("model_type") == "gpt_oss":  # gate_up bias (2 x inter) and down bias (hidden) per expert
+        params += 2 * inter + hidden
+    layers = _moe_layers(cfg)
+    return ModelShape(name, layers, experts, top_k, [params * width] * len(layers))
+
+
+def resolve_shape(spec: str, expert_bytes: int | None = None) -> ModelShape:
+    """A shape from a known name or a path to config.json; `expert_bytes` overrides the derived size."""
+    if spec in KNOWN_CONFIGS:
+        shape = shape_from_config(KNOWN_CONFIGS[spec], spec, source=spec)
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise WeightstreamError(f"model shape {spec!r} is neither a known name ({', '.join(KNOWN_CONFIGS)}) "
+                                    f"nor an existing config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise WeightstreamError(f"{path}: not valid JSON ({exc}); pass a transformers config.json") from None
+        shape = shape_from_config(cfg, str(cfg.get("_name_or_path") or path.parent.name), source=str(path))
+    if expert_bytes is not None:
+        if expert_bytes < 1:
+            raise WeightstreamError(f"--expert-bytes must be positive, got {expert_bytes}")
+        shape.expert_bytes = [expert_bytes] * len(shape.layers)
+    return shape
