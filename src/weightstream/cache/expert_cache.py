@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightstream.cache.policy import Key, access_layer, make_policy
+from weightstream.cache.policies import make_policy
+from weightstream.cache.policy import Key, access_layer
 from weightstream.cache.sizes import format_bytes
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import AlignedArena, aligned_bytes, region_bytes
@@ -69,6 +70,18 @@ class ExpertCache:
     @property
     def memory_bytes(self) -> int:
         return self.arena.nbytes
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    @property
+    def io_threads(self) -> int:
+        return self.reader.threads
+
+    @property
+    def direct_io(self) -> bool:
+        return not self.reader.buffered_fallback
 
     def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
         """Look up a layer's experts (in order); queue reads for misses, gate projection first."""

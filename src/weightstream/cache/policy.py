@@ -83,13 +83,6 @@ def unique_in_order(experts: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(int(e) for e in experts))
 
 
-def make_policy(name: str, capacity: int, working_set_slots: int | None = None, **options):
-    """A runtime policy by name."""
-    if name == "lru":
-        return LRUPolicy(capacity)
-    raise ValueError(f"unknown cache policy {name!r}")
-
-
 def split_waves(experts: Sequence[int], capacity: int) -> list[list[int]]:
     """Split one layer's lookups (in order) into waves of at most `capacity` distinct experts.
 

@@ -15,6 +15,9 @@ def add_engine_options(p) -> None:
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="dedicated I/O threads (default 4)")
     p.add_argument("--policy", default="lru", help="cache policy (default lru)")
     p.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT (for comparison)")
+    p.add_argument("--expert-source", default="direct", choices=("direct", "mmap"),
+                   help="direct: the expert cache (default); mmap: experts through the page cache, no cache of "
+                        "our own (the baseline llama.cpp and safetensors users get)")
 
 
 def register(sub) -> None:
@@ -59,7 +62,8 @@ def run(args) -> int:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if args.prompt is not None else parse_prompt_ids(args.prompt_ids)
-    model = load_streaming_model(model_dir, args.expert_cache, args.io_threads, args.policy, direct=not args.no_direct)
+    model = load_streaming_model(model_dir, args.expert_cache, args.io_threads, args.policy, direct=not args.no_direct,
+                                 expert_source=args.expert_source)
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")

@@ -74,7 +74,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs)
 
 def _snapshot(runtime) -> _Snapshot:
     s = runtime.cache.stats
-    return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.reader.bytes_read, runtime.counters.io_wait_s,
+    return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.bytes_read, runtime.counters.io_wait_s,
                      s.expert_bytes_missed)
 
 
@@ -96,5 +96,5 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         bytes_read_per_token=(last.bytes_read - first.bytes_read) / decode_tokens if decode_tokens else 0.0,
         io_wait_s=last.io_wait_s - start.io_wait_s,
         expert_cache_bytes=cache.memory_bytes, expert_cache_slots=cache.n_slots,
-        working_set_bytes=cache.layout.working_set_bytes, io_threads=cache.reader.threads,
-        direct_io=not cache.reader.buffered_fallback, layer_misses=dict(cache.stats.layer_misses))
+        working_set_bytes=cache.layout.working_set_bytes, io_threads=cache.io_threads,
+        direct_io=cache.direct_io, layer_misses=dict(cache.stats.layer_misses))

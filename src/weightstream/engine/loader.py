@@ -13,22 +13,27 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_size
 from weightstream.engine import experts as ws_experts
+from weightstream.engine.mmap_source import MmapExpertSource
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
 from weightstream.store.layout import build_layout, experts_modules, streamable_modules
 
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+EXPERT_SOURCES = ("direct", "mmap")
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 
 
 def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_threads: int = 4,
                          policy: str = "lru", chunk_bytes: int | None = None, direct: bool = True,
-                         policy_options: dict | None = None):
+                         policy_options: dict | None = None, expert_source: str = "direct"):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
+    `expert_source="mmap"` is the page-cache baseline instead: experts through mmap, no cache of our own.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
+    if expert_source not in EXPERT_SOURCES:
+        raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
     ckpt = open_checkpoint(model_dir)
     config = _load_config(model_dir)
     ws_experts.register()
@@ -38,9 +43,12 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
     streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir))
     _load_dense(model, layout.dense, model_dir)
-    budget = parse_size(expert_cache, layout.working_set_bytes, "expert cache")
-    cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
-                        direct=direct, policy_options=policy_options)
+    if expert_source == "mmap":
+        cache = MmapExpertSource(layout)
+    else:
+        budget = parse_size(expert_cache, layout.working_set_bytes, "expert cache")
+        cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
+                            direct=direct, policy_options=policy_options)
     runtime = StreamingRuntime(cache, layout)
     for path, module in experts_modules(model).items():
         module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]

@@ -25,15 +25,15 @@ class StreamingRuntime:
     def __init__(self, cache: ExpertCache, layout: ModelLayout):
         self.cache, self.layout = cache, layout
         self.counters = EngineCounters()
-        # (layer, top_k_index) -> replacement top_k_index: replays recorded routing instead of the router's own
-        self.routing_override: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        # (layer, top_k_index, top_k_weights) -> (index, weights): replays recorded routing instead of the router's
+        self.routing_override: Callable | None = None
         # (layer, top_k_index, top_k_weights) -> None: records routing
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         layer = module._ws_layer
         if self.routing_override is not None:
-            top_k_index = self.routing_override(layer, top_k_index)
+            top_k_index, top_k_weights = self.routing_override(layer, top_k_index, top_k_weights)
         if self.routing_observer is not None:
             self.routing_observer(layer, top_k_index, top_k_weights)
         self.counters.expert_calls += 1
