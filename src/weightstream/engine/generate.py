@@ -72,6 +72,17 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs)
     return new, _stats(runtime, input_ids.shape[1], new.shape[1], start, clock.marks)
 
 
+def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float, float, int]:
+    """Greedy generation with any transformers model: (new ids, prefill s, decode s, decode steps)."""
+    clock = _StepClock(time.perf_counter)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             stopping_criteria=StoppingCriteriaList([clock]))
+    marks = clock.marks
+    return out[0, input_ids.shape[1]:].tolist(), marks[0] - start, marks[-1] - marks[0], len(marks) - 1
+
+
 def _snapshot(runtime) -> _Snapshot:
     s = runtime.cache.stats
     return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.bytes_read, runtime.counters.io_wait_s,
