@@ -81,3 +81,22 @@ def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | 
 def unique_in_order(experts: Sequence[int]) -> list[int]:
     """Experts in first-use order without repeats (a prefill step lists an expert once per token)."""
     return list(dict.fromkeys(int(e) for e in experts))
+
+
+def split_waves(experts: Sequence[int], capacity: int) -> list[list[int]]:
+    """Split one layer's lookups (in order) into waves of at most `capacity` distinct experts.
+
+    A decode step is one wave. A batched prefill step can route to more experts than the cache holds;
+    each wave is looked up, computed and unpinned before the next, so the runtime and the simulator
+    agree on what is pinned when.
+    """
+    waves: list[list[int]] = [[]]
+    distinct: set[int] = set()
+    for e in experts:
+        e = int(e)
+        if e not in distinct and len(distinct) == capacity:
+            waves.append([])
+            distinct = set()
+        distinct.add(e)
+        waves[-1].append(e)
+    return [w for w in waves if w]

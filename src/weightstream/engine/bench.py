@@ -1,0 +1,163 @@
+"""`weightstream bench`: each configuration in its own process inside a memory cgroup, cold page cache,
+device read counters before and after, tokens compared with a reference, and a fitted cost model."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from weightstream.errors import WeightstreamError
+from weightstream.io.memlimit import MemoryCgroup, block_device_of, device_bytes_read, drop_from_page_cache
+from weightstream.sim.cost_model import fit_cost_model
+from weightstream.store.checkpoint import open_checkpoint
+
+MODES = ("direct", "page-cache", "accelerate")
+MIB = 2**20
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    model_dir: str
+    memory_limit: int
+    expert_caches: list[str]
+    modes: list[str]
+    prompts: list[list[int]]
+    max_new_tokens: int = 32
+    routing_trace: str | None = None
+    io_threads: int = 4
+    compute_threads: int | None = None
+    chunk_bytes: int | None = None
+    reference: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def run_child(cfg: dict, cgroup: MemoryCgroup | None) -> tuple[dict | None, str, int]:
+    args = [sys.executable, "-m", "weightstream.engine.bench_child"]
+    kwargs = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cgroup.popen(args, **kwargs) if cgroup else subprocess.Popen(args, **kwargs)
+    out, err = proc.communicate(json.dumps(cfg))
+    if proc.returncode != 0:
+        return None, err, proc.returncode
+    return json.loads(out.strip().splitlines()[-1]), err, 0
+
+
+def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device: str) -> dict:
+    """One configuration: cold cache, own cgroup, device bytes before and after."""
+    cfg = child_config(config, mode, cache)
+    if mode == "accelerate" and config.routing_trace:
+        return {"mode": mode, "error": "routing replay is not available for accelerate's offload (its experts "
+                                        "run transformers' own code with the model's router); run without --routing-trace"}
+    dropped_globally = drop_from_page_cache(files)
+    before = device_bytes_read(device)
+    group = MemoryCgroup.create(config.memory_limit, name=f"ws-bench-{mode}")
+    start = time.perf_counter()
+    try:
+        result, err, rc = run_child(cfg, group)
+        peak = group.peak_bytes()
+    finally:
+        group.remove()
+        shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
+    after = device_bytes_read(device)
+    run = {"mode": mode, "expert_cache": cache if mode == "direct" else None, "wall_s": time.perf_counter() - start,
+           "cgroup_peak_bytes": peak, "page_cache_dropped_globally": dropped_globally}
+    if result is None:
+        reason = "killed by the memory limit (out of memory)" if rc in (-9, 137) else f"exit {rc}"
+        return {**run, "error": f"{reason}: {err.strip().splitlines()[-1] if err.strip() else ''}"}
+    return {**run, **summarize(result, None if before is None or after is None else after - before)}
+
+
+def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
+    return {"mode": mode, "model_dir": config.model_dir, "expert_cache": cache, "io_threads": config.io_threads,
+            "compute_threads": config.compute_threads, "chunk_bytes": config.chunk_bytes,
+            "routing_trace": config.routing_trace, "prompts": config.prompts, "max_new_tokens": config.max_new_tokens,
+            "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
+                                        f".ws-offload-{os.getpid()}-{mode}")}
+
+
+def summarize(result: dict, device_bytes: int | None) -> dict:
+    prompts = result["prompts"]
+    decode_s = sum(p["decode_s"] for p in prompts)
+    steps = sum(p.get("decode_steps", p.get("generated_tokens", 1) - 1) for p in prompts)
+    tokens = sum(len(p["token_ids"]) for p in prompts)
+    out = {"decode_tokens_per_s": steps / decode_s if decode_s else 0.0,
+           "prefill_s": sum(p["prefill_s"] for p in prompts) / len(prompts),
+           "device_bytes_read": device_bytes,
+           "bytes_read_per_token": device_bytes / tokens if device_bytes is not None else None,
+           "peak_rss_bytes": result["peak_rss_bytes"], "load_s": result["load_s"],
+           "token_ids": [p["token_ids"] for p in prompts]}
+    if "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]:  # direct: the page cache has no hit count
+        hits, misses = sum(p["expert_hits"] for p in prompts), sum(p["expert_misses"] for p in prompts)
+        out.update(expert_hit_rate=hits / (hits + misses) if hits + misses else None,
+                   engine_bytes_read=sum(p["bytes_read"] for p in prompts),
+                   io_wait_s=sum(p["io_wait_s"] for p in prompts), expert_cache_bytes=result["expert_cache_bytes"],
+                   per_prompt=[{"decode_s_per_token": p["decode_s"] / max(p["generated_tokens"] - 1, 1),
+                                "mib_read_per_token": p["bytes_read_per_token"] / MIB} for p in prompts])
+    else:
+        out["expert_hit_rate"] = None
+    return out
+
+
+def reference_tokens(config: BenchConfig, model_bytes: int) -> tuple[list | None, str]:
+    """Tokens of transformers fully in memory without the limit, when the machine can hold the model."""
+    if config.routing_trace:
+        return None, "routing replayed from a trace: tokens are not compared"
+    if psutil.virtual_memory().available < 1.3 * model_bytes or not config.reference:
+        return None, "first-mode"
+    result, err, rc = run_child(child_config(config, "in-memory", ""), None)
+    if result is None:
+        return None, f"first-mode (in-memory reference failed: exit {rc})"
+    return [p["token_ids"] for p in result["prompts"]], "transformers in memory, no limit"
+
+
+def run_bench(config: BenchConfig, progress=lambda msg: None) -> dict:
+    ckpt = open_checkpoint(config.model_dir)
+    for mode in config.modes:
+        if mode not in MODES:
+            raise WeightstreamError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    device = block_device_of(config.model_dir)
+    progress("reference: transformers in memory")
+    reference, reference_kind = reference_tokens(config, ckpt.total_bytes())
+    runs = []
+    for mode in config.modes:
+        for cache in (config.expert_caches if mode == "direct" else [None]):
+            progress(f"{mode}{' ' + cache if cache else ''}")
+            runs.append(measure(config, mode, cache or config.expert_caches[0], ckpt.files, device))
+    compare_tokens(runs, reference, reference_kind)
+    return {"machine": machine_info(device), "model": config.model_dir, "model_bytes": ckpt.total_bytes(),
+            "memory_limit_bytes": config.memory_limit, "routing": routing_label(config),
+            "reference": reference_kind, "runs": runs, "cost_model": cost_model(runs)}
+
+
+def compare_tokens(runs: list[dict], reference, kind: str) -> None:
+    ok = [r for r in runs if "token_ids" in r]
+    if reference is None and kind.startswith("first-mode") and ok:
+        reference = ok[0]["token_ids"]
+    for r in runs:
+        r["token_ids_equal_to_reference"] = (r.get("token_ids") == reference) if reference and "token_ids" in r else None
+
+
+def cost_model(runs: list[dict]) -> dict:
+    points = [p for r in runs if r.get("mode") == "direct" for p in r.get("per_prompt", [])]
+    model = fit_cost_model([p["mib_read_per_token"] for p in points], [p["decode_s_per_token"] for p in points])
+    if model is None:
+        return {"error": "needs direct runs with different read volumes: pass several --expert-cache sizes"}
+    return model.to_dict()
+
+
+def routing_label(config: BenchConfig) -> str:
+    return f"replay of {config.routing_trace}" if config.routing_trace else "the model's own router"
+
+
+def machine_info(device: str) -> dict:
+    model_path = os.path.join(device, "device", "model")
+    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "kernel": platform.release(),
+            "python": platform.python_version(), "block_device": os.path.realpath(device),
+            "disk_model": open(model_path).read().strip() if os.path.exists(model_path) else None}

@@ -1,0 +1,111 @@
+"""Greedy generation with the measurements weightstream reports: prefill time, decode speed, hits, bytes read."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """What one generate call measured; `bytes_read` counts bytes the reader fetched from the device."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    expert_hit_rate: float = 0.0
+    decode_expert_hit_rate: float = 0.0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    bytes_read: int = 0
+    expert_bytes_missed: int = 0
+    prefill_bytes_read: int = 0
+    bytes_read_per_token: float = 0.0
+    io_wait_s: float = 0.0
+    expert_cache_bytes: int = 0
+    expert_cache_slots: int = 0
+    working_set_bytes: int = 0
+    io_threads: int = 0
+    direct_io: bool = True
+    layer_misses: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    t: float
+    hits: int
+    misses: int
+    bytes_read: int
+    io_wait_s: float
+    expert_bytes_missed: int
+
+
+class _StepClock(StoppingCriteria):
+    """Called once after every forward step: the first call marks the end of prefill."""
+
+    def __init__(self, snap):
+        self.snap, self.marks = snap, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.marks.append(self.snap())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> tuple[torch.Tensor, GenerationStats]:
+    """Greedy by default; returns (generated ids only, stats of this call)."""
+    runtime = model.weightstream
+    snap = lambda: _snapshot(runtime)  # noqa: E731
+    clock = _StepClock(snap)
+    start = snap()
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=kwargs.pop("do_sample", False),
+                             stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    new = out[:, input_ids.shape[1]:]
+    return new, _stats(runtime, input_ids.shape[1], new.shape[1], start, clock.marks)
+
+
+def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float, float, int]:
+    """Greedy generation with any transformers model: (new ids, prefill s, decode s, decode steps)."""
+    clock = _StepClock(time.perf_counter)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             stopping_criteria=StoppingCriteriaList([clock]))
+    marks = clock.marks
+    return out[0, input_ids.shape[1]:].tolist(), marks[0] - start, marks[-1] - marks[0], len(marks) - 1
+
+
+def _snapshot(runtime) -> _Snapshot:
+    s = runtime.cache.stats
+    return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.bytes_read, runtime.counters.io_wait_s,
+                     s.expert_bytes_missed)
+
+
+def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks: list[_Snapshot]) -> GenerationStats:
+    cache = runtime.cache
+    first, last = marks[0], marks[-1]
+    decode_tokens = len(marks) - 1
+    decode_lookups = (last.hits - first.hits) + (last.misses - first.misses)
+    hits, misses = last.hits - start.hits, last.misses - start.misses
+    return GenerationStats(
+        prompt_tokens=prompt_tokens, generated_tokens=generated,
+        prefill_s=first.t - start.t, decode_s=last.t - first.t,
+        decode_tokens_per_s=decode_tokens / (last.t - first.t) if decode_tokens else 0.0,
+        expert_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        decode_expert_hit_rate=(last.hits - first.hits) / decode_lookups if decode_lookups else 0.0,
+        expert_hits=hits, expert_misses=misses,
+        bytes_read=last.bytes_read - start.bytes_read,
+        expert_bytes_missed=last.expert_bytes_missed - start.expert_bytes_missed, prefill_bytes_read=first.bytes_read - start.bytes_read,
+        bytes_read_per_token=(last.bytes_read - first.bytes_read) / decode_tokens if decode_tokens else 0.0,
+        io_wait_s=last.io_wait_s - start.io_wait_s,
+        expert_cache_bytes=cache.memory_bytes, expert_cache_slots=cache.n_slots,
+        working_set_bytes=cache.layout.working_set_bytes, io_threads=cache.io_threads,
+        direct_io=cache.direct_io, layer_misses=dict(cache.stats.layer_misses))

@@ -1,0 +1,157 @@
+"""Build a transformers model whose experts stay on disk: dense weights in memory, experts through the cache."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from weightstream.cache.expert_cache import ExpertCache
+from weightstream.cache.sizes import parse_size
+from weightstream.engine import experts as ws_experts
+from weightstream.engine.mmap_source import MmapExpertSource
+from weightstream.engine.runtime import StreamingRuntime
+from weightstream.errors import WeightstreamError
+from weightstream.store.checkpoint import Checkpoint, open_checkpoint
+from weightstream.store.layout import build_layout, experts_modules, streamable_modules
+
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+EXPERT_SOURCES = ("direct", "mmap")
+_TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
+
+
+def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_threads: int = 4,
+                         policy: str = "lru", chunk_bytes: int | None = None, direct: bool = True,
+                         policy_options: dict | None = None, expert_source: str = "direct"):
+    """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
+
+    `expert_source="mmap"` is the page-cache baseline instead: experts through mmap, no cache of our own.
+    The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
+    """
+    if expert_source not in EXPERT_SOURCES:
+        raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
+    ckpt = open_checkpoint(model_dir)
+    config = _load_config(model_dir)
+    ws_experts.register()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(ckpt),
+                                                 experts_implementation=ws_experts.IMPLEMENTATION)
+    streamable_modules(model, model_dir)
+    layout = build_layout(model, ckpt, top_k_of(config, model_dir))
+    _load_dense(model, layout.dense, model_dir)
+    if expert_source == "mmap":
+        cache = MmapExpertSource(layout)
+    else:
+        budget = parse_size(expert_cache, layout.working_set_bytes, "expert cache")
+        cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
+                            direct=direct, policy_options=policy_options)
+    runtime = StreamingRuntime(cache, layout)
+    for path, module in experts_modules(model).items():
+        module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
+    model.weightstream = runtime
+    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval()
+
+
+def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    """The dtype most of the checkpoint's bytes are in; the model is built in it so bytes are used as they are."""
+    counts = Counter()
+    for t in ckpt.tensors.values():
+        counts[t.dtype] += t.nbytes
+    dtype = counts.most_common(1)[0][0]
+    if dtype not in _TORCH_DTYPES:
+        raise WeightstreamError(f"{ckpt.model_dir}: weights are mostly {dtype}; weightstream streams "
+                                f"{', '.join(_TORCH_DTYPES)} checkpoints (quantized formats are not supported yet)")
+    return _TORCH_DTYPES[dtype]
+
+
+def top_k_of(config, model_dir: str) -> int:
+    for name in _TOP_K_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise WeightstreamError(f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
+                            "is this a Mixture-of-Experts model?")
+
+
+def _load_config(model_dir: str):
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise WeightstreamError(f"{model_dir}/config.json: transformers cannot read it ({exc})") from exc
+
+
+def _load_dense(model, dense: dict, model_dir: str) -> None:
+    """Load every non-expert tensor into memory, tie weights, and compute buffers the checkpoint lacks."""
+    state = {}
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for target, info in dense.items():
+        by_file.setdefault(info.path, []).append((target, info.name))
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for target, name in keys:
+                state[target] = f.get_tensor(name)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    _init_buffers(model)
+    expert_params = {f"{p}.{n}" for p, m in experts_modules(model).items() for n, _ in m.named_parameters(recurse=False)}
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n not in expert_params]
+    if missing:
+        raise WeightstreamError(f"{model_dir}: checkpoint lacks dense tensor(s) {', '.join(missing[:5])}"
+                                f"{' ...' if len(missing) > 5 else ''}; the files do not match config.json")
+
+
+def _init_buffers(model) -> None:
+    """Non-persistent buffers (rotary frequencies) are computed by the model's own initialiser, as transformers does."""
+    owners = set()
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            owner._buffers[attr] = torch.empty_like(buf, device="cpu")
+            owners.add(owner)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        tensor._is_hf_initialized = True
+    for module in model.modules():
+        module._is_hf_initialized = module not in owners
+    for owner in owners:
+        for buf in owner.buffers(recurse=False):
+            buf._is_hf_initialized = False
+    model.initialize_weights()
+    still = [n for n, b in model.named_buffers() if b.is_meta]
+    if still:
+        raise WeightstreamError(f"buffers {still} could not be initialised for {model.config.model_type}")
+
+
+def resolve_model(name: str) -> str:
+    """A local directory as is; otherwise a Hugging Face model id, downloaded (config, tokenizer, safetensors)."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
+        raise WeightstreamError(f"{name}: not a model directory; pass a directory with config.json and "
+                                "*.safetensors (make one with `weightstream synth`) or a Hugging Face id org/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as exc:  # offline, unknown id, gated model: one clear line
+        raise WeightstreamError(f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
+                                f"{exc}); pass a local model directory instead") from exc
+
+
+def load_tokenizer(model_dir: str, required: bool):
+    """The checkpoint's tokenizer, or None when it has none and none is needed."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        if required:
+            raise WeightstreamError(f"{model_dir}: no usable tokenizer ({exc}); pass --prompt-ids instead of "
+                                    "--prompt") from exc
+        return None

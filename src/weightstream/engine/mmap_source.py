@@ -1,0 +1,63 @@
+"""The page-cache baseline: expert bytes reached through mmap of the checkpoint, as llama.cpp and safetensors do.
+
+No expert cache of our own and no reads of our own: the kernel faults pages in on first touch and keeps or
+drops them as memory allows. Same engine, same exact arithmetic, so tokens equal the direct path's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+
+import torch
+
+from weightstream.cache.expert_cache import CacheStats, LayerFetch
+from weightstream.store.layout import ExpertParam, ModelLayout
+
+
+class MmapExpertSource:
+    """Serves expert parameters as views of mmapped checkpoint files (a copy only where gate and up are apart)."""
+
+    io_threads = 0
+    direct_io = False
+    bytes_read = 0  # unknown to us: the page cache reads; `weightstream bench` reads the device's counters
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        self.stats = CacheStats()
+        self.n_slots = len(layout.experts)
+        self.budget_bytes = self.memory_bytes = 0
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        for path in sorted({p.path for e in layout.experts.values() for p in e.pieces}):
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+
+    def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
+        resident = list(dict.fromkeys(experts))
+        self.stats.hits += len(experts)
+        return LayerFetch(layer, resident, [], queue.SimpleQueue())
+
+    def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {p.name: self._tensor(p) for p in self.layout.experts[(layer, expert)].params}
+
+    def wait(self, fetch: LayerFetch) -> int:
+        raise AssertionError("the mmap source has no pending reads")
+
+    def close(self) -> None:
+        self._maps.clear()  # tensors still in use keep their mapping alive
+
+    def _tensor(self, param: ExpertParam) -> torch.Tensor:
+        first = param.pieces[0]
+        contiguous = all(p.path == first.path and p.offset == first.offset + sum(q.nbytes for q in param.pieces[:i])
+                         for i, p in enumerate(param.pieces))
+        if contiguous:
+            raw = self._maps[first.path][1][first.offset:first.offset + param.nbytes]
+        else:  # e.g. Mixtral's w1 and w3 are apart on disk: the model's gate_up layout needs one copy
+            raw = torch.cat([self._maps[p.path][1][p.offset:p.offset + p.nbytes] for p in param.pieces])
+        return raw.view(param.dtype).view(param.shape)
+
+
+def file_sizes(layout: ModelLayout) -> dict[str, int]:
+    return {path: os.path.getsize(path) for path in {p.path for e in layout.experts.values() for p in e.pieces}}

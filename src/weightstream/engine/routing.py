@@ -1,0 +1,109 @@
+"""Record the router's choices of a running model into a trace, and replay a recorded trace instead of the router."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from weightstream.errors import WeightstreamError
+from weightstream.store.layout import ModelLayout
+from weightstream.trace import ModelShape, Trace, TraceWriter
+
+
+def layout_shape(layout: ModelLayout, name: str) -> ModelShape:
+    """The trace shape of a streamed model: its routed layers, experts, top-k and expert bytes."""
+    layers = layout.layers
+    n_experts = {layout.num_experts[layer] for layer in layers}
+    if len(n_experts) != 1:
+        raise WeightstreamError(f"{name}: layers have different expert counts {sorted(n_experts)}; traces need one")
+    sizes = [max(layout.experts[(layer, e)].nbytes for e in range(layout.num_experts[layer])) for layer in layers]
+    return ModelShape(name, layers, n_experts.pop(), layout.top_k, sizes)
+
+
+class RoutingRecorder:
+    """Observer for StreamingRuntime: one trace step per forward pass, prefill first then decode."""
+
+    def __init__(self, layout: ModelLayout, name: str):
+        self.writer = TraceWriter(layout_shape(layout, name), source=name)
+        self.first_layer = layout.layers[0]
+        self.request: str = "0"
+        self._started: set[str] = set()
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        if layer == self.first_layer:
+            phase = "decode" if self.request in self._started else "prefill"
+            self._started.add(self.request)
+            self.writer.begin_step(self.request, phase, n_tokens=top_k_index.shape[0])
+        self.writer.add(layer, top_k_index.reshape(-1).tolist(), top_k_weights.reshape(-1).float().tolist())
+
+    def finish(self) -> Trace:
+        return self.writer.finish()
+
+
+def per_token_choices(trace: Trace) -> np.ndarray:
+    """[tokens, routed layers, top_k] expert ids in replay order (a batched step contributes one row per token)."""
+    k, layers = trace.shape.top_k, list(trace.shape.layers)
+    out = np.full((trace.n_tokens, len(layers), k), -1, dtype=np.int64)
+    token = 0
+    for step in range(trace.n_steps):
+        n = int(trace.step_tokens[step])
+        for g in range(int(trace.step_groups[step]), int(trace.step_groups[step + 1])):
+            chosen = trace.experts[trace.group_offsets[g]:trace.group_offsets[g + 1]]
+            out[token:token + n, layers.index(int(trace.group_layer[g]))] = chosen.reshape(n, k)
+        token += n
+    return out
+
+
+class RoutingReplay:
+    """Routing override: the router's top-k is replaced, token by token, by a recorded trace's choices.
+
+    Model routed layer i replays trace routed layer i (wrapping when the model has more layers than the trace);
+    the trace is replayed from its first token and wraps at its end. Weights become uniform over the replayed
+    choices: replay reproduces reads and compute, not text, so tokens are not compared in this mode.
+    """
+
+    def __init__(self, trace: Trace, layout: ModelLayout):
+        n_model = min(layout.num_experts.values())
+        if trace.shape.n_experts > n_model:
+            raise WeightstreamError(f"routing trace {trace.shape.name!r} has {trace.shape.n_experts} experts per "
+                                    f"layer; this model has {n_model}; replay it on a model with at least as many")
+        self.choices = per_token_choices(trace)
+        self.layer_pos = {layer: i % self.choices.shape[1] for i, layer in enumerate(layout.layers)}
+        self.first_layer = layout.layers[0]
+        self.cursor, self._last_tokens = 0, 0
+        self.name = trace.shape.name
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        tokens = top_k_index.shape[0]
+        if layer == self.first_layer:
+            self.cursor += self._last_tokens
+            self._last_tokens = tokens
+        rows = (self.cursor + np.arange(tokens)) % len(self.choices)
+        chosen = torch.from_numpy(self.choices[rows, self.layer_pos[layer]])  # (T, k')
+        if (chosen < 0).any():
+            raise WeightstreamError(f"routing trace {self.name!r} has no choice for some token at layer "
+                                    f"{self.layer_pos[layer]}")
+        weights = torch.full(chosen.shape, 1.0 / chosen.shape[1], dtype=top_k_weights.dtype)
+        return chosen.to(top_k_index.dtype), weights
+
+
+def record_trace(model_dir: str, prompts: list[str], max_new_tokens: int, out_path: str,
+                 expert_cache: str = "4x", io_threads: int = 4) -> Trace:
+    """Greedy generation over real prompts with the streaming engine, recording prefill and decode routing."""
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_streaming_model, load_tokenizer
+    from weightstream.trace import save
+
+    tokenizer = load_tokenizer(model_dir, required=True)
+    model = load_streaming_model(model_dir, expert_cache=expert_cache, io_threads=io_threads)
+    recorder = RoutingRecorder(model.weightstream.layout, name=model.config.model_type)
+    model.weightstream.routing_observer = recorder
+    try:
+        for i, prompt in enumerate(prompts):
+            recorder.request = f"prompt-{i}"
+            generate(model, torch.tensor([tokenizer(prompt).input_ids]), max(max_new_tokens, 1))
+    finally:
+        model.weightstream.close()
+    trace = recorder.finish()
+    save(trace, out_path)
+    return trace

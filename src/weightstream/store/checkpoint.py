@@ -1,0 +1,76 @@
+"""A model directory: config.json plus one or many safetensors shards, indexed tensor by tensor."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from weightstream.errors import WeightstreamError
+from weightstream.store.safetensors_index import TensorInfo, read_safetensors_header
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """Every tensor of a checkpoint directory, by name."""
+
+    model_dir: str
+    config: dict
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({t.path for t in self.tensors.values()})
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_checkpoint(model_dir: str) -> Checkpoint:
+    """Index a model directory; raise WeightstreamError naming what is missing or malformed."""
+    if not os.path.isdir(model_dir):
+        raise WeightstreamError(f"{model_dir}: not a directory; pass a model directory holding config.json and "
+                                "*.safetensors (for example one written by `weightstream synth`)")
+    config = _read_json(os.path.join(model_dir, "config.json"), "config.json")
+    ckpt = Checkpoint(model_dir, config)
+    for path in _shard_paths(model_dir):
+        for name, info in read_safetensors_header(path).items():
+            if name in ckpt.tensors:
+                raise WeightstreamError(f"{model_dir}: tensor {name!r} appears in both "
+                                        f"{ckpt.tensors[name].path} and {path}; the checkpoint is inconsistent")
+            ckpt.tensors[name] = info
+    return ckpt
+
+
+def _shard_paths(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, INDEX_NAME)
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path, INDEX_NAME).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightstreamError(f"{index_path}: no weight_map; the index is corrupt")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.exists(os.path.join(model_dir, s))]
+        if missing:
+            raise WeightstreamError(f"{index_path}: names shard(s) {', '.join(missing)} that are missing from "
+                                    f"{model_dir}; download or copy the missing files")
+        return [os.path.join(model_dir, s) for s in shards]
+    paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not paths:
+        raise WeightstreamError(f"{model_dir}: no *.safetensors files; weightstream reads safetensors checkpoints only")
+    return paths
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise WeightstreamError(f"{path}: missing {what}; a model directory needs it") from exc
+    except json.JSONDecodeError as exc:
+        raise WeightstreamError(f"{path}: {what} is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise WeightstreamError(f"{path}: {what} is not a JSON object")
+    return data

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+from weightstream.store.presets import preset_config
+from weightstream.store.synth import synthesize
+
+SLOW = os.environ.get("WEIGHTSTREAM_SLOW") == "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, dtype='fp32') -> directory of a synthetic checkpoint, built once per session."""
+    built = {}
+
+    def make(arch: str = "qwen3_moe", dtype: str = "fp32", **overrides) -> str:
+        key = (arch, dtype, tuple(sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{arch}-{dtype}") / "model"
+            synthesize(str(out), {**preset_config("tiny", arch), **overrides}, dtype=dtype, seed=1)
+            built[key] = str(out)
+        return built[key]
+
+    return make

@@ -1,0 +1,45 @@
+"""Child process for memory and I/O tests: load, generate, print JSON with RSS and /proc/self/io figures."""
+
+import json
+import sys
+
+import psutil
+import torch
+import transformers  # noqa: F401  (imported before the baseline so its size is not counted as engine memory)
+
+
+def peak_rss() -> int:
+    """VmHWM: this process's own high-water mark (ru_maxrss would carry the parent's across fork+exec)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def io_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def main(model_dir: str, cache: str, threads: int, tokens: int) -> None:
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_streaming_model
+
+    baseline = psutil.Process().memory_info().rss
+    model = load_streaming_model(model_dir, expert_cache=cache, io_threads=threads)
+    generate(model, torch.tensor([[1, 2]]), 2)  # warm-up: lazy imports read files too; keep them out of the count
+    before = io_read_bytes()
+    _, stats = generate(model, torch.tensor([[5, 6, 7, 8]]), tokens)
+    after = io_read_bytes()
+    layout = model.weightstream.layout
+    print(json.dumps({
+        "baseline_rss": baseline, "peak_rss": peak_rss(),
+        "dense_bytes": sum(t.nbytes for t in layout.dense.values()), "expert_total": layout.expert_bytes_total(),
+        "cache_bytes": model.weightstream.cache.memory_bytes, "budget": model.weightstream.cache.budget_bytes,
+        "proc_read_bytes": after - before, "stats": stats.to_dict(),
+        "aligned_bytes_missed": model.weightstream.cache.stats.aligned_bytes_missed,
+        "expert_nbytes": sorted({e.nbytes for e in layout.experts.values()}),
+    }))
+    model.weightstream.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,86 @@
+"""The O_DIRECT reader returns exactly the bytes a plain pread returns, at awkward sizes and offsets."""
+
+import os
+import threading
+
+import pytest
+
+from weightstream.errors import WeightstreamError
+from weightstream.io.aligned import AlignedArena, region_bytes, round_up
+from weightstream.io.reader import DirectReader, ReadRequest
+
+PRIME_NEAR_4_4MB = 4_400_009
+CASES = [(0, 1), (0, 4095), (0, 4096), (0, 4097), (1, 4095), (4095, 2), (4097, 4096), (123, PRIME_NEAR_4_4MB),
+         (8192, 3 * 128 * 1024 + 17), (4_406_400, 4_406_400)]  # gpt-oss-20b's expert tensor size
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reader") / "blob.bin"
+    path.write_bytes(os.urandom(16 * 1024 * 1024 + 333))
+    return str(path)
+
+
+def read_all(path, requests, threads, direct=True, chunk=128 * 1024):
+    arena = AlignedArena(round_up(sum(region_bytes(n) for _, n in requests)))
+    reader = DirectReader(arena, threads=threads, chunk_bytes=chunk, direct=direct)
+    done, errors, dest, placed = threading.Event(), [], 0, []
+    batch = []
+    for offset, n in requests:
+        batch.append(ReadRequest(path, offset, n, dest))
+        placed.append(dest + offset % 4096)
+        dest += region_bytes(n)
+    reader.submit(batch, lambda err: (errors.append(err), done.set()))
+    assert done.wait(30)
+    reader.close()
+    assert errors == [None]
+    return [bytes(arena.view[p:p + n]) for p, (_, n) in zip(placed, requests)], reader
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("direct", [True, False])
+def test_bytes_equal_pread(data_file, threads, direct):
+    got, reader = read_all(data_file, CASES, threads, direct)
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        for (offset, n), data in zip(CASES, got):
+            assert data == os.pread(fd, n, offset), (offset, n)
+    finally:
+        os.close(fd)
+    assert reader.buffered_fallback is False
+
+
+def test_neighbouring_regions_untouched(data_file):
+    """A read's last aligned page must not spill into the next tensor's slot region (the 'GGGG' bug)."""
+    requests = [(4_406_400 * i + 1, 4_406_400) for i in range(3)]
+    got, _ = read_all(data_file, requests, threads=4)
+    fd = os.open(data_file, os.O_RDONLY)
+    assert [g == os.pread(fd, n, o) for g, (o, n) in zip(got, requests)] == [True, True, True]
+    os.close(fd)
+
+
+def test_tail_of_file(data_file):
+    size = os.path.getsize(data_file)
+    got, reader = read_all(data_file, [(size - 5000, 5000)], threads=2)
+    with open(data_file, "rb") as f:
+        f.seek(size - 5000)
+        assert got[0] == f.read()
+    assert reader.bytes_read == size - (size - 5000) // 4096 * 4096  # aligned start, cut at end of file
+
+
+def test_errors_reach_the_caller(tmp_path):
+    arena = AlignedArena(8192)
+    reader = DirectReader(arena, threads=1)
+    errors, done = [], threading.Event()
+    reader.submit([ReadRequest(str(tmp_path / "missing"), 0, 10, 0)], lambda e: (errors.append(e), done.set()))
+    assert done.wait(10)
+    reader.close()
+    assert isinstance(errors[0], WeightstreamError) and "missing" in str(errors[0])
+
+
+def test_bad_settings():
+    arena = AlignedArena(4096)
+    with pytest.raises(WeightstreamError, match="at least 1"):
+        DirectReader(arena, threads=0)
+    with pytest.raises(WeightstreamError, match="multiple of 4096"):
+        DirectReader(arena, threads=1, chunk_bytes=1000)
