@@ -178,7 +178,7 @@ def pinned_hits(keys, gstart, n_keys, capacity, static):
 
 @njit(cache=True)
 def largest_group(keys, gstart, n_keys):
-    """Most distinct keys any one group (layer of a step) uses: the fewest slots a replay can run with."""
+    """Most distinct keys any one group (layer of a step) uses."""
     group_of = np.full(n_keys, -1, np.int64)
     best = 0
     for g in range(len(gstart) - 1):
@@ -189,3 +189,30 @@ def largest_group(keys, gstart, n_keys):
                 n += 1
         best = max(best, n)
     return best
+
+
+@njit(cache=True)
+def split_groups(keys, gstart, n_keys, capacity):
+    """Group offsets after cutting every group into waves of at most `capacity` distinct keys.
+
+    Same rule as cache.policy.split_waves, which the runtime applies to a batched step's layer: a wave ends
+    where one more distinct key would not fit; each wave is one access_layer call.
+    """
+    out = np.empty(len(keys) + 1, np.int64)
+    wave_of = np.full(n_keys, -1, np.int64)
+    n_out, wave = 0, 0
+    for g in range(len(gstart) - 1):
+        if gstart[g] == gstart[g + 1]:
+            continue
+        out[n_out] = gstart[g]
+        n_out, wave, distinct = n_out + 1, wave + 1, 0
+        for i in range(gstart[g], gstart[g + 1]):
+            k = keys[i]
+            if wave_of[k] != wave:
+                if distinct == capacity:
+                    out[n_out] = i
+                    n_out, wave, distinct = n_out + 1, wave + 1, 0
+                wave_of[k] = wave
+                distinct += 1
+    out[n_out] = len(keys)
+    return out[: n_out + 1].copy()

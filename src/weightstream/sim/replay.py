@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightstream.cache.policies import ByteBudget, make_policy
-from weightstream.cache.policy import access_layer
+from weightstream.cache.policy import access_layer, split_waves
 from weightstream.errors import WeightstreamError
 from weightstream.sim import kernels
 from weightstream.sim.belady import BeladyPolicy
@@ -78,10 +78,9 @@ def _capacity(w: Workload, cache_bytes: int) -> int | None:
                                     f"step needs in this trace; use at least that")
         return None
     slots = cache_bytes // size
-    if slots < w.min_slots:
-        raise WeightstreamError(f"cache of {cache_bytes} bytes holds {slots} expert slot(s) of {size} bytes, below "
-                                f"the {w.min_slots} experts one layer of one step uses; use at least "
-                                f"{w.min_slots * size} bytes")
+    if slots < 1:
+        raise WeightstreamError(f"cache of {cache_bytes} bytes holds no expert slot of {size} bytes; use at least "
+                                f"{size} bytes (one token's working set is {w.trace.shape.working_set_bytes})")
     return slots
 
 
@@ -92,26 +91,27 @@ def _adaptive_inner(w: Workload, cache_bytes: int, slots: int | None, opts: Opti
 
 
 def _pinned_set(w: Workload, slots: int, opts: Options) -> list[tuple[int, int]]:
-    # Keep enough unpinned slots for the largest layer group; the rest hold the training share's favourites.
-    return opts.pinned_keys if opts.pinned_keys is not None else w.pinned_keys(slots - w.min_slots)
+    # Keep enough unpinned slots for the largest wave; the rest hold the training share's favourites.
+    return opts.pinned_keys if opts.pinned_keys is not None else w.pinned_keys(slots - min(slots, w.min_slots))
 
 
 def _fast_hits(w: Workload, name: str, slots: int, cache_bytes: int, opts: Options) -> np.ndarray:
     if name == "adaptive":
         name = _adaptive_inner(w, cache_bytes, slots, opts)
     if name == "lru":
-        return w.lru_distances < slots
+        return w.lru_hits(slots)
+    calls = w.waves(slots)
     if name == "slru":
-        return kernels.slru_hits(w.keys, w.gstart, w.n_keys, slots, int(slots * opts.protected_share))
+        return kernels.slru_hits(w.keys, calls, w.n_keys, slots, int(slots * opts.protected_share))
     if name == "lfu":
-        return lfu_hits(w.keys, w.gstart, w.n_keys, slots)
+        return lfu_hits(w.keys, calls, w.n_keys, slots)
     if name == "belady":
-        return belady_hits(w.keys, w.gstart, w.n_keys, slots, w.next_use)
+        return belady_hits(w.keys, calls, w.n_keys, slots, w.next_use)
     static = np.zeros(w.n_keys, np.uint8)
     layer_pos = {layer: i for i, layer in enumerate(w.trace.shape.layers)}
     for layer, expert in _pinned_set(w, slots, opts):
         static[layer_pos[layer] * w.trace.shape.n_experts + expert] = 1
-    return kernels.pinned_hits(w.keys, w.gstart, w.n_keys, slots, static)
+    return kernels.pinned_hits(w.keys, calls, w.n_keys, slots, static)
 
 
 def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, opts: Options):
@@ -125,7 +125,7 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
     elif name == "pinned":
         keys = opts.pinned_keys
         if keys is None:
-            keys = w.pinned_keys(slots - w.min_slots) if slots is not None else w.pinned_keys(
+            keys = _pinned_set(w, slots, opts) if slots is not None else w.pinned_keys(
                 capacity, byte_limit=cache_bytes - w.min_bytes)
         policy = make_policy("pinned", capacity, pinned_keys=keys)
     elif name == "adaptive" and slots is None:
@@ -141,17 +141,19 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
 
 
 def _reference_misses(w: Workload, policy) -> tuple[int, np.ndarray]:
-    """Replay every group through access_layer in order; count judged hits and misses per layer."""
+    """Replay every group through access_layer in order (in waves when it outgrows the cache, as the runtime does)."""
     t = w.trace
     offsets, layers, experts = t.group_offsets.tolist(), t.group_layer.tolist(), t.experts.tolist()
     layer_pos = {layer: i for i, layer in enumerate(t.shape.layers)}
     misses, hits = np.zeros(len(t.shape.layers), np.int64), 0
+    waves = not isinstance(policy, ByteBudget)  # byte budgets are refused below the largest group instead
     for g in range(len(layers)):
         a, b = offsets[g], offsets[g + 1]
-        out = access_layer(policy, layers[g], experts[a:b])
-        if a >= w.count_from:
-            hits += len(out.hits)
-            misses[layer_pos[layers[g]]] += len(out.misses)
+        for wave in split_waves(experts[a:b], policy.capacity) if waves else [experts[a:b]]:
+            out = access_layer(policy, layers[g], wave)
+            if a >= w.count_from:
+                hits += len(out.hits)
+                misses[layer_pos[layers[g]]] += len(out.misses)
     return hits, misses
 
 

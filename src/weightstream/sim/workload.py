@@ -22,6 +22,7 @@ class Workload:
     count_from: int = field(init=False)        # first judged access
     judged_tokens: int = field(init=False)
     train_requests: int = field(init=False)
+    _waves: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         n_req = len(self.trace.requests)
@@ -47,8 +48,22 @@ class Workload:
 
     @property
     def gstart(self) -> np.ndarray:
-        """Access offset of every layer group (one access_layer call each)."""
+        """Access offset of every layer group (one access_layer call each when it fits the cache)."""
         return self.trace.group_offsets
+
+    def waves(self, slots: int) -> np.ndarray:
+        """Access offsets of the access_layer calls a cache of `slots` makes: groups, cut into waves if too big."""
+        if slots >= self.min_slots:
+            return self.gstart
+        if slots not in self._waves:
+            self._waves[slots] = kernels.split_groups(self.keys, self.gstart, self.n_keys, slots)
+        return self._waves[slots]
+
+    def lru_hits(self, slots: int) -> np.ndarray:
+        """LRU's hit mask at `slots`: one shared stack-distance pass serves every size that needs no waves."""
+        if slots >= self.min_slots:
+            return self.lru_distances < slots
+        return kernels.lru_distances(self.keys, self.waves(slots), self.n_keys) < slots
 
     @cached_property
     def layer_pos(self) -> np.ndarray:
@@ -67,7 +82,7 @@ class Workload:
 
     @cached_property
     def min_slots(self) -> int:
-        """Fewest slots any replay of this trace needs (distinct experts of the largest layer group)."""
+        """Distinct experts of the largest layer group: from this many slots on, no group is served in waves."""
         return int(kernels.largest_group(self.keys, self.gstart, self.n_keys))
 
     @cached_property
