@@ -110,10 +110,17 @@ def belady_hits(keys: np.ndarray, gstart: np.ndarray, n_keys: int, capacity: int
     return _heap_replay(keys, gstart, n_keys, capacity, next_use, True)
 
 
-def next_use(keys: np.ndarray) -> np.ndarray:
-    """Index of each access's next access to the same key, len(keys) when there is none."""
-    order = np.argsort(keys, kind="stable")
-    out = np.full(len(keys), len(keys), np.int64)
-    same = keys[order[1:]] == keys[order[:-1]]
-    out[order[:-1][same]] = order[1:][same]
+@njit(cache=True)
+def _next_use(keys, n_keys):
+    out = np.empty(len(keys), np.int64)
+    upcoming = np.full(n_keys, len(keys), np.int64)
+    for i in range(len(keys) - 1, -1, -1):
+        out[i] = upcoming[keys[i]]
+        upcoming[keys[i]] = i
     return out
+
+
+def next_use(keys: np.ndarray) -> np.ndarray:
+    """Index of each access's next access to the same key, len(keys) when there is none (one backward pass)."""
+    keys = np.ascontiguousarray(keys)
+    return _next_use(keys, int(keys.max()) + 1 if len(keys) else 0)
