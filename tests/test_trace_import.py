@@ -149,3 +149,21 @@ def test_record_calls_the_engine_or_says_what_it_needs(tmp_path, monkeypatch):
     prompts.write_text("\n")
     with pytest.raises(WeightstreamError, match="no prompts"):
         run_record(args)
+
+
+def test_cli_record_with_the_engine_then_simulate(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cache holds experts\nRouting decides which\n")
+    out = tmp_path / "rec.npz"
+    res = _cli("trace", "record", tiny_model("qwen3_moe"), "--prompts", str(prompts), "--max-new-tokens", "4",
+               "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    t = load(out)
+    assert t.requests == ["prompt-0", "prompt-1"]
+    for r in (0, 1):  # one batched prefill step, then one decode step per further token
+        phases = t.step_phase[t.step_request == r].tolist()
+        assert phases[0] == 0 and set(phases[1:]) == {1} and len(phases) >= 2
+        assert t.step_tokens[t.step_request == r][0] > 1
+    sim = _cli("simulate", str(out), "--json", "--train-share", "0", "--sizes", "1x,2x")
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["accesses"] == t.n_accesses
