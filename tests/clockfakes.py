@@ -10,9 +10,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import weightstream
 
 SRC = str(Path(weightstream.__file__).resolve().parents[1])
+SPAWNED: list[subprocess.Popen] = []  # every child a helper starts; reap_children ends them after each test
 JETSON_HZ = [306000000, 408000000, 510000000, 612000000, 714000000, 816000000, 918000000, 1020000000]
 BURN = "import time\nend = time.time() + float(__import__('sys').argv[1])\nwhile time.time() < end: pass\n"
 
@@ -55,9 +58,31 @@ def write_config(path: Path, **keys) -> Path:
     return path
 
 
+def spawn(command: list[str], **kwargs) -> subprocess.Popen:
+    """Popen, remembered so that a failing test cannot leave it running."""
+    process = subprocess.Popen(command, **kwargs)
+    SPAWNED.append(process)
+    return process
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """After each test: SIGTERM what is still running (a daemon restores its floor), then SIGKILL."""
+    yield
+    while SPAWNED:
+        process = SPAWNED.pop()
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def burner(seconds: float, *flags: str) -> subprocess.Popen:
     """A real child burning one core for `seconds`, with `flags` in its argv."""
-    return subprocess.Popen([sys.executable, "-c", BURN, str(seconds), *flags])
+    return spawn([sys.executable, "-c", BURN, str(seconds), *flags])
 
 
 def wait_for(predicate, timeout: float, step: float = 0.01) -> float | None:
@@ -76,7 +101,7 @@ class DaemonProcess:
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1")
         command = [sys.executable, "-m", "weightstream.cli", "clockfloor", *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.process = spawn(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

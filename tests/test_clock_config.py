@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from clockfakes import JETSON_HZ, make_devfreq_tree, snapshot_files, write_config
+from clockfakes import JETSON_HZ, make_devfreq_tree, snapshot_files
 
 from weightstream.cli import main
 from weightstream.clock.config import DEFAULT_FLAGS, build_config, read_config_file

@@ -7,7 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from clockfakes import SRC, DaemonProcess, burner, make_devfreq_tree, read_hz, snapshot_files, wait_for, write_config
+from clockfakes import (
+    SRC,
+    DaemonProcess,
+    burner,
+    make_devfreq_tree,
+    read_hz,
+    reap_children,  # noqa: F401  autouse fixture: ends every child a test started
+    snapshot_files,
+    spawn,
+    wait_for,
+    write_config,
+)
 
 IDLE_HZ, FLOOR_HZ, HOLD_S = 306000000, 1020000000, 1.0
 
@@ -22,7 +33,7 @@ def jetson(tmp_path):
 
 
 def start_daemon(jetson, *extra):
-    root, node, config = jetson
+    root, _, config = jetson
     daemon = DaemonProcess("--config", str(config), "--sysfs-root", str(root / "sys"), *extra)
     daemon.wait_line("detecting by")
     return daemon
@@ -80,9 +91,9 @@ def test_stale_state_file_is_repaired_at_start(jetson):
 
 
 def test_processes_without_the_flags_or_without_cpu_never_raise_it(jetson):
-    root, node, _ = jetson
+    _, node, _ = jetson
     daemon = start_daemon(jetson)
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)", "--cpu-moe"])
+    sleeper = spawn([sys.executable, "-c", "import time; time.sleep(4)", "--cpu-moe"])
     others = [burner(3.5, "--cpu-moes"), burner(3.5, "--gpu-moe", "cmoe")]
     try:
         raised = wait_for(lambda: read_hz(node) != IDLE_HZ, 3.0)
@@ -96,7 +107,7 @@ def test_processes_without_the_flags_or_without_cpu_never_raise_it(jetson):
 
 
 def test_a_second_daemon_is_refused_and_changes_nothing(jetson):
-    root, node, config = jetson
+    root, _, config = jetson
     daemon = start_daemon(jetson)
     try:
         second = subprocess.run([sys.executable, "-m", "weightstream.cli", "clockfloor", "--config", str(config),

@@ -39,12 +39,13 @@ class Announcer:
         self.interval_s = interval_s
         self.absent_retry_s = absent_retry_s
         self.sent = 0
+        self.attempts = 0
         self._clock = clock
         self._next_send = 0.0
         self._sock: socket.socket | None = None
 
     @classmethod
-    def from_env(cls) -> "Announcer":
+    def from_env(cls) -> Announcer:
         """An announcer for the socket the daemon uses; a no-op one when WEIGHTSTREAM_CLOCKFLOOR=off."""
         try:
             if os.environ.get(DISABLE_ENV, "").lower() in ("off", "0", "no"):
@@ -60,6 +61,7 @@ class Announcer:
             if self.path is None or now < self._next_send:
                 return
             self._next_send = now + self.interval_s
+            self.attempts += 1
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 self._sock.setblocking(False)

@@ -34,8 +34,9 @@ def devfreq_lines(config: ClockConfig) -> list[str]:
         except (OSError, WeightstreamError) as exc:
             lines.append(f"    unreadable: {exc}")
             continue
-        lines.append(f"    min {backend.mhz(snapshot['original'])} MHz, max {backend.mhz(node.read_hz('max_freq'))} MHz, "
-                     f"cur {backend.mhz(node.read_hz('cur_freq'))} MHz, governor {node.read('governor')}")
+        low, high, now = snapshot["original"], node.read_hz("max_freq"), node.read_hz("cur_freq")
+        lines.append(f"    min {backend.mhz(low)} MHz, max {backend.mhz(high)} MHz, cur {backend.mhz(now)} MHz, "
+                     f"governor {node.read('governor')}")
         lines.append(f"    available MHz: {_mhz_list(backend)}")
         lines.append(f"    floor during inference: {backend.raised_mhz(snapshot)} MHz (FLOOR={config.floor_label()})")
         writable = os.access(node.path / "min_freq", os.W_OK)
@@ -118,7 +119,8 @@ def run_check(config: ClockConfig, print_line=print, nvml=None) -> int:
     backend, usable = backend_lines(config, nvml=nvml)
     lines += backend + detection_lines(config)
     state = StateFile(config.state_file).read()
-    lines.append(f"state file {config.state_file}: {'none' if state is None else 'left by pid ' + str(state.get('pid', '?'))}")
+    left = "none" if state is None else f"left by pid {state.get('pid', '?')}"
+    lines.append(f"state file {config.state_file}: {left}")
     lines.append(f"hold {config.hold_s:g} s, poll every {config.poll_s:g} s, uprobe rescan every {config.rescan_s:g} s")
     for line in lines:
         print_line(line)

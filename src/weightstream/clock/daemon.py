@@ -151,7 +151,8 @@ class Daemon:
         if "poll" in config.detect:
             detectors.append(_PollDetector(ProcessPoller(matcher, config.cpu_threshold, config.poll_s)))
         if not detectors:
-            raise WeightstreamError(f"no activity detector could start (DETECT={' '.join(config.detect)}); see the lines above")
+            detect = " ".join(config.detect)
+            raise WeightstreamError(f"no activity detector could start (DETECT={detect}); see the lines above")
         return detectors
 
     def _loop(self, deadline: float | None) -> None:

@@ -43,7 +43,8 @@ class NvmlBackend:
             self._open_device()
         except nvml.NVMLError as exc:
             nvml.nvmlShutdown()
-            raise WeightstreamError(f"NVML device {index}: {exc}; check NVML_DEVICE (nvidia-smi -L lists GPUs)") from None
+            message = f"NVML device {index}: {exc}; check NVML_DEVICE (nvidia-smi -L lists GPUs)"
+            raise WeightstreamError(message) from None
         except WeightstreamError:
             nvml.nvmlShutdown()
             raise

@@ -36,6 +36,16 @@ def read_cpu_ticks(pid: int, proc_root: str = "/proc") -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
+def is_running(pid: int, proc_root: str = "/proc") -> bool:
+    """Alive and not a zombie (a killed process stays in /proc until its parent reaps it)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return False
+    return raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3] not in (b"Z", b"X")
+
+
 @dataclass(slots=True)
 class FlagMatcher:
     """Which configured flag, if any, a command line carries (`--n-cpu-moe 8` and `--n-cpu-moe=8` both count)."""

@@ -28,13 +28,15 @@ class StateFile:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise WeightstreamError(f"cannot create {self.lock_path} ({exc.strerror}); set STATE_FILE or run as root") from None
+            message = f"cannot create {self.lock_path} ({exc.strerror}); set STATE_FILE or run as root"
+            raise WeightstreamError(message) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise WeightstreamError(f"another clockfloor daemon (pid {holder}) holds {self.lock_path}; stop it first") from None
+            message = f"another clockfloor daemon (pid {holder}) holds {self.lock_path}; stop it first"
+            raise WeightstreamError(message) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd

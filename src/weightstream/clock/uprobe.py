@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from weightstream.clock.procscan import FlagMatcher, read_argv
+from weightstream.clock.procscan import FlagMatcher, is_running, read_argv
 
 PROBED_FUNCTIONS = ("llama_decode", "llama_process", "llama_synchronize")
 LIBRARY_NAME = re.compile(r"^libllama\.so(\.\d+)*$")
@@ -69,9 +69,10 @@ def mapped_libraries(pid: int, proc_root: str = "/proc") -> set[Library]:
         return found
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or parts[5].endswith("(deleted)\n") or not LIBRARY_NAME.match(os.path.basename(parts[5].strip())):
+        path = parts[5].strip() if len(parts) == 6 else ""
+        if path.endswith("(deleted)") or not LIBRARY_NAME.match(os.path.basename(path)):
             continue
-        path, inode = parts[5].strip(), int(parts[4])
+        inode = int(parts[4])
         # Another mount namespace (a container) maps a path we may not see; its root is reachable through /proc.
         for candidate in (path, f"{proc_root}/{pid}/root{path}"):
             library = library_at(candidate)
@@ -162,7 +163,7 @@ class UprobeWatcher:
         if self.process is not None:
             self._log_errors(_drain(self.process.stderr))
             self._read_events()
-        self.inside = {pid for pid in self.inside if os.path.exists(f"{self.proc_root}/{pid}")}
+        self.inside = {pid for pid in self.inside if is_running(pid, self.proc_root)}
         pids, self.touched = self.inside | self.touched, set()
         return {pid: f"uprobe {flag}" for pid in pids if (flag := self._flag(pid))}
 
