@@ -42,8 +42,13 @@ def make_devfreq_tree(root: Path, name: str = "17000000.gpu", device: str = "170
 
 
 def read_hz(node: Path, field: str = "min_freq") -> int:
-    """A fake node attribute as an integer."""
-    return int((node / field).read_text().strip())
+    """A fake node attribute as an integer (a plain file can be caught empty mid-write; real sysfs cannot)."""
+    for _ in range(100):
+        text = (node / field).read_text().strip()
+        if text:
+            return int(text)
+        time.sleep(0.001)
+    raise AssertionError(f"{node / field} stayed empty")
 
 
 def snapshot_files(node: Path) -> dict[str, tuple[str, int]]:

@@ -108,3 +108,18 @@ def test_real_bindings_open_a_gpu_or_say_why_not(tmp_path):
         assert backend.supported_mhz and snapshot["raised"] <= snapshot["max"] == backend.max_mhz
     finally:
         backend.close()
+
+
+def test_a_refused_lock_stops_the_daemon_cleanly(tmp_path):
+    nvml, lines, config = FakeNvml(), [], nvml_config(tmp_path)
+
+    def refuse(handle, low, high):
+        raise nvml.NVMLError("Insufficient Permissions")
+
+    nvml.nvmlDeviceSetGpuLockedClocks = refuse
+    daemon = Daemon(config, open_backend(config, nvml=nvml), lines.append)
+    child = burner(3.0, "--cpu-moe")
+    with pytest.raises(WeightstreamError, match="Insufficient Permissions"):
+        daemon.run(duration_s=2.0)
+    child.kill()
+    assert ("reset",) not in nvml.calls and not (tmp_path / "state.json").exists()

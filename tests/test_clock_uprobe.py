@@ -40,7 +40,7 @@ def uprobe_skip_reason(directory: Path) -> str | None:
         return "gcc not found: cannot build the test libllama.so"
     reason = unavailable_reason()
     if reason:
-        return f"{reason} (scripts/install-bpftrace.sh installs bpftrace)"
+        return f"{reason}; scripts/install-bpftrace.sh sets the tests up"
     library = build_library(directory)
     subprocess.run(["gcc", "-O1", "-o", str(directory / "decode_loop"), str(SOURCES / "decode_loop.c"),
                     f"-L{directory}", "-lllama", f"-Wl,-rpath,{directory}"], check=True)

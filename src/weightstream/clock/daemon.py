@@ -54,8 +54,12 @@ class FloorController:
     def _raise(self, active: dict[int, str]) -> None:
         snapshot = self.backend.snapshot()
         self.state.write(snapshot)  # before touching the clock: a crash after the write below is repairable
+        try:
+            self.backend.apply(snapshot)
+        except Exception:
+            self.state.clear()  # nothing was raised, so there is nothing to restore
+            raise
         self.snapshot = snapshot
-        self.backend.apply(snapshot)
         pid = min(active)
         self.log(f"floor {self.backend.raised_mhz(snapshot)} MHz (pid {pid} inference, {active[pid]})")
 

@@ -84,8 +84,11 @@ def mapped_libraries(pid: int, proc_root: str = "/proc") -> set[Library]:
 
 def probe_symbols(library: Library, bpftrace: str = "bpftrace") -> list[str]:
     """Which of the probed functions the library exports (bpftrace refuses to attach to missing ones)."""
-    result = subprocess.run([bpftrace, "-l", f"uprobe:{library.path}:llama_*"], capture_output=True, text=True,
-                            timeout=30)
+    try:
+        result = subprocess.run([bpftrace, "-l", f"uprobe:{library.path}:llama_*"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
     names = {line.rsplit(":", 1)[-1].strip() for line in result.stdout.splitlines()}
     return [name for name in PROBED_FUNCTIONS if name in names]
 
