@@ -7,7 +7,9 @@ from clockfakes import JETSON_HZ, make_devfreq_tree, snapshot_files
 
 from weightstream.cli import main
 from weightstream.clock.config import DEFAULT_FLAGS, build_config, read_config_file
+from weightstream.clock.daemon import FloorController
 from weightstream.clock.devfreq import DevfreqBackend, find_gpu_node, read_node, snap_floor
+from weightstream.clock.state import StateFile
 from weightstream.errors import WeightstreamError
 
 
@@ -132,3 +134,39 @@ def test_restore_leaves_a_value_someone_else_wrote(tmp_path):
     backend.apply(snapshot)
     assert "back to 306 MHz" in backend.restore(snapshot) and (node / "min_freq").read_text() == "306000000"
     assert snapshot_files(node) == before
+
+
+def controller(tmp_path, lines):
+    """A FloorController on a fake node, fed by hand with pids and times."""
+    node = make_devfreq_tree(tmp_path / "sys", others=False)
+    backend = DevfreqBackend(read_node(node), 800)
+    return node, FloorController(backend, StateFile(str(tmp_path / "state.json")), 1.0, lines.append)
+
+
+def test_controller_raises_on_first_activity_and_restores_exactly_after_hold(tmp_path):
+    lines = []
+    node, floor = controller(tmp_path, lines)
+    floor.update({}, 10.0)
+    assert (node / "min_freq").read_text().strip() == "306000000" and not (tmp_path / "state.json").exists()
+    floor.update({4242: "poll --cpu-moe"}, 10.0)
+    assert (node / "min_freq").read_text() == "816000000" and (tmp_path / "state.json").exists()
+    floor.update({4242: "poll --cpu-moe"}, 10.5)
+    floor.update({}, 11.49)  # 0.99 s since the last activity: still held
+    assert (node / "min_freq").read_text() == "816000000"
+    floor.update({}, 11.5)
+    assert (node / "min_freq").read_text() == "306000000" and not (tmp_path / "state.json").exists()
+    assert lines == ["floor 816 MHz (pid 4242 inference, poll --cpu-moe)", "floor 306 MHz (idle)"]
+
+
+def test_repair_only_undoes_our_own_value(tmp_path):
+    lines = []
+    node, floor = controller(tmp_path, lines)
+    stale = {"backend": "devfreq", "node": str(node), "original": 306000000, "raised": 1020000000, "pid": 77}
+    (tmp_path / "state.json").write_text(json.dumps(stale))
+    (node / "min_freq").write_text("612000000")  # changed since (e.g. after a reboot, nvpmodel): not ours
+    floor.repair()
+    assert (node / "min_freq").read_text() == "612000000" and not (tmp_path / "state.json").exists()
+    assert "left as is" in lines[0]
+    (tmp_path / "state.json").write_text("{half a json")
+    floor.repair()
+    assert "unreadable" in lines[1] and not (tmp_path / "state.json").exists()
