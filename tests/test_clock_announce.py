@@ -119,7 +119,7 @@ def test_daemon_raises_for_an_announcing_engine_without_flags(tmp_path):
         assert wait_for(lambda: read_hz(node) == 918000000, 1.5) is not None, daemon.output()
         engine.wait(timeout=10)
         assert wait_for(lambda: read_hz(node) == 306000000, 2.0) is not None, daemon.output()
-        assert f"floor 918 MHz (pid {engine.pid} inference, announce)" in daemon.output()
+        daemon.wait_line(f"floor 918 MHz (pid {engine.pid} inference, announce)", timeout=5)
     finally:
         engine.kill()
         assert daemon.stop() == 0

@@ -15,8 +15,8 @@ from clockfakes import (
     make_devfreq_tree,
     read_hz,
     reap_children,  # noqa: F401  autouse fixture: ends every child a test started
+    sleeper,
     snapshot_files,
-    spawn,
     wait_for,
     write_config,
 )
@@ -55,7 +55,7 @@ def test_busy_flagged_child_raises_floor_and_its_exit_restores_it(jetson):
         assert restored_after is not None, daemon.output()
         assert restored_after >= HOLD_S / 2, "restored before the hold could elapse"
         daemon.wait_line("floor 306 MHz (idle)")
-        assert f"floor 1020 MHz (pid {child.pid} inference, poll --cpu-moe)" in daemon.output()
+        daemon.wait_line(f"floor 1020 MHz (pid {child.pid} inference, poll --cpu-moe)", timeout=5)
         assert not (root / "state.json").exists()
         assert snapshot_files(node) == untouched  # max_freq, governor, cur_freq: not even rewritten
     finally:
@@ -71,7 +71,7 @@ def test_signal_restores_the_floor_while_inference_runs(jetson, signum):
         assert wait_for(lambda: read_hz(node) == 714000000, 1.5) is not None, daemon.output()
         assert daemon.stop(signum) == 0
         assert read_hz(node) == IDLE_HZ
-        assert f"floor 306 MHz ({signal.Signals(signum).name})" in daemon.output()
+        daemon.wait_line(f"floor 306 MHz ({signal.Signals(signum).name})", timeout=5)
         assert not (root / "state.json").exists()
     finally:
         child.kill()
@@ -85,7 +85,7 @@ def test_stale_state_file_is_repaired_at_start(jetson):
     (root / "state.json").write_text(json.dumps(stale))
     daemon = start_daemon(jetson)
     try:
-        assert "repaired a floor left raised by pid 4194000: min_freq back to 306 MHz" in daemon.output()
+        daemon.wait_line("repaired a floor left raised by pid 4194000: min_freq back to 306 MHz", timeout=5)
         assert read_hz(node) == IDLE_HZ and not (root / "state.json").exists()
     finally:
         assert daemon.stop() == 0
@@ -94,16 +94,13 @@ def test_stale_state_file_is_repaired_at_start(jetson):
 def test_processes_without_the_flags_or_without_cpu_never_raise_it(jetson):
     _, node, _ = jetson
     daemon = start_daemon(jetson)
-    sleeper = spawn([sys.executable, "-c", "import time; time.sleep(4)", "--cpu-moe"])
-    others = [burner(3.5, "--cpu-moes"), burner(3.5, "--gpu-moe", "cmoe")]
+    children = [sleeper(4, "--cpu-moe"), burner(4, "--cpu-moes"), burner(4, "--gpu-moe", "cmoe")]
     try:
         raised = wait_for(lambda: read_hz(node) != IDLE_HZ, 3.0)
         assert raised is None, daemon.output()
         assert not [line for line in daemon.lines if line.startswith("floor ")], daemon.output()
+        assert all(child.poll() is None for child in children), "a child ended early: the test proved nothing"
     finally:
-        for process in [sleeper, *others]:
-            process.kill()
-            process.wait()
         assert daemon.stop() == 0
 
 

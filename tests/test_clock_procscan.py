@@ -8,6 +8,7 @@ from clockfakes import (
     BURN,
     burner,
     reap_children,  # noqa: F401  autouse fixture: ends every child a test started
+    sleeper,
     spawn,
     wait_for,
 )
@@ -56,12 +57,14 @@ def poll_until(poller, predicate, timeout):
 
 def test_poller_reports_busy_flagged_processes_only():
     poller = ProcessPoller(MATCHER, cpu_threshold=0.25, poll_s=0.1)
-    busy, idle, other = burner(3, "--cpu-moe"), spawn(["sleep", "3", "--cpu-moe"]), burner(3, "--x")
+    busy, idle, other = burner(3, "--cpu-moe"), sleeper(3, "--cpu-moe"), burner(3, "--x")
     try:
+        time.sleep(0.3)  # let the sleeper's interpreter start-up pass
         active = poll_until(poller, lambda a: busy.pid in a, 1.5)
         assert active.get(busy.pid) == "poll --cpu-moe"
-        assert poller.cores[busy.pid] >= 0.25 and poller.cores.get(idle.pid, 0) < 0.05
-        assert idle.pid not in active and other.pid not in active
+        assert poller.cores[busy.pid] >= 0.25 and poller.cores[idle.pid] < 0.05
+        assert idle.pid not in active and other.pid not in active and other.pid not in poller.cores
+        assert idle.poll() is None and other.poll() is None
     finally:
         for process in (busy, idle, other):
             process.kill()

@@ -102,7 +102,7 @@ def test_only_flagged_callers_count_and_a_long_call_holds_the_floor(jetson, lab)
         assert wait_for(lambda: read_hz(node) != IDLE_HZ, 1.5) is None, daemon.output()
         flagged = decode_loop(lab, 0, 20000, "--cpu-moe")
         assert wait_for(lambda: read_hz(node) == FLOOR_HZ, 1.5) is not None, daemon.output()
-        assert f"floor 1020 MHz (pid {flagged.pid} inference, uprobe --cpu-moe)" in daemon.output()
+        daemon.wait_line(f"floor 1020 MHz (pid {flagged.pid} inference, uprobe --cpu-moe)", timeout=5)
         finish(flagged)
         assert wait_for(lambda: read_hz(node) == IDLE_HZ, HOLD_S + 1.0) is not None, daemon.output()
         slow = decode_loop(lab, 3_000_000, 0, "-cmoe")  # 3 s inside llama_decode, no events meanwhile
@@ -121,7 +121,7 @@ def test_libraries_are_found_in_flagged_processes_and_bpftrace_stops_with_the_da
     flagged = decode_loop(lab, 0, 20000, "--n-cpu-moe", "30")
     try:
         assert wait_for(lambda: read_hz(node) == FLOOR_HZ, RESCAN_S + 1.5) is not None, daemon.output()
-        assert f"uprobes: attaching to {lab / 'libllama.so'} (llama_decode, llama_synchronize)" in daemon.output()
+        daemon.wait_line(f"uprobes: attaching to {lab / 'libllama.so'} (llama_decode, llama_synchronize)", timeout=5)
         bpftrace_pids = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                          if (Path(f"/proc/{pid}/stat").read_text().split()[3:4] or [""])[0] == str(daemon.process.pid)
                          ] if Path(f"/proc/{daemon.process.pid}").exists() else []
