@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,11 +34,14 @@ FLAGS = ("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe")
 
 
 class Empty:
+    """The baseline: a method call that does nothing."""
+
     def decode_step(self) -> None:
-        pass
+        """Nothing."""
 
 
 def ns_per_call(target, calls: int = 200_000) -> float:
+    """Mean ns per target.decode_step()."""
     start = time.perf_counter_ns()
     for _ in range(calls):
         target.decode_step()
@@ -45,6 +49,7 @@ def ns_per_call(target, calls: int = 200_000) -> float:
 
 
 def announce_cost(directory: Path) -> dict:
+    """decode_step cost with nobody listening and with a listener, against the empty call."""
     absent = Announcer(str(directory / "nobody.sock"))
     listener = AnnounceListener(str(directory / "listening.sock"))
     listening = Announcer(listener.path)
@@ -57,10 +62,12 @@ def announce_cost(directory: Path) -> dict:
 
 
 def naive_poll(matcher: FlagMatcher) -> int:
+    """The baseline poller: read every process's argv on every poll."""
     return sum(1 for name in os.listdir("/proc") if name.isdigit() and matcher.match(read_argv(int(name)) or []))
 
 
 def poll_cost(polls: int = 200) -> dict:
+    """µs per steady-state ProcessPoller poll against the naive scan."""
     matcher = FlagMatcher(FLAGS)
     poller = ProcessPoller(matcher, 0.25, poll_s=0.0)
     poller.collect(time.monotonic())  # first sight of every pid: argv read
@@ -80,11 +87,13 @@ def poll_cost(polls: int = 200) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_daemon(directory: Path, detect: str, **keys) -> tuple[DaemonProcess, Path]:
+    """The CLI daemon on a fresh fake Jetson tree, ready."""
     node = make_devfreq_tree(directory / "sys")
     config = write_config(directory / "c.conf", STATE_FILE=directory / "state.json", SOCKET=directory / "a.sock",
                           DETECT=detect, HOLD=1.0, **keys)
@@ -94,6 +103,7 @@ def start_daemon(directory: Path, detect: str, **keys) -> tuple[DaemonProcess, P
 
 
 def idle_cpu(directory: Path, seconds: float) -> dict:
+    """The daemon's CPU use with nothing to detect."""
     daemon, _ = start_daemon(directory, "uprobe announce poll")
     before, start = cpu_seconds(daemon.process.pid), time.monotonic()
     time.sleep(seconds)
@@ -112,13 +122,17 @@ while time.monotonic() < end:
 
 
 def build_uprobe_lab(directory: Path) -> Path:
+    """The test libllama.so and decode loop, built with gcc."""
     sources = Path(__file__).resolve().parents[1] / "tests" / "clock_uprobe"
-    os.system(f"gcc -shared -fPIC -O1 -o {directory}/libllama.so {sources}/libllama.c && gcc -O1 -o "
-              f"{directory}/decode_loop {sources}/decode_loop.c -L{directory} -lllama -Wl,-rpath,{directory}")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", f"{directory}/libllama.so", f"{sources}/libllama.c"],
+                   check=True)
+    subprocess.run(["gcc", "-O1", "-o", f"{directory}/decode_loop", f"{sources}/decode_loop.c", f"-L{directory}",
+                    "-lllama", f"-Wl,-rpath,{directory}"], check=True)
     return directory / "libllama.so"
 
 
 def one_reaction(daemon: DaemonProcess, node: Path, start_child, stop_child) -> tuple[float, float]:
+    """Seconds to raise after the child starts, and to restore after it is killed."""
     idle = read_hz(node)
     child = start_child()
     raised = wait_for(lambda: read_hz(node) != idle, 10.0)
@@ -129,6 +143,7 @@ def one_reaction(daemon: DaemonProcess, node: Path, start_child, stop_child) -> 
 
 
 def reaction(directory: Path, method: str, rounds: int) -> dict:
+    """Reaction times of one detection method, over rounds."""
     env = dict(os.environ, WEIGHTSTREAM_CLOCKFLOOR_SOCKET=str(directory / "a.sock"))
     keys, start_child = {}, None
     if method == "poll":
@@ -140,6 +155,7 @@ def reaction(directory: Path, method: str, rounds: int) -> dict:
         start_child = lambda: spawn([str(directory / "decode_loop"), "0", "20000", "--cpu-moe"])  # noqa: E731
 
     def stop_child(child):
+        """Let it run half a second, then kill it."""
         time.sleep(0.5)
         child.kill()
         child.wait()
@@ -155,6 +171,7 @@ def reaction(directory: Path, method: str, rounds: int) -> dict:
 
 
 def main() -> None:
+    """Run every measurement and print JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=10.0)

@@ -85,13 +85,15 @@ class _PollDetector:
         self.poller = poller
 
     def fileno(self) -> None:
+        """Nothing to wait on: the loop's tick drives polling."""
         return None
 
     def collect(self, now: float) -> dict[int, str]:
+        """Busy flagged pids as of the latest poll."""
         return self.poller.collect(now)
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""
 
 
 class Daemon:
