@@ -161,3 +161,36 @@ def machine_info(device: str) -> dict:
     return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "kernel": platform.release(),
             "python": platform.python_version(), "block_device": os.path.realpath(device),
             "disk_model": open(model_path).read().strip() if os.path.exists(model_path) else None}
+
+
+def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, limit_bytes: int = 2 * 2**30) -> dict:
+    """The reader's own O_DIRECT bandwidth on this checkpoint's expert pieces, page cache dropped first."""
+    import threading
+
+    from weightstream.io.aligned import AlignedArena, region_bytes, round_up
+    from weightstream.io.reader import DirectReader, ReadRequest
+    from weightstream.store.layout import Piece
+
+    pieces = [Piece(t.path, t.offset, t.nbytes) for t in open_checkpoint(model_dir).tensors.values() if ".experts." in t.name]
+    pieces = sorted(pieces, key=lambda p: (p.path, p.offset))
+    arena = AlignedArena(round_up(max(region_bytes(p.nbytes) for p in pieces) * 64))
+    reader = DirectReader(arena, threads=io_threads, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+    drop_from_page_cache(sorted({p.path for p in pieces}))
+    done, total, start = threading.Semaphore(0), 0, time.perf_counter()
+    batches = 0
+    for i in range(0, len(pieces), 64):
+        if total >= limit_bytes:
+            break
+        group, dest = pieces[i:i + 64], 0
+        requests = []
+        for p in group:
+            requests.append(ReadRequest(p.path, p.offset, p.nbytes, dest))
+            dest += region_bytes(p.nbytes)
+        reader.submit(requests, lambda err: done.release())
+        done.acquire()
+        batches += 1
+        total += sum(p.nbytes for p in group)
+    elapsed = time.perf_counter() - start
+    read = reader.bytes_read
+    reader.close()
+    return {"bytes": read, "seconds": elapsed, "mib_per_s": read / MIB / elapsed, "io_threads": io_threads}

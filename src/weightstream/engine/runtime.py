@@ -9,6 +9,7 @@ import torch
 
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.policy import split_waves
+from weightstream.clock.activity import Announcer
 from weightstream.engine.experts import combine, expert_contribution, timed_wait
 from weightstream.store.layout import ModelLayout
 
@@ -25,6 +26,8 @@ class StreamingRuntime:
     def __init__(self, cache: ExpertCache, layout: ModelLayout):
         self.cache, self.layout = cache, layout
         self.counters = EngineCounters()
+        self.first_layer = layout.layers[0]
+        self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on
         # (layer, top_k_index, top_k_weights) -> (index, weights): replays recorded routing instead of the router's
         self.routing_override: Callable | None = None
         # (layer, top_k_index, top_k_weights) -> None: records routing
@@ -32,6 +35,8 @@ class StreamingRuntime:
 
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         layer = module._ws_layer
+        if layer == self.first_layer:
+            self.announce.decode_step()
         if self.routing_override is not None:
             top_k_index, top_k_weights = self.routing_override(layer, top_k_index, top_k_weights)
         if self.routing_observer is not None:

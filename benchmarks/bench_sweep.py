@@ -1,0 +1,91 @@
+"""Sweeps over `weightstream bench`: pipeline settings (I/O threads, compute threads, chunk size) and memory limits
+(direct vs page cache), each point a full bench run (own cgroup, cold cache). Prints JSON; --plot draws tok/s
+against the memory given to experts for direct and page-cache.
+
+    .venv/bin/python benchmarks/bench_sweep.py pipeline MODEL_DIR --memory-limit 5GiB --expert-cache 1x
+    .venv/bin/python benchmarks/bench_sweep.py limits MODEL_DIR --limits 3GiB,4GiB,5GiB,6GiB --plot docs/x.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from weightstream.cache.sizes import parse_size
+from weightstream.commands.bench import load_prompts
+from weightstream.engine.bench import BenchConfig, run_bench
+
+KEEP = ("mode", "expert_cache", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token", "expert_hit_rate",
+        "io_wait_s", "peak_rss_bytes", "error")
+
+
+def point(args, **overrides) -> dict:
+    config = BenchConfig(model_dir=args.model, memory_limit=parse_size(args.memory_limit), prompts=args.prompt_ids,
+                         expert_caches=[args.expert_cache], modes=["direct"], max_new_tokens=args.tokens,
+                         routing_trace=args.routing_trace, reference=False)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    report = run_bench(config, progress=lambda m: print(f"[sweep] {m}", file=sys.stderr, flush=True))
+    return {"runs": [{k: r.get(k) for k in KEEP if k in r} for r in report["runs"]], **overrides}
+
+
+def pipeline(args) -> list[dict]:
+    points = [point(args, io_threads=n) for n in (1, 2, 4, 8)]
+    points += [point(args, compute_threads=n) for n in (1, 2)]
+    points += [point(args, chunk_bytes=kib * 1024) for kib in (64, 128, 512, 2048)]
+    return points
+
+
+def limits(args) -> list[dict]:
+    out = []
+    for limit in args.limits.split(","):
+        budget = parse_size(limit) - parse_size(args.reserve)
+        out.append(point(args, memory_limit=parse_size(limit), expert_caches=[str(budget)],
+                         modes=["direct", "page-cache"]) | {"limit": limit, "expert_cache_bytes": budget})
+    return out
+
+
+def plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in (("direct", "o-"), ("page-cache", "s--")):
+        xs = [parse_size(p["limit"]) / 2**30 for p in points]
+        ys = [next((r["decode_tokens_per_s"] for r in p["runs"] if r["mode"] == mode and "error" not in r), None)
+              for p in points]
+        ax.plot([x for x, y in zip(xs, ys) if y], [y for y in ys if y], style, label=mode)
+    ax.set_xlabel("memory limit of the run (GiB; direct: expert cache = limit - reserve)")
+    ax.set_ylabel("decode tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep", choices=("pipeline", "limits"))
+    ap.add_argument("model")
+    ap.add_argument("--memory-limit", default="5GiB")
+    ap.add_argument("--expert-cache", default="1x")
+    ap.add_argument("--limits", default="3GiB,4GiB,5GiB,6GiB")
+    ap.add_argument("--reserve", default="2GiB", help="memory kept for dense weights and the runtime (limits sweep)")
+    ap.add_argument("--routing-trace")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompts", help="one prompt per line (default: the bench's built-in prompts)")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    args.prompt_ids = load_prompts(args.model, args.prompts)
+    points = pipeline(args) if args.sweep == "pipeline" else limits(args)
+    if args.plot:
+        plot(points, args.plot)
+    print(json.dumps({"sweep": args.sweep, "model": args.model, "routing_trace": args.routing_trace,
+                      "points": points}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
