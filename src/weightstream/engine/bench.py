@@ -36,6 +36,7 @@ class BenchConfig:
     compute_threads: int | None = None
     chunk_bytes: int | None = None
     reference: bool = True
+    predict_next: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -78,6 +79,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
     return {"mode": mode, "model_dir": config.model_dir, "expert_cache": cache, "io_threads": config.io_threads,
             "compute_threads": config.compute_threads, "chunk_bytes": config.chunk_bytes,
             "routing_trace": config.routing_trace, "prompts": config.prompts, "max_new_tokens": config.max_new_tokens,
+            "predict_next": config.predict_next and mode == "direct",
             "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
                                         f".ws-offload-{os.getpid()}-{mode}")}
 
