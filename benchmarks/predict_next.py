@@ -70,7 +70,7 @@ def reference_tokens(config: BenchConfig, model_bytes: int) -> list | None:
     """transformers with every weight in memory (eager experts), when the machine has room for it."""
     if psutil.virtual_memory().available < 2 * model_bytes:
         return None
-    result, err, rc = run_child(child_config(config, "in-memory", ""), None)
+    result, _, _ = run_child(child_config(config, "in-memory", ""), None)
     return [p["token_ids"] for p in result["prompts"]] if result is not None else None
 
 

@@ -12,7 +12,6 @@ from weightstream.cache.policy import insert_prefetched
 from weightstream.engine.loader import load_streaming_model
 from weightstream.io.aligned import aligned_bytes, aligned_span
 
-
 GATES = []  # released at teardown, so a failing test does not leave an I/O thread held
 
 

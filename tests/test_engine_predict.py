@@ -5,9 +5,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
 from test_engine_exact import NEW_TOKENS, PROMPT, reference_tokens
+
 from weightstream.engine.bench import BenchConfig, child_config, run_child
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
@@ -69,7 +68,7 @@ def test_generate_flag_and_bench_passthrough(tiny_model):
     model_dir = tiny_model("gpt_oss")  # its router has a bias
     r = subprocess.run([sys.executable, "-m", "weightstream.cli", "generate", model_dir, "--prompt-ids", "4,8,15,16",
                         "--max-new-tokens", "6", "--expert-cache", "1x", "--predict-next", "--json"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)["stats"]
     assert stats["predict_next"] and stats["prefetch_issued"] > 0 and 0 < stats["prediction_accuracy"] <= 1

@@ -109,9 +109,9 @@ def _ratio(end: tuple[int, int], start: tuple[int, int]) -> float:
 
 def _prediction_stats(runtime, start: _Snapshot, first: _Snapshot, last: _Snapshot) -> dict:
     issued, used, wasted = (b - a for a, b in zip(start.prefetch, last.prefetch))
-    return dict(predict_next=runtime.predictor is not None, prefetch_issued=issued, prefetch_used=used,
-                prefetch_wasted=wasted, prediction_accuracy=_ratio(last.predicted, start.predicted),
-                decode_prediction_accuracy=_ratio(last.predicted, first.predicted))
+    return {"predict_next": runtime.predictor is not None, "prefetch_issued": issued, "prefetch_used": used,
+            "prefetch_wasted": wasted, "prediction_accuracy": _ratio(last.predicted, start.predicted),
+            "decode_prediction_accuracy": _ratio(last.predicted, first.predicted)}
 
 
 def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks: list[_Snapshot]) -> GenerationStats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ class NextLayerPredictor:
         hidden = model.config.get_text_config().hidden_size
         path_of = {layer: path for path, layer in layout.module_layers.items()}
         layers = layout.layers
-        self.next_layer = dict(zip(layers, layers[1:]))  # the last MoE layer predicts nothing
+        self.next_layer = dict(pairwise(layers))  # the last MoE layer predicts nothing
         self.routers = {layer: find_router(model, path_of[layer], layout.num_experts[layer], hidden)
                         for layer in layers[1:]}
         self.top_k = layout.top_k
