@@ -119,8 +119,9 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: list[int], running: set[Key]) -> int:
         """Queue low-priority reads for the predicted `experts` of `layer` that are not resident; returns how many.
 
-        Never evicts `running` (the layer being computed), another predicted expert, or a prefetch in flight
-        (the policy is asked with those pinned); stops when nothing else can go.
+        Never evicts `running` (the layer being computed) or another predicted expert (the policy gets them as
+        pinned) and stops when nothing else can go; a victim still being read is cancelled or awaited, never
+        overwritten (see `_reclaim`).
         """
         if self._failed is not None:
             return 0
