@@ -19,27 +19,29 @@ def io_read_bytes() -> int:
         return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
 
 
-def main(model_dir: str, cache: str, threads: int, tokens: int) -> None:
+def main(model_dir: str, cache: str, threads: int, tokens: int, predict_next: bool = False) -> None:
     from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model
 
     baseline = psutil.Process().memory_info().rss
-    model = load_streaming_model(model_dir, expert_cache=cache, io_threads=threads)
+    model = load_streaming_model(model_dir, expert_cache=cache, io_threads=threads, predict_next=predict_next)
     generate(model, torch.tensor([[1, 2]]), 2)  # warm-up: lazy imports read files too; keep them out of the count
-    before = io_read_bytes()
+    before, reader_before = io_read_bytes(), model.weightstream.cache.bytes_read
     _, stats = generate(model, torch.tensor([[5, 6, 7, 8]]), tokens)
+    model.weightstream.close()  # joins the I/O threads: a prefetch issued in the last step has landed too
     after = io_read_bytes()
     layout = model.weightstream.layout
     print(json.dumps({
         "baseline_rss": baseline, "peak_rss": peak_rss(),
         "dense_bytes": sum(t.nbytes for t in layout.dense.values()), "expert_total": layout.expert_bytes_total(),
         "cache_bytes": model.weightstream.cache.memory_bytes, "budget": model.weightstream.cache.budget_bytes,
-        "proc_read_bytes": after - before, "stats": stats.to_dict(),
+        "proc_read_bytes": after - before, "reader_bytes_read": model.weightstream.cache.bytes_read - reader_before,
+        "stats": stats.to_dict(),
         "aligned_bytes_missed": model.weightstream.cache.stats.aligned_bytes_missed,
+        "prefetch_aligned_bytes": model.weightstream.cache.stats.prefetch_aligned_bytes,
         "expert_nbytes": sorted({e.nbytes for e in layout.experts.values()}),
     }))
-    model.weightstream.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] == ["--predict-next"])

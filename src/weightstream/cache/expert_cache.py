@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from weightstream.cache.inflight import InFlightPrefetches
 from weightstream.cache.policies import make_policy
-from weightstream.cache.policy import Key, access_layer
+from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_prefetched
 from weightstream.cache.sizes import format_bytes
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import AlignedArena, aligned_bytes, region_bytes
-from weightstream.io.reader import DEMAND, DirectReader, ReadRequest
+from weightstream.io.reader import DEMAND, PREFETCH, DirectReader, ReadBatch, ReadRequest
 from weightstream.store.layout import ExpertLayout, ModelLayout
 
 
@@ -26,6 +28,12 @@ class CacheStats:
     expert_bytes_missed: int = 0  # the missed experts' own bytes
     aligned_bytes_missed: int = 0  # what O_DIRECT must fetch for them: their 4 KiB-aligned spans
     layer_misses: dict[int, int] = field(default_factory=dict)
+    prefetch_issued: int = 0  # predicted experts whose reads were queued ahead of demand
+    prefetch_used: int = 0  # of those, demand-hit before being evicted
+    prefetch_wasted: int = 0  # of those, evicted before any demand lookup found them
+    prefetch_cancelled: int = 0  # of the wasted, evicted while still queued: their unread chunks were skipped
+    prefetch_aligned_bytes: int = 0  # what O_DIRECT would fetch for every prefetch queued (cancelled or not)
+    eviction_wait_s: float = 0.0  # time a lookup waited for an in-flight prefetch it had to evict
 
     @property
     def hit_rate(self) -> float:
@@ -44,7 +52,11 @@ class LayerFetch:
 
 
 class ExpertCache:
-    """Fixed-budget expert slots; the policy decides what stays, the reader fills what is missing."""
+    """Fixed-budget expert slots; the policy decides what stays, the reader fills what is missing.
+
+    A slot's key is resident in the policy from the moment its read is queued. Demand reads of a layer are
+    all awaited before the next layer; a prefetch may still be landing, and `inflight` tracks those.
+    """
 
     def __init__(self, layout: ModelLayout, budget_bytes: int, policy: str = "lru", io_threads: int = 4,
                  chunk_bytes: int | None = None, direct: bool = True, policy_options: dict | None = None):
@@ -65,6 +77,8 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
+        self.inflight = InFlightPrefetches()
+        self.unused_prefetches: dict[Key, ReadBatch] = {}  # prefetched, not yet found by a demand lookup
         self._failed: BaseException | None = None
 
     @property
@@ -85,23 +99,49 @@ class ExpertCache:
 
     def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
         """Look up a layer's experts (in order); queue reads for misses, gate projection first."""
-        if self._failed is not None:
-            raise WeightstreamError(f"expert cache is unusable after an earlier read error: {self._failed}")
+        self._raise_if_failed()
         access = access_layer(self.policy, layer, experts)
-        missing = [e for _, e in access.misses]
+        fetch = LayerFetch(layer, [], [e for _, e in access.misses], queue.SimpleQueue())
         # a batched step lists an expert once per token: later lookups hit, but its bytes may still be in flight
-        resident = [e for e in dict.fromkeys(e for _, e in access.hits) if e not in set(missing)]
-        fetch = LayerFetch(layer, resident, missing, queue.SimpleQueue())
-        first_evicting = len(access.misses) - len(access.evicted)
-        for i, key in enumerate(access.misses):
-            slot = self.free.pop() if i < first_evicting else self.slot_of.pop(access.evicted[i - first_evicting])
-            assert key not in self.slot_of, key
-            self.slot_of[key] = slot
-            self._load(key, slot, fetch.arrived)
-        self.stats.hits += len(access.hits)
-        self.stats.misses += len(access.misses)
-        self.stats.layer_misses[layer] = self.stats.layer_misses.get(layer, 0) + len(access.misses)
+        for key in dict.fromkeys(access.hits):
+            if key[1] in fetch.missing:
+                continue
+            # a prefetch still landing is awaited like a miss: readiness is observed once, here or on `arrived`
+            (fetch.missing if self.inflight.listen(key, fetch.arrived) else fetch.resident).append(key[1])
+        slots = [self.free.pop() for _ in range(len(access.misses) - len(access.evicted))]
+        slots += [self._reclaim(victim) for victim in access.evicted]
+        for key, slot in zip(access.misses, slots):
+            self._assign(key, slot)
+            self._load(key, slot, lambda error, e=key[1]: fetch.arrived.put((e, error)), DEMAND)
+        self._count_lookups(layer, access)
         return fetch
+
+    def prefetch(self, layer: int, experts: list[int], running: set[Key]) -> int:
+        """Queue low-priority reads for the predicted `experts` of `layer` that are not resident; returns how many.
+
+        Never evicts `running` (the layer being computed) or another predicted expert (the policy gets them as
+        pinned) and stops when nothing else can go; a victim still being read is cancelled or awaited, never
+        overwritten (see `_reclaim`).
+        """
+        if self._failed is not None:
+            return 0
+        keys = [(layer, int(e)) for e in experts]
+        pinned = running | set(keys)
+        issued = 0
+        for key in keys:
+            if key in self.policy:
+                continue
+            slot = self._prefetch_slot(pinned)
+            if slot is None:
+                break
+            insert_prefetched(self.policy, key)
+            self._assign(key, slot)
+            self.inflight.start(key)
+            self.unused_prefetches[key] = self._load(key, slot, lambda error, k=key: self._prefetch_landed(k, error),
+                                                     PREFETCH)
+            issued += 1
+        self.stats.prefetch_issued += issued
+        return issued
 
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's parameters, in the model's layout, as views of its slot."""
@@ -125,22 +165,70 @@ class ExpertCache:
     def close(self) -> None:
         self.reader.close()
 
-    def _load(self, key: Key, slot: int, arrived: queue.SimpleQueue) -> None:
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise WeightstreamError(f"expert cache is unusable after an earlier read error: {self._failed}")
+
+    def _count_lookups(self, layer: int, access: LayerAccess) -> None:
+        for key in access.hits:
+            if self.unused_prefetches.pop(key, None) is not None:
+                self.stats.prefetch_used += 1
+        self.stats.hits += len(access.hits)
+        self.stats.misses += len(access.misses)
+        self.stats.layer_misses[layer] = self.stats.layer_misses.get(layer, 0) + len(access.misses)
+
+    def _prefetch_slot(self, pinned: set[Key]) -> int | None:
+        """A free slot, or the slot of the policy's victim among unpinned experts; None when all are pinned."""
+        if self.free:
+            return self.free.pop()
+        try:
+            victim = self.policy.evict(pinned)
+        except AllPinnedError:
+            return None
+        return self._reclaim(victim)
+
+    def _reclaim(self, victim: Key) -> int:
+        """The victim's slot, once no read is still landing in it (else that read would overwrite the new one)."""
+        batch = self.unused_prefetches.pop(victim, None)
+        if batch is not None:
+            self.stats.prefetch_wasted += 1
+            if victim in self.inflight:  # a wrong guess still queued: skip its unread chunks instead of waiting
+                self.reader.cancel(batch)
+                self.stats.prefetch_cancelled += 1
+        self.stats.eviction_wait_s += self.inflight.wait_landed(victim)
+        return self.slot_of.pop(victim)
+
+    def _assign(self, key: Key, slot: int) -> None:
+        assert key not in self.slot_of, key
+        self.slot_of[key] = slot
+        # every slot is either free or held by exactly one key: the byte budget stays hard
+        assert len(self.slot_of) + len(self.free) <= self.n_slots, (len(self.slot_of), len(self.free))
+
+    def _prefetch_landed(self, key: Key, error: BaseException | None) -> None:
+        if error is not None and self._failed is None:
+            self._failed = error  # the next lookup reports it; a listener gets it through `arrived` too
+        self.inflight.landed(key, error)
+
+    def _load(self, key: Key, slot: int, notify: Callable[[BaseException | None], None], priority: int) -> ReadBatch:
         expert = self.layout.experts[key]
         base = slot * self.slot_bytes
         requests, dest = [], base
         for piece in expert.pieces:  # execution order: gate, up, down
             requests.append(ReadRequest(piece.path, piece.offset, piece.nbytes, dest))
             dest += region_bytes(piece.nbytes)
-        self.stats.expert_bytes_missed += expert.nbytes
-        self.stats.aligned_bytes_missed += sum(aligned_bytes(p) for p in expert.pieces)
+        aligned = sum(aligned_bytes(p) for p in expert.pieces)
+        if priority == DEMAND:
+            self.stats.expert_bytes_missed += expert.nbytes
+            self.stats.aligned_bytes_missed += aligned
+        else:
+            self.stats.prefetch_aligned_bytes += aligned
 
         def done(error: BaseException | None) -> None:
-            if error is None:
+            if error is None:  # also after a cancel: the slot is then rewritten in full before any use
                 self._pack(expert, base)
-            arrived.put((key[1], error))
+            notify(error)
 
-        self.reader.submit(requests, done, DEMAND)
+        return self.reader.submit(requests, done, priority)
 
     def _pack(self, expert: ExpertLayout, base: int) -> None:
         """Move each piece from where O_DIRECT landed it to its place in the model's contiguous layout."""

@@ -2,7 +2,8 @@
 
 Contract (what :func:`access_layer` relies on): ``key in p``, ``len(p)``, ``p.capacity`` (slots),
 ``p.on_hit(key)``, ``p.on_insert(key)`` (only when there is room) and ``p.evict(pinned) -> victim`` (never a
-key of ``pinned``). Optional: ``p.needs_room(key)`` when entries differ in size (see :class:`ByteBudget`).
+key of ``pinned``). Optional: ``p.needs_room(key)`` when entries differ in size (see :class:`ByteBudget`);
+``p.on_prefetch(key)`` to insert a predicted expert where a wrong guess is evicted first.
 Belady's optimum needs the future, so it lives in ``weightstream.sim``.
 """
 
@@ -12,7 +13,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from weightstream.cache.policy import Key, LRUPolicy
+from weightstream.cache.policy import AllPinnedError, Key, LRUPolicy
 from weightstream.errors import WeightstreamError
 
 ALL_PINNED = "every resident expert is pinned; the cache is below one layer's working set"
@@ -50,6 +51,11 @@ class SLRUPolicy:
         assert key not in self and len(self) < self.capacity, key
         self._probation[key] = None
 
+    def on_prefetch(self, key: Key) -> None:
+        """A guess enters probation at its cold end."""
+        self.on_insert(key)
+        self._probation.move_to_end(key, last=False)
+
     def evict(self, pinned: set[Key]) -> Key:
         """Oldest unpinned probation entry; protected's oldest only when all of probation is pinned."""
         for segment in (self._probation, self._protected):
@@ -57,7 +63,7 @@ class SLRUPolicy:
                 if key not in pinned:
                     del segment[key]
                     return key
-        raise RuntimeError(ALL_PINNED)
+        raise AllPinnedError(ALL_PINNED)
 
 
 class LFUPolicy:
@@ -93,6 +99,11 @@ class LFUPolicy:
         assert key not in self._rank and len(self._rank) < self.capacity, key
         self._touch(key, 1)
 
+    def on_prefetch(self, key: Key) -> None:
+        """A guess counts zero uses, below every looked-up expert; its first lookup makes it one."""
+        assert key not in self._rank and len(self._rank) < self.capacity, key
+        self._touch(key, 0)
+
     def evict(self, pinned: set[Key]) -> Key:
         """Lowest (count, last access) among unpinned entries."""
         skipped = []
@@ -106,7 +117,7 @@ class LFUPolicy:
                     continue
                 del self._rank[key]
                 return key
-            raise RuntimeError(ALL_PINNED)
+            raise AllPinnedError(ALL_PINNED)
         finally:
             for item in skipped:
                 heapq.heappush(self._heap, item)
@@ -141,13 +152,19 @@ class PinnedPolicy:
         else:
             self._scratch[key] = None
 
+    def on_prefetch(self, key: Key) -> None:
+        """A guess outside the pinned set enters scratch at its cold end."""
+        self.on_insert(key)
+        if key in self._scratch:
+            self._scratch.move_to_end(key, last=False)
+
     def evict(self, pinned: set[Key]) -> Key:
         """Oldest unpinned scratch entry; pinned-set experts are never evicted."""
         for key in self._scratch:
             if key not in pinned:
                 del self._scratch[key]
                 return key
-        raise RuntimeError(ALL_PINNED)
+        raise AllPinnedError(ALL_PINNED)
 
 
 class AdaptivePolicy:
@@ -174,6 +191,9 @@ class AdaptivePolicy:
 
     def on_insert(self, key: Key) -> None:
         self.inner.on_insert(key)
+
+    def on_prefetch(self, key: Key) -> None:
+        self.inner.on_prefetch(key)
 
     def evict(self, pinned: set[Key]) -> Key:
         """The chosen inner policy's victim."""

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 Key = tuple[int, int]  # (layer, expert)
 
 
+class AllPinnedError(RuntimeError):
+    """No resident expert may be evicted: every one is pinned (a prefetch then simply stops)."""
+
+
 class LRUPolicy:
     """Least recently used."""
 
@@ -37,13 +41,18 @@ class LRUPolicy:
         assert key not in self._order and len(self._order) < self.capacity, key
         self._order[key] = None
 
+    def on_prefetch(self, key: Key) -> None:
+        """Insert a guessed expert at the cold end: unless a lookup finds it first, it is the next victim."""
+        self.on_insert(key)
+        self._order.move_to_end(key, last=False)
+
     def evict(self, pinned: set[Key]) -> Key:
         """Remove and return the victim, never one of ``pinned``."""
         for key in self._order:
             if key not in pinned:
                 del self._order[key]
                 return key
-        raise RuntimeError("every resident expert is pinned; the cache is below one layer's working set")
+        raise AllPinnedError("every resident expert is pinned; the cache is below one layer's working set")
 
 
 @dataclass(slots=True)
@@ -76,6 +85,11 @@ def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | 
         policy.on_insert(key)
         out.misses.append(key)
     return out
+
+
+def insert_prefetched(policy, key: Key) -> None:
+    """Insert a predicted (not yet looked-up) expert; policies without `on_prefetch` treat it as a miss."""
+    getattr(policy, "on_prefetch", policy.on_insert)(key)
 
 
 def unique_in_order(experts: Sequence[int]) -> list[int]:

@@ -40,6 +40,8 @@ def register(sub) -> None:
     p.add_argument("--compute-threads", type=int, metavar="N", help="torch threads (default: torch's)")
     p.add_argument("--chunk-kib", type=int, metavar="KIB", help="O_DIRECT chunk size (default 128)")
     p.add_argument("--no-reference", action="store_true", help="skip the in-memory transformers reference")
+    p.add_argument("--predict-next", action="store_true", help="direct runs prefetch each next layer's guessed "
+                   "experts (see `weightstream generate --help`)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -69,7 +71,7 @@ def run(args) -> int:
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], prompts=load_prompts(args.model, args.prompts),
         max_new_tokens=args.max_new_tokens, routing_trace=args.routing_trace, io_threads=args.io_threads,
         compute_threads=args.compute_threads, chunk_bytes=args.chunk_kib * 1024 if args.chunk_kib else None,
-        reference=not args.no_reference)
+        reference=not args.no_reference, predict_next=args.predict_next)
     say = lambda m: print(f"[bench] {m} ...", file=sys.stderr, flush=True)  # noqa: E731  (stderr: JSON stays clean)
     report = run_bench(config, progress=say)
     if args.json:

@@ -18,6 +18,11 @@ def add_engine_options(p) -> None:
     p.add_argument("--expert-source", default="direct", choices=("direct", "mmap"),
                    help="direct: the expert cache (default); mmap: experts through the page cache, no cache of "
                         "our own (the baseline llama.cpp and safetensors users get)")
+    p.add_argument("--predict-next", action="store_true",
+                   help="at each MoE layer, guess the next layer's experts (this layer's input times the next "
+                        "router's weights) and read them early at low priority; tokens are unchanged, stats add "
+                        "prefetch_issued, prefetch_used and prediction_accuracy. Off by default: measured here it "
+                        "read more and decoded slower (docs/benchmarks-predict.md)")
 
 
 def register(sub) -> None:
@@ -63,7 +68,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if args.prompt is not None else parse_prompt_ids(args.prompt_ids)
     model = load_streaming_model(model_dir, args.expert_cache, args.io_threads, args.policy, direct=not args.no_direct,
-                                 expert_source=args.expert_source)
+                                 expert_source=args.expert_source, predict_next=args.predict_next)
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
@@ -87,4 +92,9 @@ def summary_line(stats) -> str:
             f"hit rate {stats.expert_hit_rate:.1%}, read {stats.bytes_read / mib:.1f} MiB "
             f"({stats.bytes_read_per_token / mib:.2f} MiB/token), I/O wait {stats.io_wait_s:.2f} s, "
             f"cache {stats.expert_cache_bytes / mib:.0f} MiB ({stats.expert_cache_slots} slots; working set "
-            f"{stats.working_set_bytes / mib:.0f} MiB)")
+            f"{stats.working_set_bytes / mib:.0f} MiB)" + (prediction_line(stats) if stats.predict_next else ""))
+
+
+def prediction_line(stats) -> str:
+    return (f"; next-layer prediction {stats.prediction_accuracy:.1%} accurate, {stats.prefetch_issued} prefetched, "
+            f"{stats.prefetch_used} used")

@@ -36,6 +36,7 @@ class BenchConfig:
     compute_threads: int | None = None
     chunk_bytes: int | None = None
     reference: bool = True
+    predict_next: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -83,6 +84,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
             "compute_threads": config.compute_threads, "chunk_bytes": config.chunk_bytes,
             "routing_trace": config.routing_trace, "prompts": config.prompts[:1] if short else config.prompts,
             "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
+            "predict_next": config.predict_next and mode == "direct",
             "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
                                         f".ws-offload-{os.getpid()}-{mode}")}
 

@@ -23,7 +23,8 @@ def run_streaming(cfg: dict) -> dict:
     start = time.perf_counter()
     model = load_streaming_model(cfg["model_dir"], expert_cache=cfg["expert_cache"], io_threads=cfg["io_threads"],
                                  chunk_bytes=cfg.get("chunk_bytes"), policy=cfg.get("policy", "lru"),
-                                 expert_source="mmap" if cfg["mode"] == "page-cache" else "direct")
+                                 expert_source="mmap" if cfg["mode"] == "page-cache" else "direct",
+                                 predict_next=cfg.get("predict_next", False))
     load_s = time.perf_counter() - start
     runtime = model.weightstream
     if cfg.get("routing_trace"):

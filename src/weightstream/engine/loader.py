@@ -14,6 +14,7 @@ from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_size
 from weightstream.engine import experts as ws_experts
 from weightstream.engine.mmap_source import MmapExpertSource
+from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
@@ -26,14 +27,19 @@ _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "to
 
 def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_threads: int = 4,
                          policy: str = "lru", chunk_bytes: int | None = None, direct: bool = True,
-                         policy_options: dict | None = None, expert_source: str = "direct"):
+                         policy_options: dict | None = None, expert_source: str = "direct",
+                         predict_next: bool = False):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
     `expert_source="mmap"` is the page-cache baseline instead: experts through mmap, no cache of our own.
+    `predict_next=True` prefetches each next MoE layer's experts as guessed by its router from this layer's input.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     if expert_source not in EXPERT_SOURCES:
         raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
+    if predict_next and expert_source != "direct":
+        raise WeightstreamError("--predict-next needs --expert-source direct: with mmap there are no slots of our own "
+                                "to prefetch into")
     ckpt = open_checkpoint(model_dir)
     config = _load_config(model_dir)
     ws_experts.register()
@@ -50,6 +56,8 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
         cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
                             direct=direct, policy_options=policy_options)
     runtime = StreamingRuntime(cache, layout)
+    if predict_next:
+        runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
     for path, module in experts_modules(model).items():
         module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
     model.weightstream = runtime

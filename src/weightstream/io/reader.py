@@ -29,13 +29,14 @@ class ReadRequest:
 
 
 @dataclass(slots=True)
-class _Batch:
+class ReadBatch:
     """Several requests completed together: `on_done(error)` runs once, on the I/O thread of the last chunk."""
 
     on_done: Callable[[BaseException | None], None]
     remaining: int
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False  # chunks not yet started are skipped; `on_done` still runs once all are through
 
 
 class DirectReader:
@@ -61,14 +62,19 @@ class DirectReader:
         for t in self._threads:
             t.start()
 
-    def submit(self, requests: list[ReadRequest], on_done, priority: int = DEMAND) -> None:
+    def submit(self, requests: list[ReadRequest], on_done, priority: int = DEMAND) -> ReadBatch:
         """Queue the chunks of `requests` in order; `on_done(error_or_None)` runs when all have landed."""
         chunks = [c for r in requests for c in self._chunks(r)]
-        batch = _Batch(on_done, len(chunks))
+        batch = ReadBatch(on_done, len(chunks))
         if not chunks:
             on_done(None)
         for chunk in chunks:
             self._queue.put((priority, next(self._seq), chunk, batch))
+        return batch
+
+    def cancel(self, batch: ReadBatch) -> None:
+        """Skip the batch's chunks that no thread has started (a prefetch nobody needs any more)."""
+        batch.cancelled = True
 
     def close(self) -> None:
         for _ in self._threads:
@@ -92,7 +98,8 @@ class DirectReader:
                 return
             error = None
             try:
-                self._read_chunk(*chunk)
+                if not batch.cancelled:
+                    self._read_chunk(*chunk)
             except BaseException as exc:  # reported to the waiting layer, never lost on this thread
                 error = exc
             with batch.lock:
