@@ -22,7 +22,7 @@ def add_engine_options(p) -> None:
                    help="at each MoE layer, guess the next layer's experts (this layer's input times the next "
                         "router's weights) and read them early at low priority; tokens are unchanged, stats add "
                         "prefetch_issued, prefetch_used and prediction_accuracy. Off by default: measured here it "
-                        "read more and decoded slower (docs/benchmarks-predict.md)")
+                        "read more and decoded slower (docs/benchmarks.md, next-layer prediction)")
 
 
 def register(sub) -> None:
