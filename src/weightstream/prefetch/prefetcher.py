@@ -1,0 +1,242 @@
+"""Interruptible prefetch: threads read each worker's plan ahead of the loader's cursor, within a budget.
+
+The cursor of a worker is the furthest chunk the loader has touched (a miss or a cached read, from the event
+source). Chunks not yet issued when the cursor passes them are abandoned; chunks prefetched and not yet passed
+are "ahead" and count against the memory budget; with a budget, chunks more than the reclaim gap behind the
+cursor are dropped from the page cache (burn after reading). The loader's own reads are never touched:
+prefetch only ever adds or drops clean page-cache pages, which the kernel re-reads from the file on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from weightstream.prefetch import fetch as io
+from weightstream.prefetch.events import MISS, PageEvent
+from weightstream.prefetch.intervals import IntervalSet
+from weightstream.prefetch.memory import CgroupMemory, headroom
+from weightstream.prefetch.numa import Placement, bind_current_thread
+from weightstream.prefetch.plan import Chunk, Plan
+
+PENDING, ISSUED, DONE, ABANDONED, CACHED, FAILED = range(6)
+PRESSURE_CHECK_S = 0.1
+
+
+@dataclass(slots=True)
+class Settings:
+    """How prefetch behaves: budget (None: unlimited), reclaim gap, thread count, placement, pressure floor."""
+
+    budget: int | None = None
+    reclaim_gap: int = 1 << 30
+    threads: int = 4
+    placement: Placement = field(default_factory=lambda: Placement(None, (), ""))
+    pressure_floor: int = 256 << 20
+    cgroup: CgroupMemory | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    """What happened, in bytes (and a few counts); the report derives its figures from these."""
+
+    prefetched: int = 0
+    already_cached: int = 0
+    abandoned: int = 0
+    reclaimed: int = 0
+    reread_after_reclaim: int = 0
+    loader_missed: int = 0
+    failed_chunks: int = 0
+    pressure_pauses: int = 0
+    events: int = 0
+    peak_ahead: int = 0  # most bytes ever prefetched (or in flight) and not yet reached by the loader
+
+
+@dataclass(slots=True)
+class _Worker:
+    chunks: list[Chunk]
+    status: bytearray
+    cursor: int = -1
+    next_issue: int = 0
+    next_reclaim: int = 0
+
+
+class Prefetcher:
+    """Owns the prefetch threads and the per-worker cursors; fed by an event source's callback."""
+
+    def __init__(self, plan: Plan, paths: list[str], ids: list[tuple[int, int]], settings: Settings) -> None:
+        self.plan, self.settings, self.counters = plan, settings, Counters()
+        self.file_of = {ident: i for i, ident in enumerate(ids)}  # (st_dev, inode) -> file number
+        self.workers = [_Worker(c, bytearray(len(c))) for c in plan.workers]
+        self.ahead = 0
+        self.fetched = [IntervalSet() for _ in paths]  # completed prefetch reads
+        self.issued = [IntervalSet() for _ in paths]  # every range handed to a thread, at hand-off
+        self.own_misses_visible = False  # residency sampling also sees our reads: skip misses we issued
+        self.touched = [IntervalSet() for _ in paths]
+        self.dropped = [IntervalSet() for _ in paths]
+        self._fds = [io.open_for_prefetch(p) for p in paths]
+        self._cond = threading.Condition()
+        self._stop = False
+        self._go = threading.Event()
+        self._pressure_at, self._pressured = 0.0, False
+        self._rr = 0
+        self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
+                         for i in range(max(1, settings.threads))]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def thread_ids(self) -> list[int]:
+        """Kernel thread ids of the prefetch threads (to keep them out of the loader's events)."""
+        return [t.native_id for t in self._threads]
+
+    def go(self) -> None:
+        """Start prefetching."""
+        self._go.set()
+
+    def stop(self) -> None:
+        """Stop: in-flight chunks finish (one chunk each), then threads exit and are joined; fds closed."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._go.set()
+        for t in self._threads:
+            t.join()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    # --- prefetch threads -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._go.wait()
+        bind_current_thread(self.settings.placement)
+        while True:
+            with self._cond:
+                chunk = self._next_chunk()
+                while chunk is None and not self._stop and not self._finished():
+                    self._cond.wait(PRESSURE_CHECK_S)
+                    chunk = self._next_chunk()
+                if chunk is None:
+                    return
+            self._complete(chunk, *self._fetch(chunk))
+
+    def _fetch(self, chunk: Chunk) -> tuple[int, int]:
+        try:
+            return io.fetch(self._fds[chunk.file], chunk.offset, chunk.length)
+        except OSError:
+            return -1, 0  # a short or failing file: skip the chunk; the loader sees the file as it is
+
+    def _finished(self) -> bool:
+        return all(w.next_issue >= len(w.chunks) for w in self.workers)
+
+    def _next_chunk(self) -> Chunk | None:
+        """Under the lock: the next chunk to issue, round-robin over workers, within budget and headroom."""
+        if self._stop or self._under_pressure():
+            return None
+        for k in range(len(self.workers)):
+            w = self.workers[(self._rr + k) % len(self.workers)]
+            while w.next_issue < len(w.chunks) and w.status[w.next_issue] != PENDING:
+                w.next_issue += 1
+            if w.next_issue >= len(w.chunks):
+                continue
+            chunk = w.chunks[w.next_issue]
+            budget = self.settings.budget
+            if budget is not None and self.ahead > 0 and self.ahead + chunk.length > budget:
+                continue
+            w.status[chunk.index] = ISSUED
+            self.issued[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+            w.next_issue += 1
+            self.ahead += chunk.length
+            self.counters.peak_ahead = max(self.counters.peak_ahead, self.ahead)
+            self._rr += 1
+            return chunk
+        return None
+
+    def _under_pressure(self) -> bool:
+        now = time.monotonic()
+        if now - self._pressure_at >= PRESSURE_CHECK_S:
+            was, self._pressure_at = self._pressured, now
+            self._pressured = headroom(self.settings.cgroup) < self.settings.pressure_floor
+            self.counters.pressure_pauses += self._pressured and not was
+        return self._pressured
+
+    def _complete(self, chunk: Chunk, read: int, cached: int) -> None:
+        with self._cond:
+            w = self.workers[chunk.worker]
+            ahead = chunk.index > w.cursor
+            if read < 0:
+                w.status[chunk.index] = FAILED
+                self.counters.failed_chunks += 1
+            else:
+                w.status[chunk.index] = DONE if read else CACHED
+                self.counters.prefetched += read
+                self.counters.already_cached += cached
+                if read:
+                    self.fetched[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+            if ahead and w.status[chunk.index] != DONE:
+                self.ahead -= chunk.length  # nothing was added to memory after all
+            self._cond.notify_all()
+
+    # --- loader events --------------------------------------------------------------------------------
+    def on_events(self, events: list[PageEvent]) -> None:
+        """Move cursors to where the loader is; account misses, re-reads; then burn what is far behind."""
+        with self._cond:
+            for e in events:
+                self._note(e)
+            todo = self._reclaimable() if self.settings.budget is not None else []
+            self._cond.notify_all()
+        for chunk in todo:
+            if self._stop:
+                return
+            dropped = io.reclaim(self._fds[chunk.file], chunk.offset, chunk.length)
+            with self._cond:
+                self.counters.reclaimed += dropped
+                if dropped:
+                    self.dropped[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+
+    def _note(self, e: PageEvent) -> None:
+        f = self.file_of.get((e.dev, e.ino))
+        if f is None:
+            return
+        start, end = io.page_span(e.offset, e.length)
+        if e.kind == MISS:
+            if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
+                return
+            self.counters.loader_missed += end - start
+            self.counters.reread_after_reclaim += self.dropped[f].overlap(start, end)
+        self.counters.events += 1
+        self.touched[f].add(start, end)
+        for chunk in self.plan.lookup(f, start, end):
+            self._advance(self.workers[chunk.worker], chunk.index)
+
+    def _advance(self, w: _Worker, index: int) -> None:
+        """The loader reached chunk `index`: abandon what was not issued before it, release its budget."""
+        for i in range(w.cursor + 1, index + 1):
+            status = w.status[i]
+            if status == PENDING:
+                w.status[i] = ABANDONED
+                self.counters.abandoned += w.chunks[i].length
+            elif status in (ISSUED, DONE):
+                self.ahead -= w.chunks[i].length
+        w.cursor = max(w.cursor, index)
+        w.next_issue = max(w.next_issue, w.cursor + 1)
+
+    def _reclaimable(self) -> list[Chunk]:
+        out = []
+        for w in self.workers:
+            if w.cursor < 0:
+                continue
+            limit = w.chunks[w.cursor].position - self.settings.reclaim_gap
+            while w.next_reclaim < len(w.chunks) and w.chunks[w.next_reclaim].position + \
+                    w.chunks[w.next_reclaim].length <= limit:
+                chunk = w.chunks[w.next_reclaim]
+                if not chunk.shared:
+                    out.append(chunk)
+                w.next_reclaim += 1
+        return out
+
+    def used_bytes(self) -> int:
+        """Prefetched bytes the loader then read (needs access events, i.e. tracefs)."""
+        with self._cond:
+            return sum(f.intersection_bytes(t) for f, t in zip(self.fetched, self.touched))
