@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import os
 
-from weightstream.prefetch.residency import cached_bytes
+import numpy as np
+
+from weightstream.prefetch.residency import cached_bytes, resident_pages
 from weightstream.prefetch.units import PAGE
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -26,17 +28,28 @@ def open_for_prefetch(path: str) -> int:
     return fd
 
 
-def fetch(fd: int, offset: int, length: int) -> tuple[int, int]:
-    """Bring [offset, offset+length) into the page cache; returns (bytes read from disk, bytes already cached)."""
+def fetch(fd: int, offset: int, length: int) -> tuple[list[tuple[int, int]], int]:
+    """Bring [offset, offset+length) into the page cache; returns (the [start, end) runs that were not cached
+    and are now, bytes that were already cached). offset is page aligned."""
     cached = cached_bytes(fd, offset, length)
     if cached >= length:
-        return 0, length
+        return [], length
+    runs = [(offset, offset + length)] if cached == 0 else _missing_runs(fd, offset, length)
     if _libc.readahead(fd, offset, length) != 0:
         _read_through(fd, offset, length)  # a file system without readahead: plain reads do the same
     else:
         for pos in range(offset + length - 1, offset - 1, -_WAIT_STEP):
             os.pread(fd, 1, pos)
-    return length - cached, cached
+    return runs, cached
+
+
+def _missing_runs(fd: int, offset: int, length: int) -> list[tuple[int, int]]:
+    absent = np.flatnonzero(resident_pages(fd, offset, length) == 0)
+    if absent.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(absent) != 1) + 1
+    end = offset + length
+    return [(offset + int(r[0]) * PAGE, min(end, offset + (int(r[-1]) + 1) * PAGE)) for r in np.split(absent, breaks)]
 
 
 def _read_through(fd: int, offset: int, length: int) -> None:

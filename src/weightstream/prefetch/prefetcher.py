@@ -121,11 +121,11 @@ class Prefetcher:
                     return
             self._complete(chunk, *self._fetch(chunk))
 
-    def _fetch(self, chunk: Chunk) -> tuple[int, int]:
+    def _fetch(self, chunk: Chunk) -> tuple[list[tuple[int, int]] | None, int]:
         try:
             return io.fetch(self._fds[chunk.file], chunk.offset, chunk.length)
         except OSError:
-            return -1, 0  # a short or failing file: skip the chunk; the loader sees the file as it is
+            return None, 0  # a short or failing file: skip the chunk; the loader sees the file as it is
 
     def _finished(self) -> bool:
         return all(w.next_issue >= len(w.chunks) for w in self.workers)
@@ -161,19 +161,19 @@ class Prefetcher:
             self.counters.pressure_pauses += self._pressured and not was
         return self._pressured
 
-    def _complete(self, chunk: Chunk, read: int, cached: int) -> None:
+    def _complete(self, chunk: Chunk, runs: list[tuple[int, int]] | None, cached: int) -> None:
         with self._cond:
             w = self.workers[chunk.worker]
             ahead = chunk.index > w.cursor
-            if read < 0:
+            if runs is None:
                 w.status[chunk.index] = FAILED
                 self.counters.failed_chunks += 1
             else:
-                w.status[chunk.index] = DONE if read else CACHED
-                self.counters.prefetched += read
+                w.status[chunk.index] = DONE if runs else CACHED
                 self.counters.already_cached += cached
-                if read:
-                    self.fetched[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+                for start, end in runs:
+                    self.counters.prefetched += end - start
+                    self.fetched[chunk.file].add(start, end)
             if ahead and w.status[chunk.index] != DONE:
                 self.ahead -= chunk.length  # nothing was added to memory after all
             self._cond.notify_all()

@@ -125,10 +125,10 @@ def exit_like(returncode: int) -> int:
     sys.stderr.flush()
     if returncode < 0:
         sig = -returncode
-        signal.signal(sig, signal.SIG_DFL)
-        if sig not in (signal.SIGSTOP, signal.SIGTSTP):
-            os.kill(os.getpid(), sig)
-        return 128 + sig
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, hence need no reset
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # only reached for signals whose default action is not to terminate
     return returncode
 
 

@@ -46,7 +46,7 @@ class RunReport:
         """Human-readable lines for stderr."""
         head = f"load {self.load_seconds:.2f} s, exit {self.exit_code}"
         if not self.template_used:
-            return [f"{head}; no prefetch: {self.template_reason}"]
+            return [f"{head}; no prefetch (template not used, reason above)"]
         used = "n/a (no access events without tracefs)" if self.bytes_used is None else human(self.bytes_used)
         lines = [
             f"{head}; template used ({self.source} events, {self.threads} threads)",

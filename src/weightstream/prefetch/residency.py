@@ -65,9 +65,10 @@ def resident_pages(fd: int, offset: int = 0, length: int = 0) -> np.ndarray:
 
 
 def drop_cache(path: str) -> int:
-    """Evict a file's clean, unmapped pages (POSIX_FADV_DONTNEED); returns bytes still cached afterwards."""
+    """Evict a file's unmapped pages (POSIX_FADV_DONTNEED); returns bytes still cached afterwards."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fdatasync(fd)  # DONTNEED skips dirty pages: a freshly written checkpoint must reach the disk first
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return cached_bytes(fd)
     finally:
