@@ -61,7 +61,10 @@ def test_budget_cursor_abandon_and_reclaim(one_file):
         p.on_events([_event(ACCESS, ident, 4 * MIB + 100)])  # loader in chunk 2: three chunks are free again
         _settle(p, 12 * MIB)
         assert p.counters.prefetched == 12 * MIB and p.counters.peak_ahead <= 6 * MIB
-        p.on_events([_event(MISS, ident, 20 * MIB)])  # loader jumps to chunk 10: 6..9 are abandoned
+        p.on_events([_event(MISS, ident, 28 * MIB, MIB)])  # its own readahead far ahead: not consumption
+        time.sleep(0.2)
+        assert p.counters.prefetched == 12 * MIB and p.counters.abandoned == 0
+        p.on_events([_event(ACCESS, ident, 20 * MIB)])  # loader jumps to chunk 10: 6..9 are abandoned
         _settle(p, 18 * MIB)
         assert p.counters.abandoned == 10 * MIB  # chunks 6, 7, 8, 9 and 10 itself, which the loader read
         assert p.counters.reclaimed == 12 * MIB  # chunks 0..5 were cached; 0..8 are 2 MiB+ behind
@@ -98,3 +101,24 @@ def test_residency_mode_ignores_its_own_reads(one_file):
     _settle(p, 8 * MIB)
     p.stop()
     assert p.counters.loader_missed == 4096 and p.counters.prefetched == 8 * MIB
+
+
+def test_a_miss_far_behind_the_cursor_rewinds(one_file):
+    path, ident = one_file
+    p = _prefetcher(path, ident, budget=4 * MIB, reclaim_gap=2 * MIB)
+    p.go()
+    try:
+        _settle(p, 4 * MIB)
+        p.on_events([_event(ACCESS, ident, 30 * MIB)])  # a first pass ran to the end (chunk 15) ...
+        time.sleep(0.2)
+        assert p.counters.reclaimed == 4 * MIB and p.counters.rewinds == 0
+        p.on_events([_event(MISS, ident, 0)])  # ... and a second pass starts over, from disk
+        _settle(p, 8 * MIB)
+        assert p.counters.rewinds == 1 and p.counters.reread_after_reclaim == 4096
+        assert p.counters.prefetched == 8 * MIB  # chunks 1 and 2 again, within the budget
+        assert _cached(path, 2 * MIB, 4 * MIB) == 4 * MIB
+        p.on_events([_event(ACCESS, ident, 20 * MIB)])
+        time.sleep(0.2)
+        assert p.counters.reclaimed == 4 * MIB  # a loader that reads twice is not burnt after reading
+    finally:
+        p.stop()

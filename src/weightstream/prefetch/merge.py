@@ -53,6 +53,12 @@ class RangeMerger:
             proc = self._procs[pid] = _Process(name, self._seq)
         proc.misses += 1
         start, end = page_floor(offset), page_ceil(offset + length)
+        while end - start > self.segment:  # one joined event can span many segments
+            self._add(proc, file, start, start + self.segment)
+            start += self.segment
+        self._add(proc, file, start, end)
+
+    def _add(self, proc: _Process, file: int, start: int, end: int) -> None:
         seg = self._continued(proc, file, start, end)
         if seg is not None and max(seg.end, end) - seg.start > self.segment:
             proc.open.remove(seg)  # full: the rest of this miss starts the next segment

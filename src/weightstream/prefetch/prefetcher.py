@@ -1,7 +1,11 @@
 """Interruptible prefetch: threads read each worker's plan ahead of the loader's cursor, within a budget.
 
-The cursor of a worker is the furthest chunk the loader has touched (a miss or a cached read, from the event
-source). Chunks not yet issued when the cursor passes them are abandoned; chunks prefetched and not yet passed
+The cursor of a worker is the furthest chunk the loader has read (a fault or read() call, cached or not, from
+tracefs). Misses alone do not move it: a loader's own readahead or madvise(WILLNEED) misses far ahead of what
+it consumes, and following those would abandon and reclaim what it still needs. A thread that misses far
+behind where it last read makes another pass: the cursor rewinds, and that worker no longer burns after
+reading (what lies behind the cursor was evidently not consumed). Reclaim stays behind the slowest recently
+active loader thread. Residency sampling sees only misses (and no threads), so there they move the cursor. Chunks not yet issued when the cursor passes them are abandoned; chunks prefetched and not yet passed
 are "ahead" and count against the memory budget; with a budget, chunks more than the reclaim gap behind the
 cursor are dropped from the page cache (burn after reading). The loader's own reads are never touched:
 prefetch only ever adds or drops clean page-cache pages, which the kernel re-reads from the file on demand.
@@ -15,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from weightstream.prefetch import fetch as io
-from weightstream.prefetch.events import MISS, PageEvent
+from weightstream.prefetch.events import ACCESS, MISS, PageEvent
 from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.memory import CgroupMemory, headroom
 from weightstream.prefetch.numa import Placement, bind_current_thread
@@ -23,6 +27,9 @@ from weightstream.prefetch.plan import Chunk, Plan
 
 PENDING, ISSUED, DONE, ABANDONED, CACHED, FAILED = range(6)
 PRESSURE_CHECK_S = 0.1
+TIMELINE_POINTS = 20000
+REWIND_CHUNKS = 4  # a thread missing this many chunks behind where it read is on a new pass
+ACTIVE_S = 1.0  # a loader thread seen within this long still reads: reclaim stays behind it
 
 
 @dataclass(slots=True)
@@ -50,7 +57,9 @@ class Counters:
     failed_chunks: int = 0
     pressure_pauses: int = 0
     events: int = 0
+    rewinds: int = 0
     peak_ahead: int = 0  # most bytes ever prefetched (or in flight) and not yet reached by the loader
+    timeline: list = field(default_factory=list)  # (seconds, worker, loader position, prefetch position, ahead)
 
 
 @dataclass(slots=True)
@@ -60,6 +69,8 @@ class _Worker:
     cursor: int = -1
     next_issue: int = 0
     next_reclaim: int = 0
+    threads: dict = field(default_factory=dict)  # loader thread id -> (last chunk it read, when)
+    multi_pass: bool = False  # seen reading data again: no more burn-after-reading for this worker
 
 
 class Prefetcher:
@@ -81,6 +92,7 @@ class Prefetcher:
         self._go = threading.Event()
         self._pressure_at, self._pressured = 0.0, False
         self._rr = 0
+        self._t0 = time.monotonic()
         self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
                          for i in range(max(1, settings.threads))]
         for t in self._threads:
@@ -114,7 +126,7 @@ class Prefetcher:
         while True:
             with self._cond:
                 chunk = self._next_chunk()
-                while chunk is None and not self._stop and not self._finished():
+                while chunk is None and not self._stop:  # idle until stopped: a rewind may bring work back
                     self._cond.wait(PRESSURE_CHECK_S)
                     chunk = self._next_chunk()
                 if chunk is None:
@@ -126,9 +138,6 @@ class Prefetcher:
             return io.fetch(self._fds[chunk.file], chunk.offset, chunk.length)
         except OSError:
             return None, 0  # a short or failing file: skip the chunk; the loader sees the file as it is
-
-    def _finished(self) -> bool:
-        return all(w.next_issue >= len(w.chunks) for w in self.workers)
 
     def _next_chunk(self) -> Chunk | None:
         """Under the lock: the next chunk to issue, round-robin over workers, within budget and headroom."""
@@ -207,8 +216,28 @@ class Prefetcher:
             self.counters.reread_after_reclaim += self.dropped[f].overlap(start, end)
         self.counters.events += 1
         self.touched[f].add(start, end)
+        moves = e.kind == ACCESS or self.own_misses_visible
+        now = time.monotonic()
         for chunk in self.plan.lookup(f, start, end):
-            self._advance(self.workers[chunk.worker], chunk.index)
+            w = self.workers[chunk.worker]
+            last = w.threads.get(e.tid)
+            if e.kind == MISS and last is not None and chunk.index < last[0] - REWIND_CHUNKS:
+                self._rewind(w, chunk.index)
+            if moves:
+                w.threads[e.tid] = (chunk.index, now)
+                self._advance(w, chunk.index)
+
+    def _rewind(self, w: _Worker, index: int) -> None:
+        """A loader thread missed far behind where it had read: another pass (after memory pressure evicted the
+        first). Follow it back: everything after `index` may be prefetched again (cached chunks cost nothing)."""
+        for i in range(index, len(w.chunks)):
+            if w.status[i] in (DONE, CACHED, ABANDONED):
+                w.status[i] = PENDING
+        w.cursor, w.next_issue = index, index + 1
+        w.multi_pass = True  # it reads what it read before: burning after reading would cost re-reads
+        self.counters.rewinds += 1
+        self.ahead = sum(c.length for x in self.workers for c in x.chunks[x.cursor + 1:]
+                         if x.status[c.index] == ISSUED)
 
     def _advance(self, w: _Worker, index: int) -> None:
         """The loader reached chunk `index`: abandon what was not issued before it, release its budget."""
@@ -221,13 +250,19 @@ class Prefetcher:
                 self.ahead -= w.chunks[i].length
         w.cursor = max(w.cursor, index)
         w.next_issue = max(w.next_issue, w.cursor + 1)
+        if len(self.counters.timeline) < TIMELINE_POINTS:
+            issue = w.chunks[min(w.next_issue, len(w.chunks) - 1)].position
+            self.counters.timeline.append((round(time.monotonic() - self._t0, 3), self.workers.index(w),
+                                           w.chunks[index].position, issue, self.ahead))
 
     def _reclaimable(self) -> list[Chunk]:
-        out = []
+        out, recent = [], time.monotonic() - ACTIVE_S
         for w in self.workers:
-            if w.cursor < 0:
+            if w.cursor < 0 or w.multi_pass:
                 continue
-            limit = w.chunks[w.cursor].position - self.settings.reclaim_gap
+            # Behind the slowest thread still reading: threads of one loader often split each tensor.
+            slowest = min((i for i, t in w.threads.values() if t >= recent), default=w.cursor)
+            limit = w.chunks[slowest].position - self.settings.reclaim_gap
             while w.next_reclaim < len(w.chunks) and w.chunks[w.next_reclaim].position + \
                     w.chunks[w.next_reclaim].length <= limit:
                 chunk = w.chunks[w.next_reclaim]

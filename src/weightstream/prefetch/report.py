@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from weightstream.prefetch.units import human
@@ -28,6 +28,7 @@ class RunReport:
     bytes_reread_after_reclaim: int = 0
     bytes_loader_missed: int = 0
     peak_ahead: int = 0
+    rewinds: int = 0
     memory_budget: int | None = None
     reclaim_gap: int | None = None
     threads: int = 0
@@ -36,6 +37,7 @@ class RunReport:
     failed_chunks: int = 0
     events: int = 0
     events_lost: int = 0
+    timeline: list = field(default_factory=list)  # (s, worker, loader position, prefetch position, ahead)
 
     @property
     def bytes_unused(self) -> int | None:
@@ -59,6 +61,9 @@ class RunReport:
         if self.memory_budget is not None:
             lines.append(f"budget {human(self.memory_budget)}: at most {human(self.peak_ahead)} was ahead of the "
                          f"loader; reclaim gap {human(self.reclaim_gap or 0)}")
+        if self.rewinds:
+            lines.append(f"the loader went back {self.rewinds}x (another pass over evicted data): prefetch followed, "
+                         "burn-after-reading stopped")
         if self.pressure_pauses or self.failed_chunks or self.events_lost:
             lines.append(f"paused {self.pressure_pauses}x for memory pressure, {self.failed_chunks} chunks failed, "
                          f"{self.events_lost} trace events lost")

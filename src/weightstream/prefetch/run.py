@@ -175,7 +175,9 @@ def _report(opts: RunOptions, session: _Session, rc: int, seconds: float, lost: 
     report.bytes_used = p.used_bytes() if session.source == "tracefs" else None
     report.bytes_reclaimed, report.bytes_reread_after_reclaim = c.reclaimed, c.reread_after_reclaim
     report.bytes_loader_missed, report.pressure_pauses = c.loader_missed, c.pressure_pauses
-    report.memory_budget, report.peak_ahead = s.budget, c.peak_ahead
+    report.memory_budget, report.peak_ahead, report.rewinds = s.budget, c.peak_ahead, c.rewinds
     report.reclaim_gap = s.reclaim_gap if s.budget is not None else None
     report.failed_chunks, report.events = c.failed_chunks, c.events
+    step = max(1, len(c.timeline) // 200)  # the JSON report keeps about 200 points of the cursor's path
+    report.timeline = c.timeline[::step]
     return report

@@ -1,0 +1,207 @@
+"""Benchmark: model loading cold, plain vs under `weightstream prefetch run`, with ample memory and in a memory
+cgroup limited to 45% of the checkpoint (plus the loader's own anonymous memory).
+
+usage: python benchmarks/prefetch_bench.py [--gib N] [--loaders a,b] [--reps N] [--keep] [--json FILE]
+Default size 1 GiB; WEIGHTSTREAM_SLOW=1 makes it 8 GiB. Prints one JSON document on stdout, progress on
+stderr. Every figure is from this run; ratios compare runs interleaved in the same session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prefetch_checkpoint import build  # noqa: E402
+from prefetch_measure import (Outcome, buffered_read_bandwidth, direct_read_bandwidth, global_drop_note,  # noqa: E402
+                              loader_argv, make_cold, mem_available, still_cached, timed, weight_files)
+from weightstream.prefetch.memory import MemoryCgroup  # noqa: E402
+
+GIB = 1 << 30
+LOADERS = ("safetensors", "transformers", "runai", "fastsafetensors")
+LIMIT_SHARE = 0.45
+
+
+def say(msg: str) -> None:
+    print(f"[prefetch-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bench_env(home: Path) -> dict:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return dict(os.environ, WEIGHTSTREAM_HOME=str(home), PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+
+
+class LoaderBench:
+    """All runs of one loader over one checkpoint."""
+
+    def __init__(self, loader: str, model: Path, env: dict, reps: int, work: Path) -> None:
+        self.loader, self.model, self.env, self.reps, self.work = loader, model, env, reps, work
+        self.bytes = sum(os.path.getsize(p) for p in weight_files(model))
+        self.spec = ["--spec", "bench=prefetch", f"loader={loader}", f"bytes={self.bytes}"]
+        self.report = work / f"report-{loader}.json"
+        self.runs: list[dict] = []
+
+    def cold(self, kind: str, prefetch: bool, cgroup: MemoryCgroup | None = None, extra: tuple = ()) -> Outcome:
+        left = make_cold(self.model)
+        argv = loader_argv(self.loader, self.model)
+        if prefetch:
+            argv = [sys.executable, "-m", "weightstream.cli", "prefetch", "run", *self.spec, *extra,
+                    "--json-report", str(self.report), "--", *argv]
+        out = timed(argv, self.env, self.report if prefetch else None, cgroup)
+        self.runs.append({"kind": kind, "prefetch": prefetch, "left_cached": left, **out.__dict__})
+        say(f"{self.loader} {kind} {'prefetch' if prefetch else 'plain'}: {out.wall_s:.2f} s (rc {out.returncode})")
+        return out
+
+    def record(self) -> dict:
+        make_cold(self.model)
+        argv = [sys.executable, "-m", "weightstream.cli", "prefetch", "record", *self.spec, "--model-dir",
+                str(self.model), "--", *loader_argv(self.loader, self.model)]
+        out = timed(argv, self.env)
+        templates = list((Path(self.env["WEIGHTSTREAM_HOME"]) / "templates").glob("*.json"))
+        size = max((p.stat().st_size for p in templates if self.loader in p.read_text()), default=None)
+        say(f"{self.loader} record: {out.wall_s:.2f} s, rc {out.returncode}, template {size} bytes")
+        return {"wall_s": out.wall_s, "returncode": out.returncode, "template_bytes": size,
+                "template_bytes_per_gib": size / (self.bytes / GIB) if size else None, "stderr": out.stderr_tail}
+
+    def pairs(self, kind: str, cgroup_limit: int | None = None, extra: tuple = ()) -> tuple[list, list]:
+        plain, pf = [], []
+        for r in range(self.reps):
+            for prefetch in ((False, True) if r % 2 == 0 else (True, False)):  # alternate who goes first
+                cg = MemoryCgroup(f"ws-bench-{os.getpid()}-{len(self.runs)}", cgroup_limit) if cgroup_limit else None
+                try:
+                    out = self.cold(kind, prefetch, cg, extra if prefetch else ())
+                finally:
+                    if cg:
+                        cg.remove()
+                (pf if prefetch else plain).append(out)
+        return plain, pf
+
+
+def _median(outs: list[Outcome], key=lambda o: o.wall_s) -> float | None:
+    ok = [key(o) for o in outs if o.returncode == 0]
+    return round(statistics.median(ok), 3) if ok else None
+
+
+def _reduction(plain: float | None, pf: float | None) -> float | None:
+    return round(1 - pf / plain, 3) if plain and pf else None
+
+
+def _profile(outs: list[Outcome]) -> dict:
+    ok = [o for o in outs if o.returncode == 0]
+    if not ok:
+        return {"error": outs[0].stderr_tail if outs else "no runs"}
+    o = ok[len(ok) // 2]
+    prof = {k: o.loader.get(k) for k in ("import_s", "load_s", "cpu_s", "peak_anon")}
+    prof.update(wall_s=round(o.wall_s, 3), tree_cpu_s=round(o.cpu_s, 3), cgroup_peak=o.cgroup_peak)
+    if o.report:
+        prof["prefetch"] = {k: v for k, v in o.report.items() if k.startswith("bytes_") or k in
+                            ("template_used", "source", "memory_budget", "peak_ahead", "load_seconds")}
+    return prof
+
+
+def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
+    warm_up = lb.cold("warm-up", False)
+    if warm_up.returncode != 0:
+        return {"error": f"loader does not run here: {warm_up.stderr_tail}"}
+    rec = lb.record()
+    if rec["returncode"] != 0:
+        return {"record": rec, "note": "no template: the loader read nothing through the page cache"}
+    plain, pf = lb.pairs("ample")
+    timed(loader_argv(lb.loader, lb.model), lb.env)  # warm the cache
+    warm = [timed(loader_argv(lb.loader, lb.model), lb.env) for _ in range(max(1, lb.reps))]
+    anon = max(o.loader.get("peak_anon", 0) for o in plain + warm if o.returncode == 0)
+    limit = int(anon + LIMIT_SHARE * lb.bytes)
+    gap = f"{min(GIB, lb.bytes // 10)}"
+    lim_plain, lim_pf = lb.pairs("limited", limit, ("--reclaim-gap", gap))
+    return summarise(lb, bandwidth, rec, plain, pf, warm, limit, lim_plain, lim_pf)
+
+
+def summarise(lb, bandwidth, rec, plain, pf, warm, limit, lim_plain, lim_pf) -> dict:
+    checks = {o.loader.get("checksum") for o in plain + pf + warm + lim_plain + lim_pf if o.returncode == 0}
+    t_plain, t_pf, t_warm = _median(plain), _median(pf), _median(warm)
+    bound = max(lb.bytes / bandwidth, t_warm or 0)
+    load = lambda o: o.loader.get("load_s", 0)  # noqa: E731
+    return {
+        "bytes": lb.bytes, "record": rec, "checksums_identical": len(checks) == 1, "checksum": sorted(checks),
+        "ample": {"plain_s": t_plain, "prefetch_s": t_pf, "reduction": _reduction(t_plain, t_pf),
+                  "plain_load_phase_s": _median(plain, load), "prefetch_load_phase_s": _median(pf, load),
+                  "load_phase_reduction": _reduction(_median(plain, load), _median(pf, load))},
+        "warm_s": t_warm, "bound_s": round(bound, 3), "best_possible_reduction": _reduction(t_plain, bound),
+        "limited": {"limit_bytes": limit, "plain_s": _median(lim_plain), "prefetch_s": _median(lim_pf),
+                    "reduction": _reduction(_median(lim_plain), _median(lim_pf)),
+                    "plain_failures": [o.returncode for o in lim_plain if o.returncode],
+                    "prefetch_failures": [o.returncode for o in lim_pf if o.returncode]},
+        "profile": {"plain": _profile(plain), "prefetch": _profile(pf), "warm": _profile(warm),
+                    "limited_plain": _profile(lim_plain), "limited_prefetch": _profile(lim_pf)},
+        "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs],
+    }
+
+
+def device(model: Path) -> dict:
+    paths, limit = weight_files(model), 2 * GIB
+    make_cold(model)
+    direct = direct_read_bandwidth(paths, limit)
+    make_cold(model)
+    buffered = buffered_read_bandwidth(paths, limit)
+    make_cold(model)
+    return {"direct_4x1MiB_Bps": round(direct), "buffered_sequential_Bps": round(buffered),
+            "bytes_measured": min(limit, sum(os.path.getsize(p) for p in paths)),
+            "left_cached_after_drop": still_cached(model), "global_drop_caches": global_drop_note()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=8.0 if os.environ.get("WEIGHTSTREAM_SLOW") == "1" else 1.0)
+    p.add_argument("--loaders", default=",".join(LOADERS))
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--work", type=Path, default=Path(".work/bench-prefetch"))
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint (it is deleted by default)")
+    p.add_argument("--json", type=Path, help="also write the JSON document here")
+    args = p.parse_args()
+    return bench(args)
+
+
+def bench(args) -> int:
+    work = args.work.resolve()
+    model = work / f"moe-{args.gib:g}g"
+    say(f"building a {args.gib:g} GiB synthetic qwen3_moe checkpoint in {model}")
+    t0 = time.monotonic()
+    build(model, int(args.gib * GIB))
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": " ".join(sys.argv),
+           "checkpoint": {"dir": str(model), "build_s": round(time.monotonic() - t0, 1)}}
+    doc["device"] = device(model)
+    bandwidth = max(doc["device"]["direct_4x1MiB_Bps"], doc["device"]["buffered_sequential_Bps"])
+    env = bench_env(work / "home")
+    doc["loaders"] = {}
+    try:
+        for name in args.loaders.split(","):
+            doc["loaders"][name] = run_loader(LoaderBench(name, model, env, args.reps, work), bandwidth)
+    finally:
+        shutil.rmtree(work / "home", ignore_errors=True)
+        if not args.keep:
+            make_cold(model)
+            shutil.rmtree(model, ignore_errors=True)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "mem_available": mem_available(), "kernel": platform.release(),
+            "python": platform.python_version(), "disk": "virtio /dev/vda, ext4"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
