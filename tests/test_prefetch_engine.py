@@ -122,3 +122,18 @@ def test_a_miss_far_behind_the_cursor_rewinds(one_file):
         assert p.counters.reclaimed == 4 * MIB  # a loader that reads twice is not burnt after reading
     finally:
         p.stop()
+
+
+def test_eviction_before_use_halves_the_budget(one_file):
+    path, ident = one_file
+    p = _prefetcher(path, ident, budget=16 * MIB)
+    p.go()
+    try:
+        _settle(p, 16 * MIB)
+        drop([path])  # what reclaim in a full memory cgroup does to pages nobody has read yet
+        p.on_events([_event(ACCESS, ident, 2 * MIB), _event(MISS, ident, 2 * MIB, 2 * MIB)])
+        assert p.counters.evicted_before_use > 0 and p.budget == 8 * MIB
+        p.on_events([_event(MISS, ident, 4 * MIB, 2 * MIB)])  # within 100 ms: counted, not halved again
+        assert p.budget == 8 * MIB
+    finally:
+        p.stop()

@@ -59,8 +59,8 @@ def test_merger_joins_interleaved_streams_and_keeps_time_order():
         m.add(7, "loader", 0, i * 4096, 4096)
         m.add(7, "loader", 0, 100 * MIB + i * 4096, 4096)
     m.add(9, "other", 1, 0, 8192)
-    w = m.workers()
-    assert [x.name for x in w] == ["loader", "other"]
+    pids, w = zip(*m.workers())
+    assert pids == (7, 9) and [x.name for x in w] == ["loader", "other"]
     assert w[0].ranges == [(0, 0, MIB), (0, 100 * MIB, MIB)]
     assert w[1].ranges == [(1, 0, 8192)]
 
@@ -70,7 +70,7 @@ def test_merger_caps_segments_and_bridges_small_gaps():
     reads = [(i + (MIB // 4 if i == 4 * MIB else 0), MIB // 2) for i in range(0, 20 * MIB, MIB)]
     for offset, length in reads:  # half of every MiB: holes of 512 KiB, below the 1 MiB gap, are bridged
         m.add(1, "p", 0, offset, length)
-    ranges = m.workers()[0].ranges
+    ranges = m.workers()[0][1].ranges
     assert len(ranges) == 3 and all(length <= 8 * MIB for _, _, length in ranges)
     assert all(a[1] + a[2] <= b[1] for a, b in zip(ranges, ranges[1:]))  # in order, no overlap
     for offset, length in reads:

@@ -62,7 +62,8 @@ def register(sub) -> None:
                      help="most bytes prefetched and not yet reached by the loader (e.g. 4GiB); enables "
                           "burn-after-reading. Default: unlimited, or 1/4 of the room in a memory-limited cgroup")
     run.add_argument("--reclaim-gap", metavar="SIZE", default="1GiB",
-                     help="with a budget, drop pages further than this behind the loader (default 1GiB)")
+                     help="with a budget, drop pages further than this behind the loader (default 1GiB); "
+                          "'none' keeps them (for loaders whose tensors stay mapped from the page cache)")
     run.add_argument("--numa-node", metavar="N|auto",
                      help="put prefetched pages on NUMA node N, or on the node of the GPU the command uses")
     run.add_argument("--threads", type=int, default=4, help="prefetch threads, i.e. reads in flight (default 4)")
@@ -113,7 +114,8 @@ def _run(args) -> int:
     if budget is not None and budget < (2 << 20):
         raise WeightstreamError(f"--memory-budget {args.memory_budget} is below one 2 MiB prefetch chunk")
     placement = numa.choose(args.numa_node)
-    settings = Settings(budget, parse_size(args.reclaim_gap, "--reclaim-gap"), args.threads, placement)
+    gap = None if args.reclaim_gap.lower() in ("none", "off") else parse_size(args.reclaim_gap, "--reclaim-gap")
+    settings = Settings(budget, gap, args.threads, placement)
     opts = RunOptions(DeploymentSpec.parse(args.spec), _argv(args), settings, args.sampling, _say)
     if placement.message:
         _say(placement.message)

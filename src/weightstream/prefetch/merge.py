@@ -84,12 +84,12 @@ class RangeMerger:
             proc.closed.append(keep.pop(0))
         proc.open = keep
 
-    def workers(self) -> list[WorkerTemplate]:
-        """Each process's ranges in first-miss order, adjacent ranges joined; processes by first miss."""
+    def workers(self) -> list[tuple[int, WorkerTemplate]]:
+        """(pid, ranges in first-miss order with adjacent ranges joined) per process, by first miss."""
         out = []
-        for proc in sorted(self._procs.values(), key=lambda p: p.first_seq):
+        for pid, proc in sorted(self._procs.items(), key=lambda kv: kv[1].first_seq):
             segs = sorted(proc.closed + proc.open, key=lambda s: s.first_seq)
-            out.append(WorkerTemplate(proc.name, _join(segs, self.segment)))
+            out.append((pid, WorkerTemplate(proc.name, _join(segs, self.segment))))
         return out
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightstream.prefetch.template import LoadTemplate
 
 CHUNK = 2 << 20  # one prefetch I/O; small enough that abandoning or stopping is prompt
+MULTI_PASS = 1.25  # reads per distinct byte above which a recorded worker counts as making several passes
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class Plan:
     _starts: dict[int, list[int]]
     _chunks: dict[int, list[Chunk]]
     chunk: int = CHUNK
+    multi_pass: list[bool] = field(default_factory=list)  # per worker: recorded reading its bytes more than once
 
     @classmethod
     def from_template(cls, template: LoadTemplate, chunk: int = CHUNK) -> "Plan":
@@ -50,7 +52,8 @@ class Plan:
         for chunks in by_file.values():
             chunks.sort(key=lambda c: (c.offset, c.worker, c.index))
             _mark_shared(chunks)
-        return cls(workers, {f: [c.offset for c in cs] for f, cs in by_file.items()}, by_file, chunk)
+        multi = [w.reads_per_byte > MULTI_PASS for w in template.workers]
+        return cls(workers, {f: [c.offset for c in cs] for f, cs in by_file.items()}, by_file, chunk, multi)
 
     def lookup(self, file: int, start: int, end: int) -> list[Chunk]:
         """Chunks of any worker that overlap [start, end) of file."""

@@ -7,7 +7,9 @@ behind where it last read makes another pass: the cursor rewinds, and that worke
 reading (what lies behind the cursor was evidently not consumed). Reclaim stays behind the slowest recently
 active loader thread. Residency sampling sees only misses (and no threads), so there they move the cursor. Chunks not yet issued when the cursor passes them are abandoned; chunks prefetched and not yet passed
 are "ahead" and count against the memory budget; with a budget, chunks more than the reclaim gap behind the
-cursor are dropped from the page cache (burn after reading). The loader's own reads are never touched:
+cursor are dropped from the page cache (burn after reading). When the loader misses on pages we had
+prefetched and it had not read yet, the kernel evicted them: the budget halves, since reading further ahead
+then only feeds reclaim. The loader's own reads are never touched:
 prefetch only ever adds or drops clean page-cache pages, which the kernel re-reads from the file on demand.
 """
 
@@ -37,7 +39,7 @@ class Settings:
     """How prefetch behaves: budget (None: unlimited), reclaim gap, thread count, placement, pressure floor."""
 
     budget: int | None = None
-    reclaim_gap: int = 1 << 30
+    reclaim_gap: int | None = 1 << 30  # None: never burn after reading
     threads: int = 4
     placement: Placement = field(default_factory=lambda: Placement(None, (), ""))
     pressure_floor: int = 256 << 20
@@ -58,6 +60,7 @@ class Counters:
     pressure_pauses: int = 0
     events: int = 0
     rewinds: int = 0
+    evicted_before_use: int = 0  # prefetched, then evicted by the kernel before the loader read it
     peak_ahead: int = 0  # most bytes ever prefetched (or in flight) and not yet reached by the loader
     timeline: list = field(default_factory=list)  # (seconds, worker, loader position, prefetch position, ahead)
 
@@ -79,7 +82,8 @@ class Prefetcher:
     def __init__(self, plan: Plan, paths: list[str], ids: list[tuple[int, int]], settings: Settings) -> None:
         self.plan, self.settings, self.counters = plan, settings, Counters()
         self.file_of = {ident: i for i, ident in enumerate(ids)}  # (st_dev, inode) -> file number
-        self.workers = [_Worker(c, bytearray(len(c))) for c in plan.workers]
+        self.workers = [_Worker(c, bytearray(len(c)), multi_pass=multi)
+                        for c, multi in zip(plan.workers, plan.multi_pass or [False] * len(plan.workers))]
         self.ahead = 0
         self.fetched = [IntervalSet() for _ in paths]  # completed prefetch reads
         self.issued = [IntervalSet() for _ in paths]  # every range handed to a thread, at hand-off
@@ -93,6 +97,8 @@ class Prefetcher:
         self._pressure_at, self._pressured = 0.0, False
         self._rr = 0
         self._t0 = time.monotonic()
+        self.budget = settings.budget  # shrinks when the kernel evicts what we prefetched before it is used
+        self._shrunk_at = 0.0
         self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
                          for i in range(max(1, settings.threads))]
         for t in self._threads:
@@ -150,7 +156,7 @@ class Prefetcher:
             if w.next_issue >= len(w.chunks):
                 continue
             chunk = w.chunks[w.next_issue]
-            budget = self.settings.budget
+            budget = self.budget
             if budget is not None and self.ahead > 0 and self.ahead + chunk.length > budget:
                 continue
             w.status[chunk.index] = ISSUED
@@ -193,7 +199,8 @@ class Prefetcher:
         with self._cond:
             for e in events:
                 self._note(e)
-            todo = self._reclaimable() if self.settings.budget is not None else []
+            burn = self.settings.budget is not None and self.settings.reclaim_gap is not None
+            todo = self._reclaimable() if burn else []
             self._cond.notify_all()
         for chunk in todo:
             if self._stop:
@@ -213,7 +220,11 @@ class Prefetcher:
             if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
                 return
             self.counters.loader_missed += end - start
-            self.counters.reread_after_reclaim += self.dropped[f].overlap(start, end)
+            dropped = self.dropped[f].overlap(start, end)
+            self.counters.reread_after_reclaim += dropped
+            lost = self.fetched[f].overlap(start, end) - self.touched[f].overlap(start, end) - dropped
+            if lost > 0:
+                self._evicted_before_use(lost)
         self.counters.events += 1
         self.touched[f].add(start, end)
         moves = e.kind == ACCESS or self.own_misses_visible
@@ -226,6 +237,17 @@ class Prefetcher:
             if moves:
                 w.threads[e.tid] = (chunk.index, now)
                 self._advance(w, chunk.index)
+
+    def _evicted_before_use(self, lost: int) -> None:
+        """Memory pressure, measured: the kernel dropped pages we read before the loader got to them. Halve
+        the budget (at most every 100 ms), down to two chunks: reading further ahead only feeds reclaim."""
+        self.counters.evicted_before_use += lost
+        now = time.monotonic()
+        if now - self._shrunk_at < PRESSURE_CHECK_S:
+            return
+        self._shrunk_at = now
+        current = self.budget if self.budget is not None else max(self.ahead, 2 * self.plan.chunk)
+        self.budget = max(2 * self.plan.chunk, current // 2)
 
     def _rewind(self, w: _Worker, index: int) -> None:
         """A loader thread missed far behind where it had read: another pass (after memory pressure evicted the

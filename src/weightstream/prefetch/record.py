@@ -12,6 +12,7 @@ from typing import Callable
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import tracefs
 from weightstream.prefetch.events import MISS, PageEvent
+from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.procs import WEIGHT_SUFFIXES, GatedCommand, open_weight_files, process_tree
 from weightstream.prefetch.residency import ResidencySampler, drop_cache
@@ -46,6 +47,23 @@ def _ids(paths: list[Path]) -> list[tuple[str, int, int]]:
     return out
 
 
+class ReadCount:
+    """Bytes a process read from one file (cached or not), and how many distinct bytes that was."""
+
+    def __init__(self) -> None:
+        self.seen, self.total = IntervalSet(), 0
+
+    def add(self, offset: int, length: int) -> None:
+        self.total += length
+        self.seen.add(offset, offset + length)
+
+
+def reads_per_byte(counts: list[ReadCount]) -> float:
+    """Bytes read / distinct bytes: ~1 for a loader that reads once, ~2 for one that makes two passes."""
+    distinct = sum(c.seen.total for c in counts)
+    return round(sum(c.total for c in counts) / distinct, 2) if distinct else 1.0
+
+
 class _Watcher:
     """Notes which weight files the command's processes open or map, every 50 ms."""
 
@@ -73,6 +91,7 @@ class Recorder:
     def __init__(self, opts: RecordOptions) -> None:
         self.opts = opts
         self.merger = RangeMerger()
+        self.reads: dict[int, dict[tuple[int, int], ReadCount]] = {}
         self._names: dict[int, str] = {}
         self.known = [Path(p) for p in weight_files(opts.model_dirs)]
         root, self.why = (None, "forced residency sampling") if opts.force_residency else tracefs.find_tracefs()
@@ -80,10 +99,12 @@ class Recorder:
         self.source = "tracefs" if root else "residency"
 
     def on_events(self, events: list[PageEvent]) -> None:
-        """Feed misses to the merger, per process."""
+        """Feed misses to the merger, per process; count reads to tell one-pass from multi-pass loaders."""
         for e in events:
             if e.kind == MISS:
                 self.merger.add(e.tgid, self._name(e.tgid), (e.dev, e.ino), e.offset, e.length)
+            else:
+                self.reads.setdefault(e.tgid, {}).setdefault((e.dev, e.ino), ReadCount()).add(e.offset, e.length)
 
     def _name(self, pid: int) -> str:
         if pid not in self._names:
@@ -119,7 +140,7 @@ class Recorder:
             self.sampler = ResidencySampler(_ids(self.known))
             self.sampler.start(self.on_events)
             return self.sampler
-        session = tracefs.TraceSession(self.root, buffer_kb=32768, events=("mm_filemap_add_to_page_cache",))
+        session = tracefs.TraceSession(self.root, buffer_kb=32768)
         try:
             session.follow_pid(pid)
             if self.known:
@@ -141,7 +162,7 @@ class Recorder:
         by_id = {(d, i): path for path, d, i in _ids(weight_files(dirs))}
         files: list[str] = []
         workers = []
-        for worker in self.merger.workers():
+        for pid, worker in self.merger.workers():
             ranges = []
             for key, offset, length in worker.ranges:
                 if key in by_id:
@@ -149,7 +170,8 @@ class Recorder:
                         files.append(by_id[key])
                     ranges.append((files.index(by_id[key]), offset, length))
             if ranges:
-                workers.append(WorkerTemplate(worker.name, ranges))
+                counts = [c for key, c in self.reads.get(pid, {}).items() if key in by_id]
+                workers.append(WorkerTemplate(worker.name, ranges, reads_per_byte(counts)))
         if not workers:
             return None
         identities = [FileIdentity.of(p) for p in files]

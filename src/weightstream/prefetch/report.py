@@ -29,6 +29,8 @@ class RunReport:
     bytes_loader_missed: int = 0
     peak_ahead: int = 0
     rewinds: int = 0
+    bytes_evicted_before_use: int = 0
+    final_budget: int | None = None
     memory_budget: int | None = None
     reclaim_gap: int | None = None
     threads: int = 0
@@ -59,8 +61,12 @@ class RunReport:
             f"{human(self.bytes_reread_after_reclaim)}, loader read itself {human(self.bytes_loader_missed)}",
         ]
         if self.memory_budget is not None:
+            gap = "no reclaim" if self.reclaim_gap is None else f"reclaim gap {human(self.reclaim_gap)}"
             lines.append(f"budget {human(self.memory_budget)}: at most {human(self.peak_ahead)} was ahead of the "
-                         f"loader; reclaim gap {human(self.reclaim_gap or 0)}")
+                         f"loader; {gap}")
+        if self.bytes_evicted_before_use:
+            lines.append(f"memory pressure: {human(self.bytes_evicted_before_use)} prefetched was evicted before "
+                         f"use; budget cut to {human(self.final_budget or 0)}")
         if self.rewinds:
             lines.append(f"the loader went back {self.rewinds}x (another pass over evicted data): prefetch followed, "
                          "burn-after-reading stopped")

@@ -176,6 +176,7 @@ def _report(opts: RunOptions, session: _Session, rc: int, seconds: float, lost: 
     report.bytes_reclaimed, report.bytes_reread_after_reclaim = c.reclaimed, c.reread_after_reclaim
     report.bytes_loader_missed, report.pressure_pauses = c.loader_missed, c.pressure_pauses
     report.memory_budget, report.peak_ahead, report.rewinds = s.budget, c.peak_ahead, c.rewinds
+    report.bytes_evicted_before_use, report.final_budget = c.evicted_before_use, p.budget
     report.reclaim_gap = s.reclaim_gap if s.budget is not None else None
     report.failed_chunks, report.events = c.failed_chunks, c.events
     step = max(1, len(c.timeline) // 200)  # the JSON report keeps about 200 points of the cursor's path
