@@ -57,10 +57,12 @@ def main() -> int:
     p.add_argument("files", nargs="+")
     p.add_argument("--sleep-per-mib", type=float, default=0.0)
     p.add_argument("--exit", type=int, default=0)
+    p.add_argument("--passes", type=int, default=1, help="read everything this many times")
     args = p.parse_args()
     load = {"read": _read, "mmap": _mmap, "safetensors": _safetensors}[args.mode]
-    for path in args.files:
-        print(os.path.basename(path), load(path, args.sleep_per_mib), flush=True)
+    for _ in range(args.passes):
+        for path in args.files:
+            print(os.path.basename(path), load(path, args.sleep_per_mib), flush=True)
     print("loader done", file=sys.stderr)
     return args.exit
 

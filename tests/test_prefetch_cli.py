@@ -138,3 +138,16 @@ def test_bad_input_is_refused_before_running(tmp_path):
                         (["prefetch", "record", *SPEC, "--model-dir", "/no/dir", "--", "true"], b"not a directory")):
         out = cli(home, *args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+
+
+def test_record_tells_a_two_pass_loader_from_a_one_pass_one(tmp_path, ckpt):
+    from weightstream.prefetch.template import LoadTemplate
+
+    paths = files(ckpt)
+    for passes, home in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        rec = cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--",
+                  *loader("read", paths, "--passes", str(passes)))
+        assert rec.returncode == 0, rec.stderr.decode()
+        (path,) = (home / "templates").glob("*.json")
+        (worker,) = LoadTemplate.from_json(path.read_text()).workers
+        assert abs(worker.reads_per_byte - passes) < 0.2, worker.reads_per_byte

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ def test_failing_command_leaves_no_thread_child_or_instance(recorded):
     drop(paths)
     left = _harness(home, *loader("read", paths, "--exit", "4", "--sleep-per-mib", "0.01"))
     assert left["rc"] == 4 and left["template_used"] and left["prefetched"] > 0
-    assert left["threads"] == ["MainThread"] and left["tasks"] == 1
+    assert left["threads"] == ["MainThread"] and left["tasks"] == 1, left
     assert left["children"] == [] and left["instances"] == []
 
 

@@ -102,7 +102,7 @@ def _record(args) -> int:
 
 def _run(args) -> int:
     from weightstream.prefetch import numa
-    from weightstream.prefetch.prefetcher import Settings
+    from weightstream.prefetch.settings import Settings
     from weightstream.prefetch.procs import exit_like
     from weightstream.prefetch.run import RunOptions, run
     from weightstream.prefetch.spec import DeploymentSpec

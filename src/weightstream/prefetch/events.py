@@ -1,7 +1,7 @@
 """Page-cache events as weightstream sees them, and the parser for tracefs text lines.
 
-A miss is a page the kernel added to the page cache for the file (the reader waited for the disk); an access
-is a read or mmap fault that found the page cached. Both move the replay cursor; only misses are recorded.
+A miss is a page the kernel added to the page cache for the file; an access is an mmap fault or fault-around
+mapping; a read is one step of a read() call. Misses are recorded; accesses and reads move the replay cursor.
 """
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ import os
 import re
 from typing import NamedTuple
 
-MISS, ACCESS = "miss", "access"
+MISS, ACCESS, READ = "miss", "access", "read"
 
 # tracefs text with options/record-tgid: "<comm>-<tid> (<tgid>) [cpu] flags ts: event: payload".
 _LINE = re.compile(
     rb"-(\d+) +(?:\( *([\d-]+)\) +)?\[\d+\] \S+ +[\d.]+: mm_filemap_(\w+): dev[ =](\d+):(\d+) ino[ =]([0-9a-f]+) "
     rb"(?:pfn=\S+ )?ofs=(\d+)(?:-(\d+))?(?: order=(\d+))?"
 )
-_KINDS = {b"add_to_page_cache": MISS, b"map_pages": ACCESS, b"get_pages": ACCESS, b"fault": ACCESS}
+# get_pages fires for every batch of a read() with the range still requested (start .. end of the read), so
+# it is its own kind: ReadSpans turns those into what was actually read.
+_KINDS = {b"add_to_page_cache": MISS, b"map_pages": ACCESS, b"get_pages": READ, b"fault": ACCESS}
 TRACE_EVENTS = tuple(f"mm_filemap_{k.decode()}" for k in _KINDS)
 
 
@@ -67,3 +69,31 @@ def _event(key: tuple, start: int, end: int) -> PageEvent:
 def kernel_dev(st_dev: int) -> int:
     """The kernel's internal dev_t (major << 20 | minor), as tracefs filters compare s_dev."""
     return (os.major(st_dev) << 20) | os.minor(st_dev)
+
+
+class ReadSpans:
+    """Turns read() steps into the byte ranges actually read.
+
+    One read() of N bytes logs get_pages once per batch of pages, each time with the range from the current
+    position to the end of the request. Consecutive events of a task with the same end are one read: each
+    step's new start says how far the previous one got. A read's last step is assumed to finish.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, int, int], list[int]] = {}  # (tid, dev, ino) -> [start, end]
+
+    def feed(self, e: PageEvent) -> list[tuple[int, int]]:
+        """The [start, end) ranges now known to have been read."""
+        key, end = (e.tid, e.dev, e.ino), e.offset + e.length
+        span = self._open.get(key)
+        if span is not None and span[1] == end and e.offset >= span[0]:
+            done, span[0] = (span[0], e.offset), e.offset
+            return [done] if done[1] > done[0] else []
+        self._open[key] = [e.offset, end]
+        return [(span[0], span[1])] if span is not None else []
+
+    def flush(self) -> list[tuple[int, tuple[int, int], int, int]]:
+        """Every open read as (tid, (dev, ino), start, end), assumed finished."""
+        out = [(tid, (dev, ino), s, e) for (tid, dev, ino), (s, e) in self._open.items()]
+        self._open.clear()
+        return out

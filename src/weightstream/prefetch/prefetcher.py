@@ -21,48 +21,18 @@ import time
 from dataclasses import dataclass, field
 
 from weightstream.prefetch import fetch as io
-from weightstream.prefetch.events import ACCESS, MISS, PageEvent
+from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
 from weightstream.prefetch.intervals import IntervalSet
-from weightstream.prefetch.memory import CgroupMemory, headroom
-from weightstream.prefetch.numa import Placement, bind_current_thread
+from weightstream.prefetch.memory import headroom
+from weightstream.prefetch.numa import bind_current_thread
 from weightstream.prefetch.plan import Chunk, Plan
+from weightstream.prefetch.settings import Counters, Settings
 
 PENDING, ISSUED, DONE, ABANDONED, CACHED, FAILED = range(6)
 PRESSURE_CHECK_S = 0.1
 TIMELINE_POINTS = 20000
 REWIND_CHUNKS = 4  # a thread missing this many chunks behind where it read is on a new pass
 ACTIVE_S = 1.0  # a loader thread seen within this long still reads: reclaim stays behind it
-
-
-@dataclass(slots=True)
-class Settings:
-    """How prefetch behaves: budget (None: unlimited), reclaim gap, thread count, placement, pressure floor."""
-
-    budget: int | None = None
-    reclaim_gap: int | None = 1 << 30  # None: never burn after reading
-    threads: int = 4
-    placement: Placement = field(default_factory=lambda: Placement(None, (), ""))
-    pressure_floor: int = 256 << 20
-    cgroup: CgroupMemory | None = None
-
-
-@dataclass(slots=True)
-class Counters:
-    """What happened, in bytes (and a few counts); the report derives its figures from these."""
-
-    prefetched: int = 0
-    already_cached: int = 0
-    abandoned: int = 0
-    reclaimed: int = 0
-    reread_after_reclaim: int = 0
-    loader_missed: int = 0
-    failed_chunks: int = 0
-    pressure_pauses: int = 0
-    events: int = 0
-    rewinds: int = 0
-    evicted_before_use: int = 0  # prefetched, then evicted by the kernel before the loader read it
-    peak_ahead: int = 0  # most bytes ever prefetched (or in flight) and not yet reached by the loader
-    timeline: list = field(default_factory=list)  # (seconds, worker, loader position, prefetch position, ahead)
 
 
 @dataclass(slots=True)
@@ -97,6 +67,7 @@ class Prefetcher:
         self._pressure_at, self._pressured = 0.0, False
         self._rr = 0
         self._t0 = time.monotonic()
+        self._spans = ReadSpans()
         self.budget = settings.budget  # shrinks when the kernel evicts what we prefetched before it is used
         self._shrunk_at = 0.0
         self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
@@ -226,8 +197,13 @@ class Prefetcher:
             if lost > 0:
                 self._evicted_before_use(lost)
         self.counters.events += 1
-        self.touched[f].add(start, end)
-        moves = e.kind == ACCESS or self.own_misses_visible
+        if e.kind == READ:  # the position being read; what was read becomes known step by step
+            for s, t in self._spans.feed(e):
+                self.touched[f].add(s, t)
+            start, end = io.page_span(e.offset, 1)
+        else:
+            self.touched[f].add(start, end)
+        moves = e.kind != MISS or self.own_misses_visible
         now = time.monotonic()
         for chunk in self.plan.lookup(f, start, end):
             w = self.workers[chunk.worker]
@@ -296,4 +272,7 @@ class Prefetcher:
     def used_bytes(self) -> int:
         """Prefetched bytes the loader then read (needs access events, i.e. tracefs)."""
         with self._cond:
+            for _, ident, start, end in self._spans.flush():
+                if ident in self.file_of:
+                    self.touched[self.file_of[ident]].add(start, end)
             return sum(f.intersection_bytes(t) for f, t in zip(self.fetched, self.touched))

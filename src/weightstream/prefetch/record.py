@@ -11,7 +11,7 @@ from typing import Callable
 
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import tracefs
-from weightstream.prefetch.events import MISS, PageEvent
+from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
 from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.procs import WEIGHT_SUFFIXES, GatedCommand, open_weight_files, process_tree
@@ -92,6 +92,8 @@ class Recorder:
         self.opts = opts
         self.merger = RangeMerger()
         self.reads: dict[int, dict[tuple[int, int], ReadCount]] = {}
+        self.spans = ReadSpans()
+        self._span_pid: dict[int, int] = {}
         self._names: dict[int, str] = {}
         self.known = [Path(p) for p in weight_files(opts.model_dirs)]
         root, self.why = (None, "forced residency sampling") if opts.force_residency else tracefs.find_tracefs()
@@ -103,8 +105,15 @@ class Recorder:
         for e in events:
             if e.kind == MISS:
                 self.merger.add(e.tgid, self._name(e.tgid), (e.dev, e.ino), e.offset, e.length)
+            elif e.kind == READ:
+                self._span_pid[e.tid] = e.tgid
+                for start, end in self.spans.feed(e):
+                    self._count(e.tgid, (e.dev, e.ino), start, end - start)
             else:
-                self.reads.setdefault(e.tgid, {}).setdefault((e.dev, e.ino), ReadCount()).add(e.offset, e.length)
+                self._count(e.tgid, (e.dev, e.ino), e.offset, e.length)
+
+    def _count(self, pid: int, key: tuple[int, int], offset: int, length: int) -> None:
+        self.reads.setdefault(pid, {}).setdefault(key, ReadCount()).add(offset, length)
 
     def _name(self, pid: int) -> str:
         if pid not in self._names:
@@ -133,6 +142,8 @@ class Recorder:
                 if part is not None:
                     part.stop()
         self.events_lost = getattr(source, "lines_lost", 0)
+        for tid, key, start, end in self.spans.flush():
+            self._count(self._span_pid.get(tid, tid), key, start, end - start)
         return rc, watcher.seen
 
     def _attach(self, pid: int):

@@ -10,7 +10,8 @@ from typing import Callable
 from weightstream.prefetch import tracefs
 from weightstream.prefetch.memory import CgroupMemory
 from weightstream.prefetch.plan import Plan
-from weightstream.prefetch.prefetcher import Prefetcher, Settings
+from weightstream.prefetch.prefetcher import Prefetcher
+from weightstream.prefetch.settings import Settings
 from weightstream.prefetch.procs import GatedCommand
 from weightstream.prefetch.report import RunReport
 from weightstream.prefetch.residency import ResidencySampler
