@@ -25,6 +25,7 @@ from prefetch_checkpoint import build  # noqa: E402
 from prefetch_measure import (Outcome, buffered_read_bandwidth, direct_read_bandwidth, global_drop_note,  # noqa: E402
                               loader_argv, make_cold, mem_available, still_cached, timed, weight_files)
 from weightstream.prefetch.memory import MemoryCgroup  # noqa: E402
+from weightstream.prefetch.template import LoadTemplate  # noqa: E402
 
 GIB = 1 << 30
 LOADERS = ("safetensors", "transformers", "runai", "fastsafetensors")
@@ -67,24 +68,34 @@ class LoaderBench:
         argv = [sys.executable, "-m", "weightstream.cli", "prefetch", "record", *self.spec, "--model-dir",
                 str(self.model), "--", *loader_argv(self.loader, self.model)]
         out = timed(argv, self.env)
-        templates = list((Path(self.env["WEIGHTSTREAM_HOME"]) / "templates").glob("*.json"))
-        size = max((p.stat().st_size for p in templates if self.loader in p.read_text()), default=None)
+        template = self._template()
+        size = template.stat().st_size if template else None
+        read = LoadTemplate.from_json(template.read_text()).bytes if template else 0
         say(f"{self.loader} record: {out.wall_s:.2f} s, rc {out.returncode}, template {size} bytes")
-        return {"wall_s": out.wall_s, "returncode": out.returncode, "template_bytes": size,
+        return {"wall_s": out.wall_s, "returncode": out.returncode, "template_bytes": size, "template_read_bytes": read,
                 "template_bytes_per_gib": size / (self.bytes / GIB) if size else None, "stderr": out.stderr_tail}
 
-    def pairs(self, kind: str, cgroup_limit: int | None = None, extra: tuple = ()) -> tuple[list, list]:
-        plain, pf = [], []
+    def _template(self) -> Path | None:
+        for p in (Path(self.env["WEIGHTSTREAM_HOME"]) / "templates").glob("*.json"):
+            if f'"loader":"{self.loader}"' in p.read_text():
+                return p
+        return None
+
+    def rounds(self, kind: str, variants: dict[str, tuple | None], cgroup_limit: int | None = None) -> dict:
+        """reps rounds of every variant (None: plain; a tuple: prefetch with those options), rotating the order
+        each round so that no variant always runs first."""
+        out: dict[str, list[Outcome]] = {name: [] for name in variants}
+        names = list(variants)
         for r in range(self.reps):
-            for prefetch in ((False, True) if r % 2 == 0 else (True, False)):  # alternate who goes first
+            for name in names[r % len(names):] + names[: r % len(names)]:
                 cg = MemoryCgroup(f"ws-bench-{os.getpid()}-{len(self.runs)}", cgroup_limit) if cgroup_limit else None
                 try:
-                    out = self.cold(kind, prefetch, cg, extra if prefetch else ())
+                    extra = variants[name]
+                    out[name].append(self.cold(f"{kind} {name}", extra is not None, cg, extra or ()))
                 finally:
                     if cg:
                         cg.remove()
-                (pf if prefetch else plain).append(out)
-        return plain, pf
+        return out
 
 
 def _median(outs: list[Outcome], key=lambda o: o.wall_s) -> float | None:
@@ -114,20 +125,28 @@ def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
     if warm_up.returncode != 0:
         return {"error": f"loader does not run here: {warm_up.stderr_tail}"}
     rec = lb.record()
-    if rec["returncode"] != 0:
-        return {"record": rec, "note": "no template: the loader read nothing through the page cache"}
-    plain, pf = lb.pairs("ample")
+    if rec["returncode"] != 0 or (rec["template_read_bytes"] or 0) < lb.bytes // 100:
+        ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
+        return {"record": rec, "bypasses_page_cache": True, "plain_s": _median(ample["plain"]),
+                "prefetch_s": _median(ample["prefetch"]), "checksum": sorted({o.loader.get("checksum") for o in
+                                                                              ample["plain"] + ample["prefetch"]}),
+                "note": "the loader reads the weights with O_DIRECT: nothing for page-cache prefetch to do"}
+    ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
     timed(loader_argv(lb.loader, lb.model), lb.env)  # warm the cache
     warm = [timed(loader_argv(lb.loader, lb.model), lb.env) for _ in range(max(1, lb.reps))]
-    anon = max(o.loader.get("peak_anon", 0) for o in plain + warm if o.returncode == 0)
+    anon = max(o.loader.get("peak_anon", 0) for o in ample["plain"] + warm if o.returncode == 0)
     limit = int(anon + LIMIT_SHARE * lb.bytes)
-    gap = f"{min(GIB, lb.bytes // 10)}"
-    lim_plain, lim_pf = lb.pairs("limited", limit, ("--reclaim-gap", gap))
-    return summarise(lb, bandwidth, rec, plain, pf, warm, limit, lim_plain, lim_pf)
+    gap = str(min(GIB, lb.bytes // 10))
+    limited = lb.rounds("limited", {"plain": None, "prefetch": ("--reclaim-gap", gap),
+                                    "prefetch-no-reclaim": ("--reclaim-gap", "none")}, limit)
+    return summarise(lb, bandwidth, rec, ample, warm, limit, limited)
 
 
-def summarise(lb, bandwidth, rec, plain, pf, warm, limit, lim_plain, lim_pf) -> dict:
-    checks = {o.loader.get("checksum") for o in plain + pf + warm + lim_plain + lim_pf if o.returncode == 0}
+def summarise(lb, bandwidth, rec, ample, warm, limit, limited) -> dict:
+    plain, pf = ample["plain"], ample["prefetch"]
+    lim_plain, lim_pf, lim_nobar = limited["plain"], limited["prefetch"], limited["prefetch-no-reclaim"]
+    checks = {o.loader.get("checksum") for o in plain + pf + warm + lim_plain + lim_pf + lim_nobar
+              if o.returncode == 0}
     t_plain, t_pf, t_warm = _median(plain), _median(pf), _median(warm)
     bound = max(lb.bytes / bandwidth, t_warm or 0)
     load = lambda o: o.loader.get("load_s", 0)  # noqa: E731
@@ -139,10 +158,16 @@ def summarise(lb, bandwidth, rec, plain, pf, warm, limit, lim_plain, lim_pf) -> 
         "warm_s": t_warm, "bound_s": round(bound, 3), "best_possible_reduction": _reduction(t_plain, bound),
         "limited": {"limit_bytes": limit, "plain_s": _median(lim_plain), "prefetch_s": _median(lim_pf),
                     "reduction": _reduction(_median(lim_plain), _median(lim_pf)),
-                    "plain_failures": [o.returncode for o in lim_plain if o.returncode],
-                    "prefetch_failures": [o.returncode for o in lim_pf if o.returncode]},
+                    "prefetch_no_reclaim_s": _median(lim_nobar),
+                    "no_reclaim_reduction": _reduction(_median(lim_plain), _median(lim_nobar)),
+                    "failures": [(o.returncode, o.stderr_tail) for o in lim_plain + lim_pf + lim_nobar
+                                 if o.returncode]},
+        "spread_s": {name: sorted(round(o.wall_s, 2) for o in outs) for name, outs in
+                     (("plain", plain), ("prefetch", pf), ("warm", warm), ("limited plain", lim_plain),
+                      ("limited prefetch", lim_pf), ("limited prefetch no reclaim", lim_nobar))},
         "profile": {"plain": _profile(plain), "prefetch": _profile(pf), "warm": _profile(warm),
-                    "limited_plain": _profile(lim_plain), "limited_prefetch": _profile(lim_pf)},
+                    "limited_plain": _profile(lim_plain), "limited_prefetch": _profile(lim_pf),
+                    "limited_prefetch_no_reclaim": _profile(lim_nobar)},
         "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs],
     }
 
@@ -163,7 +188,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=8.0 if os.environ.get("WEIGHTSTREAM_SLOW") == "1" else 1.0)
     p.add_argument("--loaders", default=",".join(LOADERS))
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=1 if os.environ.get("WEIGHTSTREAM_SLOW") == "1" else 3)
     p.add_argument("--work", type=Path, default=Path(".work/bench-prefetch"))
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (it is deleted by default)")
     p.add_argument("--json", type=Path, help="also write the JSON document here")
