@@ -120,7 +120,19 @@ def _profile(outs: list[Outcome]) -> dict:
     return prof
 
 
+def enough_memory(lb: LoaderBench, wait_s: float = 120) -> bool:
+    """Loaders that copy the weights into their own memory need the checkpoint twice over (anon + page cache);
+    on a shared machine, wait a little for it, else skip."""
+    need = int(lb.bytes * (2.2 if lb.loader != "safetensors" else 1.2))
+    deadline = time.monotonic() + wait_s
+    while mem_available() < need and time.monotonic() < deadline:
+        time.sleep(5)
+    return mem_available() >= need
+
+
 def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
+    if not enough_memory(lb):
+        return {"error": f"skipped: less than the {lb.bytes * 2.2 / GIB:.1f} GiB it needs was available"}
     warm_up = lb.cold("warm-up", False)
     if warm_up.returncode != 0:
         return {"error": f"loader does not run here: {warm_up.stderr_tail}"}

@@ -54,6 +54,11 @@ def register(sub) -> None:
                      help="do not drop the model files from the page cache before recording")
     _common(rec)
     rec.set_defaults(func=_record)
+    _run_parser(verbs)
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+
+def _run_parser(verbs) -> None:
     run = verbs.add_parser("run", help="run COMMAND, prefetching ahead of its loader from the template",
                            description="Start COMMAND at once and prefetch the template's ranges ahead of its "
                            "loader. At exit, print what prefetch did on stderr.", epilog=_EPILOG,
@@ -70,7 +75,6 @@ def register(sub) -> None:
     run.add_argument("--json-report", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     _common(run)
     run.set_defaults(func=_run)
-    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
 
 
 def _argv(args) -> list[str]:

@@ -187,15 +187,8 @@ class Prefetcher:
         if f is None:
             return
         start, end = io.page_span(e.offset, e.length)
-        if e.kind == MISS:
-            if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
-                return
-            self.counters.loader_missed += end - start
-            dropped = self.dropped[f].overlap(start, end)
-            self.counters.reread_after_reclaim += dropped
-            lost = self.fetched[f].overlap(start, end) - self.touched[f].overlap(start, end) - dropped
-            if lost > 0:
-                self._evicted_before_use(lost)
+        if e.kind == MISS and not self._count_miss(f, start, end):
+            return
         self.counters.events += 1
         if e.kind == READ:  # the position being read; what was read becomes known step by step
             for s, t in self._spans.feed(e):
@@ -213,6 +206,18 @@ class Prefetcher:
             if moves:
                 w.threads[e.tid] = (chunk.index, now)
                 self._advance(w, chunk.index)
+
+    def _count_miss(self, f: int, start: int, end: int) -> bool:
+        """Account a miss; False when it was our own read (residency sampling sees those too)."""
+        if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
+            return False
+        self.counters.loader_missed += end - start
+        dropped = self.dropped[f].overlap(start, end)
+        self.counters.reread_after_reclaim += dropped
+        lost = self.fetched[f].overlap(start, end) - self.touched[f].overlap(start, end) - dropped
+        if lost > 0:
+            self._evicted_before_use(lost)
+        return True
 
     def _evicted_before_use(self, lost: int) -> None:
         """Memory pressure, measured: the kernel dropped pages we read before the loader got to them. Halve
