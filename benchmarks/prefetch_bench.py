@@ -139,10 +139,13 @@ def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
     rec = lb.record()
     if rec["returncode"] != 0 or (rec["template_read_bytes"] or 0) < lb.bytes // 100:
         ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
+        outs = ample["plain"] + ample["prefetch"]
         return {"record": rec, "bypasses_page_cache": True, "plain_s": _median(ample["plain"]),
-                "prefetch_s": _median(ample["prefetch"]), "checksum": sorted({o.loader.get("checksum") for o in
-                                                                              ample["plain"] + ample["prefetch"]}),
-                "note": "the loader reads the weights with O_DIRECT: nothing for page-cache prefetch to do"}
+                "prefetch_s": _median(ample["prefetch"]), "checksum": sorted({o.loader.get("checksum") for o in outs}),
+                "spread_s": {k: sorted(round(o.wall_s, 2) for o in v) for k, v in ample.items()},
+                "profile": {k: _profile(v) for k, v in ample.items()},
+                "note": "the loader reads the weights with O_DIRECT: nothing for page-cache prefetch to do",
+                "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs]}
     ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
     timed(loader_argv(lb.loader, lb.model), lb.env)  # warm the cache
     warm = [timed(loader_argv(lb.loader, lb.model), lb.env) for _ in range(max(1, lb.reps))]

@@ -44,6 +44,7 @@ class _Worker:
     next_reclaim: int = 0
     threads: dict = field(default_factory=dict)  # loader thread id -> (last chunk it read, when)
     multi_pass: bool = False  # seen reading data again: no more burn-after-reading for this worker
+    abandoned_once: bytearray = field(default_factory=bytearray)
 
 
 class Prefetcher:
@@ -52,7 +53,7 @@ class Prefetcher:
     def __init__(self, plan: Plan, paths: list[str], ids: list[tuple[int, int]], settings: Settings) -> None:
         self.plan, self.settings, self.counters = plan, settings, Counters()
         self.file_of = {ident: i for i, ident in enumerate(ids)}  # (st_dev, inode) -> file number
-        self.workers = [_Worker(c, bytearray(len(c)), multi_pass=multi)
+        self.workers = [_Worker(c, bytearray(len(c)), multi_pass=multi, abandoned_once=bytearray(len(c)))
                         for c, multi in zip(plan.workers, plan.multi_pass or [False] * len(plan.workers))]
         self.ahead = 0
         self.fetched = [IntervalSet() for _ in paths]  # completed prefetch reads
@@ -248,7 +249,9 @@ class Prefetcher:
             status = w.status[i]
             if status == PENDING:
                 w.status[i] = ABANDONED
-                self.counters.abandoned += w.chunks[i].length
+                if not w.abandoned_once[i]:  # a rewind can re-arm and abandon a chunk again: count it once
+                    w.abandoned_once[i] = 1
+                    self.counters.abandoned += w.chunks[i].length
             elif status in (ISSUED, DONE):
                 self.ahead -= w.chunks[i].length
         w.cursor = max(w.cursor, index)
