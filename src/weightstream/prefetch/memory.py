@@ -79,12 +79,19 @@ def _mem_total() -> int:
     return _stat_field(Path("/proc/meminfo"), ("MemTotal:",)) * 1024
 
 
-def headroom(cgroup: CgroupMemory | None) -> int:
-    """Bytes that can be filled without forcing reclaim of active data: MemAvailable, or the cgroup's room."""
-    avail = _stat_field(Path("/proc/meminfo"), ("MemAvailable:",)) * 1024
+def under_pressure(cgroup: CgroupMemory | None, floor: int) -> bool:
+    """Whether prefetching more would force reclaim: MemAvailable below floor, or, in a memory-limited cgroup,
+    less than min(floor, 5% of the limit) actually free under the limit.
+
+    In a cgroup the free room is what counts, not what reclaim could make free: page cache fills a cgroup up
+    to its limit, and filling it further means the kernel evicts something (often what we just prefetched,
+    and always in the loader's own allocations' path). Burn-after-reading is what makes room again.
+    """
+    if _stat_field(Path("/proc/meminfo"), ("MemAvailable:",)) * 1024 < floor:
+        return True
     if cgroup is not None and cgroup.limited:
-        avail = min(avail, cgroup.limit - cgroup.usage + cgroup.inactive_file)
-    return avail
+        return cgroup.limit - cgroup.usage < min(floor, cgroup.limit // 20)
+    return False
 
 
 class MemoryCgroup:
