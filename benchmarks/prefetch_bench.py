@@ -151,7 +151,7 @@ def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
     warm = [timed(loader_argv(lb.loader, lb.model), lb.env) for _ in range(max(1, lb.reps))]
     anon = max(o.loader.get("peak_anon", 0) for o in ample["plain"] + warm if o.returncode == 0)
     limit = int(anon + LIMIT_SHARE * lb.bytes)
-    gap = str(min(GIB, lb.bytes // 10))
+    gap = str(min(GIB, lb.bytes // 4))  # must exceed what the loader holds between read and use (a MoE layer)
     limited = lb.rounds("limited", {"plain": None, "prefetch": ("--reclaim-gap", gap),
                                     "prefetch-no-reclaim": ("--reclaim-gap", "none")}, limit)
     return summarise(lb, bandwidth, rec, ample, warm, limit, limited)

@@ -30,12 +30,17 @@ def _read(path: str, sleep: float) -> str:
     return digest.hexdigest()
 
 
-def _mmap(path: str, sleep: float) -> str:
+HELD: list[mmap.mmap] = []  # --hold: mappings kept until exit, as a loader whose tensors are the mapping
+
+
+def _mmap(path: str, sleep: float, hold: bool = False) -> str:
     digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-        for offset in range(0, len(m), MIB):
-            digest.update(m[offset:offset + MIB])
-            time.sleep(sleep)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    for offset in range(0, len(m), MIB):
+        digest.update(m[offset:offset + MIB])
+        time.sleep(sleep)
+    HELD.append(m) if hold else m.close()
     return digest.hexdigest()
 
 
@@ -58,12 +63,15 @@ def main() -> int:
     p.add_argument("--sleep-per-mib", type=float, default=0.0)
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--passes", type=int, default=1, help="read everything this many times")
+    p.add_argument("--hold", action="store_true", help="mmap: keep the mappings until exit")
+    p.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting (after loading)")
     args = p.parse_args()
-    load = {"read": _read, "mmap": _mmap, "safetensors": _safetensors}[args.mode]
+    load = {"read": _read, "mmap": lambda p, s: _mmap(p, s, args.hold), "safetensors": _safetensors}[args.mode]
     for _ in range(args.passes):
         for path in args.files:
             print(os.path.basename(path), load(path, args.sleep_per_mib), flush=True)
     print("loader done", file=sys.stderr)
+    time.sleep(args.linger)
     return args.exit
 
 

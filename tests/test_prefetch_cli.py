@@ -154,3 +154,18 @@ def test_record_tells_a_two_pass_loader_from_a_one_pass_one(tmp_path, ckpt):
         (path,) = (home / "templates").glob("*.json")
         (worker,) = LoadTemplate.from_json(path.read_text()).workers
         assert abs(worker.reads_per_byte - passes) < 0.2, worker.reads_per_byte
+
+
+def test_record_notes_a_loader_that_keeps_its_weights_mapped(tmp_path, ckpt):
+    from weightstream.prefetch.plan import Plan
+    from weightstream.prefetch.template import LoadTemplate
+
+    paths = files(ckpt)
+    for hold, home in ((True, tmp_path / "held"), (False, tmp_path / "closed")):
+        args = loader("mmap", paths, "--linger", "0.3", *(["--hold"] if hold else []))
+        rec = cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--", *args)
+        assert rec.returncode == 0, rec.stderr.decode()
+        (path,) = (home / "templates").glob("*.json")
+        template = LoadTemplate.from_json(path.read_text())
+        assert [w.holds_mapped for w in template.workers] == [hold]
+        assert Plan.from_template(template).no_burn == [hold]  # its tensors are the page cache: never burnt

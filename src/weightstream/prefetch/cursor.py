@@ -22,7 +22,7 @@ class WorkerState:
     """One worker's chunks and progress. `ahead` deltas are returned to the caller, who sums all workers."""
 
     chunks: list[Chunk]
-    multi_pass: bool = False  # reads its data more than once: burning after reading would cost re-reads
+    no_burn: bool = False  # reads its data twice or keeps it mapped: burning after reading costs re-reads
     status: bytearray = field(default_factory=bytearray)
     touched: bytearray = field(default_factory=bytearray)  # the loader has read (part of) the chunk
     abandoned_once: bytearray = field(default_factory=bytearray)
@@ -108,7 +108,7 @@ class WorkerState:
                 self.status[j] = PENDING
         self.consumed = sum(self.touched)
         self.next_issue, self.swept = min(self.next_issue, i), min(self.swept, i)
-        self.multi_pass = True
+        self.no_burn = True
 
     def in_flight_unread(self) -> int:
         """Bytes issued or prefetched and not yet read by the loader (to recount `ahead` after a rewind)."""
@@ -117,7 +117,7 @@ class WorkerState:
 
     def reclaimable(self, gap: int) -> list[Chunk]:
         """Chunks the loader read that now lie more than `gap` bytes behind it (never shared ones)."""
-        if self.multi_pass or self.cursor < 0:
+        if self.no_burn or self.cursor < 0:
             return []
         out, limit = [], self.position - gap
         while self.next_reclaim < len(self.chunks):

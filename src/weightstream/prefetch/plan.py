@@ -32,7 +32,7 @@ class Plan:
     _starts: dict[int, list[int]]
     _chunks: dict[int, list[Chunk]]
     chunk: int = CHUNK
-    multi_pass: list[bool] = field(default_factory=list)  # per worker: recorded reading its bytes more than once
+    no_burn: list[bool] = field(default_factory=list)  # per worker: never burn after reading (see from_template)
 
     @classmethod
     def from_template(cls, template: LoadTemplate, chunk: int = CHUNK) -> "Plan":
@@ -52,7 +52,8 @@ class Plan:
         for chunks in by_file.values():
             chunks.sort(key=lambda c: (c.offset, c.worker, c.index))
             _mark_shared(chunks)
-        multi = [w.reads_per_byte > MULTI_PASS for w in template.workers]
+        # No burning after reading for a worker that reads its bytes twice, or keeps them mapped as its model.
+        multi = [w.reads_per_byte > MULTI_PASS or w.holds_mapped for w in template.workers]
         return cls(workers, {f: [c.offset for c in cs] for f, cs in by_file.items()}, by_file, chunk, multi)
 
     def lookup(self, file: int, start: int, end: int) -> list[Chunk]:

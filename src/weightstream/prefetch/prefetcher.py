@@ -42,7 +42,7 @@ class Prefetcher:
     def __init__(self, plan: Plan, paths: list[str], ids: list[tuple[int, int]], settings: Settings) -> None:
         self.plan, self.settings, self.counters = plan, settings, Counters()
         self.file_of = {ident: i for i, ident in enumerate(ids)}  # (st_dev, inode) -> file number
-        multi = plan.multi_pass or [False] * len(plan.workers)
+        multi = plan.no_burn or [False] * len(plan.workers)
         self.workers = [WorkerState(chunks, m) for chunks, m in zip(plan.workers, multi)]
         self.ahead = 0
         self.budget = settings.budget  # shrinks when the kernel evicts what we prefetched before it is used

@@ -167,6 +167,11 @@ def _fd_targets(pid: int) -> set[str]:
     return out
 
 
+def mapped_weight_files(pid: int) -> set[str]:
+    """Weight files the process has mapped right now."""
+    return {p for p in _mapped(pid) if p.endswith(WEIGHT_SUFFIXES)}
+
+
 def _mapped(pid: int) -> set[str]:
     try:
         with open(f"/proc/{pid}/maps") as f:

@@ -14,7 +14,8 @@ from weightstream.prefetch import tracefs
 from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
 from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.merge import RangeMerger
-from weightstream.prefetch.procs import WEIGHT_SUFFIXES, GatedCommand, open_weight_files, process_tree
+from weightstream.prefetch.procs import (WEIGHT_SUFFIXES, GatedCommand, mapped_weight_files, open_weight_files,
+                                         process_tree)
 from weightstream.prefetch.residency import ResidencySampler, drop_cache
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.store import save_template
@@ -65,17 +66,26 @@ def reads_per_byte(counts: list[ReadCount]) -> float:
 
 
 class _Watcher:
-    """Notes which weight files the command's processes open or map, every 50 ms."""
+    """Every 50 ms: which weight files the command's processes open or map, and which each process maps.
+
+    A process that still maps its weight files at its last sample kept its tensors in the page cache (mmap
+    loading): what lies behind its read position is the model itself, so it must not be burnt after reading.
+    """
 
     def __init__(self, pid: int, on_new: Callable[[list[str]], None]) -> None:
         self.pid, self.on_new, self.seen = pid, on_new, set()
+        self.mapped_last: dict[int, bool] = {}  # pid -> maps weight files at its latest sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ws-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.05):
-            new = open_weight_files(process_tree(self.pid)) - self.seen
+            pids = process_tree(self.pid)
+            for pid in pids:
+                if Path(f"/proc/{pid}").exists():  # gone between listing and reading: keep what we knew
+                    self.mapped_last[pid] = bool(mapped_weight_files(pid))
+            new = open_weight_files(pids) - self.seen
             if new:
                 self.seen |= new
                 self.on_new(sorted(new))
@@ -93,6 +103,7 @@ class Recorder:
         self.merger = RangeMerger()
         self.reads: dict[int, dict[tuple[int, int], ReadCount]] = {}
         self.spans = ReadSpans()
+        self.holds_mapped: dict[int, bool] = {}
         self._span_pid: dict[int, int] = {}
         self._names: dict[int, str] = {}
         self.known = [Path(p) for p in weight_files(opts.model_dirs)]
@@ -144,6 +155,7 @@ class Recorder:
         self.events_lost = getattr(source, "lines_lost", 0)
         for tid, key, start, end in self.spans.flush():
             self._count(self._span_pid.get(tid, tid), key, start, end - start)
+        self.holds_mapped = watcher.mapped_last
         return rc, watcher.seen
 
     def _attach(self, pid: int):
@@ -182,7 +194,8 @@ class Recorder:
                     ranges.append((files.index(by_id[key]), offset, length))
             if ranges:
                 counts = [c for key, c in self.reads.get(pid, {}).items() if key in by_id]
-                workers.append(WorkerTemplate(worker.name, ranges, reads_per_byte(counts)))
+                holds = self.holds_mapped.get(pid, False)
+                workers.append(WorkerTemplate(worker.name, ranges, reads_per_byte(counts), holds))
         if not workers:
             return None
         identities = [FileIdentity.of(p) for p in files]

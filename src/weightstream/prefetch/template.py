@@ -80,6 +80,7 @@ class WorkerTemplate:
     name: str
     ranges: list[tuple[int, int, int]] = field(default_factory=list)
     reads_per_byte: float = 1.0  # >1: the process read its weight bytes more than once (several passes)
+    holds_mapped: bool = False  # still mapped its weight files at exit: its tensors live in the page cache
 
     @property
     def bytes(self) -> int:
@@ -113,8 +114,8 @@ class LoadTemplate:
         doc = {
             "format": FORMAT, "version": VERSION, "key": self.key, "spec": self.spec, "source": self.source,
             "record_seconds": round(self.record_seconds, 3), "files": [asdict(f) for f in self.files],
-            "workers": [{"name": w.name, "reads_per_byte": w.reads_per_byte, "ranges": pack_ranges(w.ranges)}
-                        for w in self.workers],
+            "workers": [{"name": w.name, "reads_per_byte": w.reads_per_byte, "holds_mapped": w.holds_mapped,
+                         "ranges": pack_ranges(w.ranges)} for w in self.workers],
         }
         return json.dumps(doc, separators=(",", ":"))
 
@@ -180,4 +181,5 @@ def _worker_from_json(doc: dict, n_files: int) -> WorkerTemplate:
         raise TemplateError(f"corrupt (packed ranges: {exc})") from None
     if any(not 0 <= f < n_files for f, _, _ in ranges):
         raise TemplateError("corrupt (ranges do not match the file list)")
-    return WorkerTemplate(str(doc["name"]), ranges, float(doc.get("reads_per_byte", 1.0)))
+    return WorkerTemplate(str(doc["name"]), ranges, float(doc.get("reads_per_byte", 1.0)),
+                          bool(doc.get("holds_mapped", False)))
