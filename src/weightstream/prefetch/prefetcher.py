@@ -1,0 +1,222 @@
+"""Interruptible prefetch: threads read each worker's plan ahead of the loader, within a memory budget.
+
+The loader's progress comes from the event source: reads (mmap faults, fault-around, read() steps, cached or
+not) mark chunks as read, and the worker's position is the number of distinct chunks read (cursor.py says
+why counting beats "furthest chunk"). Misses alone do not move it: a loader's own readahead or
+madvise(WILLNEED) misses far ahead of what it consumes. A chunk the loader reads before we issued it is
+abandoned; so are chunks it has counted past. "Ahead" is what we prefetched (or have in flight) that the
+loader has not read yet, and it never exceeds the budget. With a budget, chunks the loader read that lie more
+than the reclaim gap behind it are dropped from the page cache (burn after reading). A thread that misses far
+behind where it last read makes another pass: the worker rewinds and no longer burns after reading. When the
+loader misses on pages we prefetched and it had not read, the kernel evicted them: the budget halves.
+Residency sampling sees only misses, so there misses count as reads.
+
+The loader's own reads are never touched: prefetch only adds clean pages of the files to the page cache and
+drops clean, unmapped ones; the kernel serves every read from the file itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from weightstream.prefetch import fetch as io
+from weightstream.prefetch.cursor import CACHED, DONE, FAILED, WorkerState
+from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
+from weightstream.prefetch.intervals import IntervalSet
+from weightstream.prefetch.memory import under_pressure
+from weightstream.prefetch.numa import bind_current_thread
+from weightstream.prefetch.plan import Chunk, Plan
+from weightstream.prefetch.settings import Counters, Settings
+
+PRESSURE_CHECK_S = 0.01  # memory is checked at most this often (three small procfs/cgroupfs reads)
+SHRINK_EVERY_S = 0.1
+IDLE_WAIT_S = 0.05
+TIMELINE_POINTS = 20000
+
+
+class Prefetcher:
+    """Owns the prefetch threads and the per-worker state; fed by an event source's callback."""
+
+    def __init__(self, plan: Plan, paths: list[str], ids: list[tuple[int, int]], settings: Settings) -> None:
+        self.plan, self.settings, self.counters = plan, settings, Counters()
+        self.file_of = {ident: i for i, ident in enumerate(ids)}  # (st_dev, inode) -> file number
+        multi = plan.no_burn or [False] * len(plan.workers)
+        self.workers = [WorkerState(chunks, m) for chunks, m in zip(plan.workers, multi)]
+        self.ahead = 0
+        self.budget = settings.budget  # shrinks when the kernel evicts what we prefetched before it is used
+        self.own_misses_visible = False  # residency sampling also sees our reads: skip misses we issued
+        self.fetched = [IntervalSet() for _ in paths]  # completed prefetch reads
+        self.issued = [IntervalSet() for _ in paths]  # every range handed to a thread, at hand-off
+        self.touched = [IntervalSet() for _ in paths]  # what the loader read
+        self.dropped = [IntervalSet() for _ in paths]  # what burn-after-reading dropped
+        self._fds = [io.open_for_prefetch(p) for p in paths]
+        self._cond = threading.Condition()
+        self._stop, self._go = False, threading.Event()
+        self._pressure_at, self._pressured, self._shrunk_at = 0.0, False, 0.0
+        self._rr, self._t0 = 0, time.monotonic()
+        self._spans = ReadSpans()
+        self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
+                         for i in range(max(1, settings.threads))]
+        for t in self._threads:
+            t.start()
+
+    def go(self) -> None:
+        """Start prefetching."""
+        self._go.set()
+
+    def stop(self) -> None:
+        """Stop: in-flight chunks finish (one chunk each), then threads exit and are joined; fds closed."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._go.set()
+        for t in self._threads:
+            t.join()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    # --- prefetch threads -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._go.wait()
+        bind_current_thread(self.settings.placement)
+        while True:
+            with self._cond:
+                chunk = self._next_chunk()
+                while chunk is None and not self._stop:  # idle until stopped: a rewind may bring work back
+                    self._cond.wait(IDLE_WAIT_S)
+                    chunk = self._next_chunk()
+                if chunk is None:
+                    return
+            self._complete(chunk, *self._fetch(chunk))
+
+    def _fetch(self, chunk: Chunk) -> tuple[list[tuple[int, int]] | None, int]:
+        try:
+            return io.fetch(self._fds[chunk.file], chunk.offset, chunk.length)
+        except OSError:
+            return None, 0  # a short or failing file: skip the chunk; the loader sees the file as it is
+
+    def _next_chunk(self) -> Chunk | None:
+        """Under the lock: the next chunk to issue, round-robin over workers, within budget and headroom."""
+        if self._stop or self._under_pressure():
+            return None
+        for k in range(len(self.workers)):
+            w = self.workers[(self._rr + k) % len(self.workers)]
+            chunk = w.next_pending()
+            if chunk is None:
+                continue
+            if self.budget is not None and self.ahead > 0 and self.ahead + chunk.length > self.budget:
+                continue
+            self.ahead += w.issue(chunk.index)
+            self.issued[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+            self.counters.peak_ahead = max(self.counters.peak_ahead, self.ahead)
+            self._rr += 1
+            return chunk
+        return None
+
+    def _under_pressure(self) -> bool:
+        now = time.monotonic()
+        if now - self._pressure_at >= PRESSURE_CHECK_S:
+            was, self._pressure_at = self._pressured, now
+            self._pressured = under_pressure(self.settings.cgroup, self.settings.pressure_floor)
+            self.counters.pressure_pauses += self._pressured and not was
+        return self._pressured
+
+    def _complete(self, chunk: Chunk, runs: list[tuple[int, int]] | None, cached: int) -> None:
+        with self._cond:
+            outcome = FAILED if runs is None else (DONE if runs else CACHED)
+            self.ahead += self.workers[chunk.worker].complete(chunk.index, outcome)
+            self.counters.failed_chunks += outcome == FAILED
+            self.counters.already_cached += cached if runs is not None else 0
+            for start, end in runs or ():
+                self.counters.prefetched += end - start
+                self.fetched[chunk.file].add(start, end)
+            self._cond.notify_all()
+
+    # --- loader events --------------------------------------------------------------------------------
+    def on_events(self, events: list[PageEvent]) -> None:
+        """Note what the loader read and missed; then burn what lies far behind it."""
+        with self._cond:
+            for e in events:
+                self._note(e)
+            burn = self.settings.budget is not None and self.settings.reclaim_gap is not None
+            todo = [c for w in self.workers for c in w.reclaimable(self.settings.reclaim_gap)] if burn else []
+            self._cond.notify_all()
+        for chunk in todo:
+            if self._stop:
+                return
+            dropped = io.reclaim(self._fds[chunk.file], chunk.offset, chunk.length)
+            with self._cond:
+                self.counters.reclaimed += dropped
+                if dropped:
+                    self.dropped[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+
+    def _note(self, e: PageEvent) -> None:
+        f = self.file_of.get((e.dev, e.ino))
+        if f is None:
+            return
+        start, end = io.page_span(e.offset, e.length)
+        if e.kind == MISS and not self._count_miss(f, start, end):
+            return
+        self.counters.events += 1
+        if e.kind == READ:  # only the position being read; what was read becomes known step by step
+            for s, t in self._spans.feed(e):
+                self.touched[f].add(s, t)
+            start, end = io.page_span(e.offset, 1)
+        elif e.kind != MISS:
+            self.touched[f].add(start, end)
+        reads = e.kind != MISS or self.own_misses_visible
+        for chunk in self.plan.lookup(f, start, end):
+            w = self.workers[chunk.worker]
+            if e.kind == MISS and w.is_rewind(e.tid, chunk.index):
+                self._rewind(w, chunk.index)
+            if reads:
+                w.threads[e.tid] = chunk.index
+                self._touch(w, chunk.index)
+
+    def _touch(self, w: WorkerState, index: int) -> None:
+        delta, abandoned = w.touch_through(index) if self.own_misses_visible else w.touch(index)
+        self.ahead += delta
+        self.counters.abandoned += abandoned
+        if len(self.counters.timeline) < TIMELINE_POINTS:
+            issue = w.chunks[min(w.next_issue, len(w.chunks) - 1)].position
+            self.counters.timeline.append((round(time.monotonic() - self._t0, 3), self.workers.index(w),
+                                           w.position, issue, self.ahead))
+
+    def _count_miss(self, f: int, start: int, end: int) -> bool:
+        """Account a miss; False when it was our own read (residency sampling sees those too)."""
+        if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
+            return False
+        self.counters.loader_missed += end - start
+        dropped = self.dropped[f].overlap(start, end)
+        self.counters.reread_after_reclaim += dropped
+        lost = self.fetched[f].overlap(start, end) - self.touched[f].overlap(start, end) - dropped
+        if lost > 0:
+            self._evicted_before_use(lost)
+        return True
+
+    def _evicted_before_use(self, lost: int) -> None:
+        """Memory pressure, measured: the kernel dropped pages we read before the loader got to them. Halve
+        the budget (at most every 100 ms), down to two chunks: reading further ahead only feeds reclaim."""
+        self.counters.evicted_before_use += lost
+        now = time.monotonic()
+        if now - self._shrunk_at < SHRINK_EVERY_S:
+            return
+        self._shrunk_at = now
+        current = self.budget if self.budget is not None else max(self.ahead, 2 * self.plan.chunk)
+        self.budget = max(2 * self.plan.chunk, current // 2)
+
+    def _rewind(self, w: WorkerState, index: int) -> None:
+        w.rewind(index)
+        self.counters.rewinds += 1
+        self.ahead = sum(x.in_flight_unread() for x in self.workers)
+
+    def used_bytes(self) -> int:
+        """Prefetched bytes the loader then read (needs access events, i.e. tracefs)."""
+        with self._cond:
+            for _, ident, start, end in self._spans.flush():
+                if ident in self.file_of:
+                    self.touched[self.file_of[ident]].add(start, end)
+            return sum(f.intersection_bytes(t) for f, t in zip(self.fetched, self.touched))
