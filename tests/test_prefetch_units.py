@@ -8,12 +8,12 @@ import pytest
 
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch.events import parse_trace_text
-from weightstream.prefetch.intervals import IntervalSet
+from weightstream.prefetch.pages import ISSUED, TOUCHED, PageCounter, PageFlags
 from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.template import LoadTemplate, WorkerTemplate, pack_ranges, unpack_ranges
-from weightstream.prefetch.units import parse_size
+from weightstream.prefetch.units import PAGE, parse_size
 
 MIB = 1 << 20
 
@@ -36,20 +36,24 @@ def test_parse_size_units_and_errors():
         parse_size("lots", "--memory-budget")
 
 
-def test_interval_set_matches_a_set_of_bytes():
+def test_page_flags_and_counter_match_a_set_of_pages():
     rng = random.Random(1)
-    for _ in range(30):
-        ours, ref, probe = IntervalSet(), set(), set(range(40, 140))
-        for _ in range(25):
-            s = rng.randrange(0, 200)
-            e = s + rng.randrange(0, 30)
-            ours.add(s, e)
-            ref.update(range(s, e))
-            assert ours.total == len(ref)
-        assert ours.overlap(40, 140) == len(ref & probe)
-        starts = [s for s, _ in ours]
-        ends = [e for _, e in ours]
-        assert all(e < s for e, s in zip(ends, starts[1:]))  # disjoint and not touching
+    flags, ref = PageFlags(300 * PAGE - 5), {ISSUED: set(), TOUCHED: set()}
+    counter, seen, total = PageCounter(), set(), 0
+    for _ in range(200):
+        flag = rng.choice([ISSUED, TOUCHED])
+        s = rng.randrange(0, 290 * PAGE)
+        e = s + rng.randrange(1, 9 * PAGE)
+        flags.set(flag, s, e)
+        ref[flag].update(range(s // PAGE, -(-e // PAGE)))
+        counter.add(s, e - s)
+        seen.update(range(s // PAGE, -(-e // PAGE)))
+        total += e - s
+    probe = set(range(40, 140))
+    assert flags.count(40 * PAGE, 140 * PAGE, ISSUED) == len(ref[ISSUED] & probe) * PAGE
+    assert flags.total(ISSUED | TOUCHED) == len(ref[ISSUED] & ref[TOUCHED]) * PAGE
+    assert flags.total(ISSUED, TOUCHED) == len(ref[ISSUED] - ref[TOUCHED]) * PAGE
+    assert counter.total == total and counter.distinct == len(seen) * PAGE
 
 
 def test_merger_joins_interleaved_streams_and_keeps_time_order():

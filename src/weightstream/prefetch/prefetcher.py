@@ -24,9 +24,9 @@ import time
 from weightstream.prefetch import fetch as io
 from weightstream.prefetch.cursor import CACHED, DONE, FAILED, WorkerState
 from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
-from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.memory import under_pressure
 from weightstream.prefetch.numa import bind_current_thread
+from weightstream.prefetch.pages import DROPPED, FETCHED, ISSUED, TOUCHED, PageFlags
 from weightstream.prefetch.plan import Chunk, Plan
 from weightstream.prefetch.settings import Counters, Settings
 
@@ -47,11 +47,8 @@ class Prefetcher:
         self.ahead = 0
         self.budget = settings.budget  # shrinks when the kernel evicts what we prefetched before it is used
         self.own_misses_visible = False  # residency sampling also sees our reads: skip misses we issued
-        self.fetched = [IntervalSet() for _ in paths]  # completed prefetch reads
-        self.issued = [IntervalSet() for _ in paths]  # every range handed to a thread, at hand-off
-        self.touched = [IntervalSet() for _ in paths]  # what the loader read
-        self.dropped = [IntervalSet() for _ in paths]  # what burn-after-reading dropped
         self._fds = [io.open_for_prefetch(p) for p in paths]
+        self.pages = [PageFlags(os.fstat(fd).st_size) for fd in self._fds]  # issued/fetched/read/dropped
         self._cond = threading.Condition()
         self._stop, self._go = False, threading.Event()
         self._pressure_at, self._pressured, self._shrunk_at = 0.0, False, 0.0
@@ -110,7 +107,7 @@ class Prefetcher:
             if self.budget is not None and self.ahead > 0 and self.ahead + chunk.length > self.budget:
                 continue
             self.ahead += w.issue(chunk.index)
-            self.issued[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+            self.pages[chunk.file].set(ISSUED, chunk.offset, chunk.offset + chunk.length)
             self.counters.peak_ahead = max(self.counters.peak_ahead, self.ahead)
             self._rr += 1
             return chunk
@@ -132,7 +129,7 @@ class Prefetcher:
             self.counters.already_cached += cached if runs is not None else 0
             for start, end in runs or ():
                 self.counters.prefetched += end - start
-                self.fetched[chunk.file].add(start, end)
+                self.pages[chunk.file].set(FETCHED, start, end)
             self._cond.notify_all()
 
     # --- loader events --------------------------------------------------------------------------------
@@ -151,7 +148,7 @@ class Prefetcher:
             with self._cond:
                 self.counters.reclaimed += dropped
                 if dropped:
-                    self.dropped[chunk.file].add(chunk.offset, chunk.offset + chunk.length)
+                    self.pages[chunk.file].set(DROPPED, chunk.offset, chunk.offset + chunk.length)
 
     def _note(self, e: PageEvent) -> None:
         f = self.file_of.get((e.dev, e.ino))
@@ -163,10 +160,10 @@ class Prefetcher:
         self.counters.events += 1
         if e.kind == READ:  # only the position being read; what was read becomes known step by step
             for s, t in self._spans.feed(e):
-                self.touched[f].add(s, t)
+                self.pages[f].set(TOUCHED, s, t)
             start, end = io.page_span(e.offset, 1)
         elif e.kind != MISS:
-            self.touched[f].add(start, end)
+            self.pages[f].set(TOUCHED, start, end)
         reads = e.kind != MISS or self.own_misses_visible
         for chunk in self.plan.lookup(f, start, end):
             w = self.workers[chunk.worker]
@@ -187,12 +184,12 @@ class Prefetcher:
 
     def _count_miss(self, f: int, start: int, end: int) -> bool:
         """Account a miss; False when it was our own read (residency sampling sees those too)."""
-        if self.own_misses_visible and self.issued[f].overlap(start, end) == end - start:
+        pages = self.pages[f]
+        if self.own_misses_visible and pages.count(start, end, 0, ISSUED) == 0:
             return False
         self.counters.loader_missed += end - start
-        dropped = self.dropped[f].overlap(start, end)
-        self.counters.reread_after_reclaim += dropped
-        lost = self.fetched[f].overlap(start, end) - self.touched[f].overlap(start, end) - dropped
+        self.counters.reread_after_reclaim += pages.count(start, end, DROPPED)
+        lost = pages.count(start, end, FETCHED, TOUCHED | DROPPED)  # ours, unread, and not dropped by us
         if lost > 0:
             self._evicted_before_use(lost)
         return True
@@ -218,5 +215,5 @@ class Prefetcher:
         with self._cond:
             for _, ident, start, end in self._spans.flush():
                 if ident in self.file_of:
-                    self.touched[self.file_of[ident]].add(start, end)
-            return sum(f.intersection_bytes(t) for f, t in zip(self.fetched, self.touched))
+                    self.pages[self.file_of[ident]].set(TOUCHED, start, end)
+            return sum(p.total(FETCHED | TOUCHED) for p in self.pages)

@@ -12,8 +12,8 @@ from typing import Callable
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import tracefs
 from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
-from weightstream.prefetch.intervals import IntervalSet
 from weightstream.prefetch.merge import RangeMerger
+from weightstream.prefetch.pages import PageCounter
 from weightstream.prefetch.procs import (WEIGHT_SUFFIXES, GatedCommand, mapped_weight_files, open_weight_files,
                                          process_tree)
 from weightstream.prefetch.residency import ResidencySampler, drop_cache
@@ -48,20 +48,9 @@ def _ids(paths: list[Path]) -> list[tuple[str, int, int]]:
     return out
 
 
-class ReadCount:
-    """Bytes a process read from one file (cached or not), and how many distinct bytes that was."""
-
-    def __init__(self) -> None:
-        self.seen, self.total = IntervalSet(), 0
-
-    def add(self, offset: int, length: int) -> None:
-        self.total += length
-        self.seen.add(offset, offset + length)
-
-
-def reads_per_byte(counts: list[ReadCount]) -> float:
+def reads_per_byte(counts: list[PageCounter]) -> float:
     """Bytes read / distinct bytes: ~1 for a loader that reads once, ~2 for one that makes two passes."""
-    distinct = sum(c.seen.total for c in counts)
+    distinct = sum(c.distinct for c in counts)
     return round(sum(c.total for c in counts) / distinct, 2) if distinct else 1.0
 
 
@@ -101,7 +90,7 @@ class Recorder:
     def __init__(self, opts: RecordOptions) -> None:
         self.opts = opts
         self.merger = RangeMerger()
-        self.reads: dict[int, dict[tuple[int, int], ReadCount]] = {}
+        self.reads: dict[int, dict[tuple[int, int], PageCounter]] = {}
         self.spans = ReadSpans()
         self.holds_mapped: dict[int, bool] = {}
         self._span_pid: dict[int, int] = {}
@@ -124,7 +113,7 @@ class Recorder:
                 self._count(e.tgid, (e.dev, e.ino), e.offset, e.length)
 
     def _count(self, pid: int, key: tuple[int, int], offset: int, length: int) -> None:
-        self.reads.setdefault(pid, {}).setdefault(key, ReadCount()).add(offset, length)
+        self.reads.setdefault(pid, {}).setdefault(key, PageCounter()).add(offset, length)
 
     def _name(self, pid: int) -> str:
         if pid not in self._names:
