@@ -7,11 +7,7 @@ import psutil
 import torch
 import transformers  # noqa: F401  (imported before the baseline so its size is not counted as engine memory)
 
-
-def peak_rss() -> int:
-    """VmHWM: this process's own high-water mark (ru_maxrss would carry the parent's across fork+exec)."""
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+from weightstream.engine.bench_child import peak_rss
 
 
 def io_read_bytes() -> int:
