@@ -31,10 +31,12 @@ class WorkerState:
     next_reclaim: int = 0
     threads: dict = field(default_factory=dict)  # loader thread id -> last chunk index it read
     swept: int = 0  # touch_through has covered chunks before this
+    done_at: list = field(default_factory=list)  # when each chunk's prefetch completed
 
     def __post_init__(self) -> None:
         n = len(self.chunks)
         self.status, self.touched, self.abandoned_once = bytearray(n), bytearray(n), bytearray(n)
+        self.done_at = [0.0] * n
 
     @property
     def cursor(self) -> int:
@@ -60,10 +62,11 @@ class WorkerState:
         self.next_issue = i + 1
         return self.chunks[i].length
 
-    def complete(self, i: int, outcome: int) -> int:
-        """A thread finished chunk i (DONE, CACHED or FAILED); returns the change in bytes ahead."""
+    def complete(self, i: int, outcome: int, now: float = 0.0) -> int:
+        """A thread finished chunk i (DONE, CACHED or FAILED) at time now; returns the change in bytes ahead."""
         assert self.status[i] == ISSUED and outcome in (DONE, CACHED, FAILED), (i, self.status[i], outcome)
         self.status[i] = outcome
+        self.done_at[i] = now
         # Only DONE pages sit in memory waiting for the loader; the others were never ours to count.
         return -self.chunks[i].length if outcome != DONE and not self.touched[i] else 0
 
@@ -96,9 +99,10 @@ class WorkerState:
         return self.chunks[i].length if first else 0
 
     def is_rewind(self, tid: int, i: int) -> bool:
-        """Whether a miss by thread tid on chunk i means that thread started over."""
+        """Whether a miss by thread tid on chunk i means that thread started over: it misses on data already
+        read, well behind where it last read. (Thread-pool loaders jump back to unread chunks all the time.)"""
         last = self.threads.get(tid)
-        return last is not None and i < last - REWIND_CHUNKS
+        return bool(self.touched[i]) and last is not None and i < last - REWIND_CHUNKS
 
     def rewind(self, i: int) -> None:
         """Another pass from chunk i: later chunks are unread again, and may be prefetched again."""

@@ -34,6 +34,7 @@ PRESSURE_CHECK_S = 0.01  # memory is checked at most this often (three small pro
 SHRINK_EVERY_S = 0.1
 IDLE_WAIT_S = 0.05
 TIMELINE_POINTS = 20000
+EVICTION_AGE_S = 0.5  # prefetched pages missed this long after we read them were evicted, not raced
 
 
 class Prefetcher:
@@ -124,7 +125,7 @@ class Prefetcher:
     def _complete(self, chunk: Chunk, runs: list[tuple[int, int]] | None, cached: int) -> None:
         with self._cond:
             outcome = FAILED if runs is None else (DONE if runs else CACHED)
-            self.ahead += self.workers[chunk.worker].complete(chunk.index, outcome)
+            self.ahead += self.workers[chunk.worker].complete(chunk.index, outcome, time.monotonic())
             self.counters.failed_chunks += outcome == FAILED
             self.counters.already_cached += cached if runs is not None else 0
             for start, end in runs or ():
@@ -191,13 +192,18 @@ class Prefetcher:
         self.counters.reread_after_reclaim += pages.count(start, end, DROPPED)
         lost = pages.count(start, end, FETCHED, TOUCHED | DROPPED)  # ours, unread, and not dropped by us
         if lost > 0:
-            self._evicted_before_use(lost)
+            self.counters.evicted_before_use += lost
+            # A miss right after our read of the same pages is a race with the loader's own readahead;
+            # only pages that sat in memory a while and are gone show that the kernel is evicting them.
+            aged = time.monotonic() - EVICTION_AGE_S
+            if any(self.workers[c.worker].status[c.index] == DONE and self.workers[c.worker].done_at[c.index] < aged
+                   for c in self.plan.lookup(f, start, end)):
+                self._shrink_budget()
         return True
 
-    def _evicted_before_use(self, lost: int) -> None:
+    def _shrink_budget(self) -> None:
         """Memory pressure, measured: the kernel dropped pages we read before the loader got to them. Halve
         the budget (at most every 100 ms), down to two chunks: reading further ahead only feeds reclaim."""
-        self.counters.evicted_before_use += lost
         now = time.monotonic()
         if now - self._shrunk_at < SHRINK_EVERY_S:
             return
