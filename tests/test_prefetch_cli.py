@@ -162,7 +162,8 @@ def test_record_notes_a_loader_that_keeps_its_weights_mapped(tmp_path, ckpt):
 
     paths = files(ckpt)
     for hold, home in ((True, tmp_path / "held"), (False, tmp_path / "closed")):
-        args = loader("mmap", paths, "--linger", "0.3", *(["--hold"] if hold else []))
+        # Both live on for 1 s after reading; only the first still maps the files meanwhile.
+        args = loader("mmap", paths, "--linger", "1.0", *(["--hold"] if hold else []))
         rec = cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--", *args)
         assert rec.returncode == 0, rec.stderr.decode()
         (path,) = (home / "templates").glob("*.json")

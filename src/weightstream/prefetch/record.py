@@ -55,29 +55,40 @@ def reads_per_byte(counts: list[PageCounter]) -> float:
 
 
 class _Watcher:
-    """Every 50 ms: which weight files the command's processes open or map, and which each process maps.
+    """Every 50 ms: which weight files the command's processes open or map, and how long each maps them.
 
-    A process that still maps its weight files at its last sample kept its tensors in the page cache (mmap
-    loading): what lies behind its read position is the model itself, so it must not be burnt after reading.
+    A process that maps its weight files until about its end (it outlives its last mapping by less than
+    HOLD_S) keeps its tensors in the page cache (mmap loading: the mapping *is* the model), so what lies
+    behind its read position must not be burnt after reading. One that unmaps them and then goes on (copied
+    the weights, e.g. into a model's parameters) is safe to burn.
     """
+
+    HOLD_S = 0.5
 
     def __init__(self, pid: int, on_new: Callable[[list[str]], None]) -> None:
         self.pid, self.on_new, self.seen = pid, on_new, set()
-        self.mapped_last: dict[int, bool] = {}  # pid -> maps weight files at its latest sample
+        self.mapped_until: dict[int, float] = {}  # pid -> last sample that found weight files mapped
+        self.alive_until: dict[int, float] = {}  # pid -> last sample that found the process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ws-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.05):
-            pids = process_tree(self.pid)
+            pids, now = process_tree(self.pid), time.monotonic()
             for pid in pids:
-                if Path(f"/proc/{pid}").exists():  # gone between listing and reading: keep what we knew
-                    self.mapped_last[pid] = bool(mapped_weight_files(pid))
+                if mapped_weight_files(pid):
+                    self.mapped_until[pid] = now
+                if Path(f"/proc/{pid}/maps").exists():
+                    self.alive_until[pid] = now
             new = open_weight_files(pids) - self.seen
             if new:
                 self.seen |= new
                 self.on_new(sorted(new))
+
+    def holds_mapped(self) -> dict[int, bool]:
+        """pid -> whether it kept weight files mapped to about its end."""
+        return {pid: self.alive_until.get(pid, t) - t < self.HOLD_S for pid, t in self.mapped_until.items()}
 
     def stop(self) -> None:
         self._stop.set()
@@ -144,7 +155,7 @@ class Recorder:
         self.events_lost = getattr(source, "lines_lost", 0)
         for tid, key, start, end in self.spans.flush():
             self._count(self._span_pid.get(tid, tid), key, start, end - start)
-        self.holds_mapped = watcher.mapped_last
+        self.holds_mapped = watcher.holds_mapped()
         return rc, watcher.seen
 
     def _attach(self, pid: int):
