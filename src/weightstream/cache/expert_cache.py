@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class ExpertCache:
         kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         self.reader = DirectReader(self.arena, threads=io_threads, direct=direct, **kwargs)
         self.slot_of: dict[Key, int] = {}
+        # sizes once, not a stat per miss: an aligned span is cut at the end of its file
+        self._file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
         self.inflight = InFlightPrefetches()
@@ -216,7 +219,7 @@ class ExpertCache:
         for piece in expert.pieces:  # execution order: gate, up, down
             requests.append(ReadRequest(piece.path, piece.offset, piece.nbytes, dest))
             dest += region_bytes(piece.nbytes)
-        aligned = sum(aligned_bytes(p) for p in expert.pieces)
+        aligned = sum(aligned_bytes(p, self._file_sizes[p.path]) for p in expert.pieces)
         if priority == DEMAND:
             self.stats.expert_bytes_missed += expert.nbytes
             self.stats.aligned_bytes_missed += aligned

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 
-from weightstream.errors import WeightstreamError
 
 BUILTIN_PROMPTS = (
     "Explain why a cache that is smaller than the working set of one token cannot help.",
@@ -47,16 +46,10 @@ def register(sub) -> None:
 
 
 def load_prompts(model_dir: str, path: str | None) -> list[list[int]]:
+    from weightstream.commands.trace import read_prompts
     from weightstream.engine.loader import load_tokenizer
 
-    texts = BUILTIN_PROMPTS
-    if path:
-        try:
-            texts = [line.rstrip("\n") for line in open(path) if line.strip()]
-        except OSError as exc:
-            raise WeightstreamError(f"--prompts {path}: cannot read ({exc.strerror})") from exc
-        if not texts:
-            raise WeightstreamError(f"--prompts {path}: no prompts (one per line)")
+    texts = read_prompts(path) if path else BUILTIN_PROMPTS
     tokenizer = load_tokenizer(model_dir, required=True)
     return [tokenizer(t).input_ids for t in texts]
 

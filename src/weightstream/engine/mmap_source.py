@@ -7,7 +7,6 @@ drops them as memory allows. Same engine, same exact arithmetic, so tokens equal
 from __future__ import annotations
 
 import mmap
-import os
 import queue
 
 import torch
@@ -58,6 +57,3 @@ class MmapExpertSource:
             raw = torch.cat([self._maps[p.path][1][p.offset:p.offset + p.nbytes] for p in param.pieces])
         return raw.view(param.dtype).view(param.shape)
 
-
-def file_sizes(layout: ModelLayout) -> dict[str, int]:
-    return {path: os.path.getsize(path) for path in {p.path for e in layout.experts.values() for p in e.pieces}}

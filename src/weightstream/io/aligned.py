@@ -28,10 +28,10 @@ def aligned_span(offset: int, nbytes: int) -> tuple[int, int]:
     return round_down(offset), round_up(offset + nbytes)
 
 
-def aligned_bytes(piece) -> int:
+def aligned_bytes(piece, file_size: int | None = None) -> int:
     """Bytes an O_DIRECT read of `piece` (path, offset, nbytes) fetches: its aligned span, cut at end of file."""
     start, end = aligned_span(piece.offset, piece.nbytes)
-    return min(end, os.path.getsize(piece.path)) - start
+    return min(end, os.path.getsize(piece.path) if file_size is None else file_size) - start
 
 
 class AlignedArena:
