@@ -31,10 +31,10 @@ def point(args, **overrides) -> dict:
 
 
 def pipeline(args) -> list[dict]:
-    points = [point(args, io_threads=n) for n in (1, 2, 4, 8)]
-    points += [point(args, compute_threads=n) for n in (1, 2)]
-    points += [point(args, chunk_bytes=kib * 1024) for kib in (64, 128, 512, 2048)]
-    return points
+    """One setting varied at a time from the defaults; repeats interleaved so drift hits every setting alike."""
+    settings = [{"io_threads": n} for n in (1, 2, 4, 8)] + [{"compute_threads": n} for n in (1, 2)]
+    settings += [{"chunk_bytes": kib * 1024} for kib in (128, 512, 1024, 4096)]
+    return [point(args, **s) | {"repeat": r} for r in range(args.repeats) for s in settings]
 
 
 def limits(args) -> list[dict]:
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--routing-trace")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompts", help="one prompt per line (default: the bench's built-in prompts)")
+    ap.add_argument("--repeats", type=int, default=1, help="pipeline sweep: run every setting this many times")
     ap.add_argument("--plot")
     args = ap.parse_args()
     args.prompt_ids = load_prompts(args.model, args.prompts)

@@ -10,21 +10,22 @@ from transformers import AutoModelForCausalLM
 from weightstream.cache.policies import make_policy
 from weightstream.cache.policy import insert_prefetched
 from weightstream.engine.loader import load_streaming_model
-from weightstream.io.aligned import aligned_bytes, aligned_span
+from weightstream.io.aligned import aligned_span
 
 GATES = []  # released at teardown, so a failing test does not leave an I/O thread held
 
 
 class Gate:
-    """Holds the I/O thread that reads the first chunk of `piece` until `release()`; the read itself is real."""
+    """Holds the I/O thread that reads the first chunk of `key`'s expert until `release()`; the read is real."""
 
-    def __init__(self, reader, piece):
+    def __init__(self, cache, key):
         self.reached, self._open = threading.Event(), threading.Event()
         GATES.append(self)
-        start, real = aligned_span(piece.offset, piece.nbytes)[0], reader._read_chunk
+        first_path, offset, nbytes, _ = cache.plans[key].requests[0]
+        start, real, reader = aligned_span(offset, nbytes)[0], cache.reader._read_chunk, cache.reader
 
         def read(path, pos, dest, n):
-            if (path, pos) == (piece.path, start) and not self._open.is_set():
+            if (path, pos) == (first_path, start) and not self._open.is_set():
                 self.reached.set()
                 self._open.wait(60)
             real(path, pos, dest, n)
@@ -65,7 +66,7 @@ def assert_bytes_are(cache, ref, keys):
 
 def test_demand_lookup_of_a_prefetch_in_flight_waits_for_its_bytes(olmoe):
     cache, ref = olmoe
-    gate = Gate(cache.reader, cache.layout.experts[(1, 3)].pieces[0])
+    gate = Gate(cache, (1, 3))
     assert cache.prefetch(1, [3], running=set()) == 1
     assert gate.reached.wait(30)
     fetch = cache.fetch_layer(1, [3, 5])
@@ -83,7 +84,7 @@ def test_demand_lookup_of_a_prefetch_in_flight_waits_for_its_bytes(olmoe):
 
 def test_evicting_a_prefetch_in_flight_waits_so_the_demand_read_is_not_overwritten(olmoe):
     cache, ref = olmoe
-    gate = Gate(cache.reader, cache.layout.experts[(1, 0)].pieces[0])
+    gate = Gate(cache, (1, 0))
     assert cache.prefetch(1, [0], running=set()) == 1
     assert gate.reached.wait(30)
     fill(cache, [(0, [0, 1]), (2, [0, 1]), (1, [1])])  # full; the unused prefetch (1, 0) is least recent
@@ -119,7 +120,7 @@ def test_prefetch_never_evicts_the_running_layer_and_stops_when_all_is_pinned(ol
 def test_a_wrong_guess_still_queued_is_cancelled_and_never_read(olmoe):
     cache, ref = olmoe
     fill(cache, [(0, [0, 1]), (2, [0, 1]), (1, [1, 2])])
-    gate = Gate(cache.reader, cache.layout.experts[(1, 3)].pieces[0])
+    gate = Gate(cache, (1, 3))
     assert cache.prefetch(1, [3, 4], running=set()) == 2  # (1, 3) is held; (1, 4) waits behind it, coldest
     assert gate.reached.wait(30)
     before = cache.reader.bytes_read
@@ -131,7 +132,7 @@ def test_a_wrong_guess_still_queued_is_cancelled_and_never_read(olmoe):
     assert cache.wait(result[0]) == 5
     cache.close()
     read = cache.reader.bytes_read - before
-    held, demanded = (sum(aligned_bytes(p) for p in cache.layout.experts[k].pieces) for k in ((1, 3), (2, 5)))
+    held, demanded = (cache.plans[k].aligned_bytes for k in ((1, 3), (2, 5)))
     assert read == held + demanded  # (1, 4)'s chunks were skipped
     assert cache.stats.prefetch_cancelled == 1 and (1, 4) not in cache.slot_of and (1, 3) in cache.slot_of
     assert_bytes_are(cache, ref, sorted(cache.slot_of))  # every resident expert, (1, 3) and (2, 5) among them

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightstream.engine.loader import load_streaming_model
@@ -50,3 +49,30 @@ def test_mixtral_keys_are_per_expert_and_gpt_oss_fused(tiny_model):
     for arch, sample in (("mixtral", "experts.0.w1.weight"), ("gpt_oss", "experts.gate_up_proj")):
         keys = set(open_checkpoint(tiny_model(arch)).tensors)
         assert any(k.endswith(sample) for k in keys), arch
+
+
+@pytest.mark.parametrize("arch, in_place", [("olmoe", True), ("qwen3_moe", True), ("mixtral", False),
+                                            ("gpt_oss", True)])
+def test_slot_plans_read_stretches_whole_and_give_each_parameter(tiny_model, arch, in_place):
+    """OLMoE/Qwen store down|gate|up adjacent: one read, used in place. Mixtral's w1|w2|w3 puts down between the
+    two halves of gate_up: one read per piece, then a pack. Either way the views are the model's parameters."""
+    from weightstream.cache.expert_cache import ExpertCache
+
+    model_dir = tiny_model(arch)
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)  # every expert resident
+    cache = model.weightstream.cache
+    ref = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    paths = {layer: path for path, layer in cache.layout.module_layers.items()}
+    assert isinstance(cache, ExpertCache)
+    for key, plan in cache.plans.items():
+        assert (not plan.packs) == in_place, key
+        if in_place and arch != "gpt_oss":  # gpt_oss: weights and biases live in different tensors, two stretches
+            assert len(plan.requests) == 1, key
+        assert plan.slot_bytes <= cache.slot_bytes
+    for layer, expert in cache.layout.experts:
+        fetch = cache.fetch_layer(layer, [expert])
+        for _ in fetch.missing:
+            cache.wait(fetch)
+        for name, value in cache.params(layer, expert).items():
+            assert torch.equal(value, ref[f"{paths[layer]}.{name}"][expert].detach()), (layer, expert, name)
+    model.weightstream.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import queue
 from collections.abc import Callable
@@ -14,10 +15,11 @@ from weightstream.cache.inflight import InFlightPrefetches
 from weightstream.cache.policies import make_policy
 from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_prefetched
 from weightstream.cache.sizes import format_bytes
+from weightstream.cache.slot_plan import SlotPlan, plan_slot
 from weightstream.errors import WeightstreamError
-from weightstream.io.aligned import AlignedArena, aligned_bytes, region_bytes
+from weightstream.io.aligned import AlignedArena
 from weightstream.io.reader import DEMAND, PREFETCH, DirectReader, ReadBatch, ReadRequest
-from weightstream.store.layout import ExpertLayout, ModelLayout
+from weightstream.store.layout import ModelLayout
 
 
 @dataclass(slots=True)
@@ -77,7 +79,8 @@ class ExpertCache:
         self.reader = DirectReader(self.arena, threads=io_threads, direct=direct, **kwargs)
         self.slot_of: dict[Key, int] = {}
         # sizes once, not a stat per miss: an aligned span is cut at the end of its file
-        self._file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+        file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+        self.plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in layout.experts.items()}
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
         self.inflight = InFlightPrefetches()
@@ -149,10 +152,10 @@ class ExpertCache:
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's parameters, in the model's layout, as views of its slot."""
         base = self.slot_of[(layer, expert)] * self.slot_bytes
-        out, offset = {}, base
-        for param in self.layout.experts[(layer, expert)].params:
-            out[param.name] = self.arena.tensor[offset:offset + param.nbytes].view(param.dtype).view(param.shape)
-            offset += param.nbytes
+        out = {}
+        for name, offset, shape, dtype in self.plans[(layer, expert)].views:
+            nbytes = dtype.itemsize * math.prod(shape)
+            out[name] = self.arena.tensor[base + offset:base + offset + nbytes].view(dtype).view(shape)
         return out
 
     def wait(self, fetch: LayerFetch) -> int:
@@ -213,30 +216,20 @@ class ExpertCache:
         self.inflight.landed(key, error)
 
     def _load(self, key: Key, slot: int, notify: Callable[[BaseException | None], None], priority: int) -> ReadBatch:
-        expert = self.layout.experts[key]
+        plan = self.plans[key]
         base = slot * self.slot_bytes
-        requests, dest = [], base
-        for piece in expert.pieces:  # execution order: gate, up, down
-            requests.append(ReadRequest(piece.path, piece.offset, piece.nbytes, dest))
-            dest += region_bytes(piece.nbytes)
-        aligned = sum(aligned_bytes(p, self._file_sizes[p.path]) for p in expert.pieces)
+        requests = [ReadRequest(path, offset, nbytes, base + dest) for path, offset, nbytes, dest in plan.requests]
         if priority == DEMAND:
-            self.stats.expert_bytes_missed += expert.nbytes
-            self.stats.aligned_bytes_missed += aligned
+            self.stats.expert_bytes_missed += self.layout.experts[key].nbytes
+            self.stats.aligned_bytes_missed += plan.aligned_bytes
         else:
-            self.stats.prefetch_aligned_bytes += aligned
+            self.stats.prefetch_aligned_bytes += plan.aligned_bytes
 
         def done(error: BaseException | None) -> None:
             if error is None:  # also after a cancel: the slot is then rewritten in full before any use
-                self._pack(expert, base)
+                for src, dst, nbytes in plan.packs:  # into the model's contiguous layout, where not usable in place
+                    ctypes.memmove(self.arena.address + base + dst, self.arena.address + base + src, nbytes)
             notify(error)
 
         return self.reader.submit(requests, done, priority)
 
-    def _pack(self, expert: ExpertLayout, base: int) -> None:
-        """Move each piece from where O_DIRECT landed it to its place in the model's contiguous layout."""
-        src, dst = base, base
-        for piece in expert.pieces:
-            ctypes.memmove(self.arena.address + dst, self.arena.address + src + piece.offset % 4096, piece.nbytes)
-            src += region_bytes(piece.nbytes)
-            dst += piece.nbytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from weightstream.errors import WeightstreamError
 
 BUILTIN_PROMPTS = (
     "Explain why a cache that is smaller than the working set of one token cannot help.",
@@ -37,8 +38,12 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--io-threads", type=int, default=4, metavar="N")
     p.add_argument("--compute-threads", type=int, metavar="N", help="torch threads (default: torch's)")
-    p.add_argument("--chunk-kib", type=int, metavar="KIB", help="O_DIRECT chunk size (default 128)")
+    p.add_argument("--chunk-kib", type=int, metavar="KIB", help="O_DIRECT chunk size (default 1024)")
+    p.add_argument("--prefill-tokens", type=int, default=256, metavar="N", help="also time the prefill of an "
+                   "N-token prompt in direct and page-cache runs (default 256; 0 skips it)")
     p.add_argument("--no-reference", action="store_true", help="skip the in-memory transformers reference")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlap check (the reader's bandwidth and "
+                   "a compute-only run with every expert resident, which needs the whole model in memory)")
     p.add_argument("--predict-next", action="store_true", help="direct runs prefetch each next layer's guessed "
                    "experts (see `weightstream generate --help`)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -54,6 +59,20 @@ def load_prompts(model_dir: str, path: str | None) -> list[list[int]]:
     return [tokenizer(t).input_ids for t in texts]
 
 
+def long_prompt(model_dir: str, n: int) -> list[int]:
+    """`n` token ids of text: the built-in prompts, repeated as often as needed."""
+    from weightstream.engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir, required=True)
+    ids: list[int] = []
+    while len(ids) < n:
+        before = len(ids)
+        ids += tokenizer(" ".join(BUILTIN_PROMPTS)).input_ids
+        if len(ids) == before:
+            raise WeightstreamError(f"{model_dir}: the tokenizer gives no tokens for the built-in prompts")
+    return ids[:n]
+
+
 def run(args) -> int:
     from weightstream.cache.sizes import parse_size
     from weightstream.engine.bench import BenchConfig, run_bench
@@ -64,7 +83,8 @@ def run(args) -> int:
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], prompts=load_prompts(args.model, args.prompts),
         max_new_tokens=args.max_new_tokens, routing_trace=args.routing_trace, io_threads=args.io_threads,
         compute_threads=args.compute_threads, chunk_bytes=args.chunk_kib * 1024 if args.chunk_kib else None,
-        reference=not args.no_reference, predict_next=args.predict_next)
+        reference=not args.no_reference, predict_next=args.predict_next, overlap=not args.no_overlap,
+        long_prompt=long_prompt(args.model, args.prefill_tokens) if args.prefill_tokens > 0 else None)
     say = lambda m: print(f"[bench] {m} ...", file=sys.stderr, flush=True)  # noqa: E731  (stderr: JSON stays clean)
     report = run_bench(config, progress=say)
     if args.json:
@@ -82,19 +102,38 @@ def print_table(report: dict) -> None:
     mib = 2**20
     print(f"model {report['model']} ({report['model_bytes'] / 2**30:.1f} GiB), memory limit "
           f"{report['memory_limit_bytes'] / 2**30:.2f} GiB, routing: {report['routing']}, reference: {report['reference']}")
-    print(f"{'mode':<11}{'cache':>7}{'tok/s':>8}{'prefill s':>10}{'dev MiB/tok':>12}{'hit rate':>9}"
-          f"{'peak RSS MiB':>13}{'tokens ok':>10}")
+    print(f"{'mode':<11}{'cache':>7}{'tok/s':>8}{'prefill s':>10}{'long prefill s':>15}{'dev MiB/tok':>12}"
+          f"{'hit rate':>9}{'peak RSS MiB':>13}{'tokens ok':>10}")
     for r in report["runs"]:
         if "error" in r:
             print(f"{r['mode']:<11}  not run: {r['error']}")
             continue
         hit = f"{r['expert_hit_rate']:.1%}" if r.get("expert_hit_rate") is not None else "-"
         per = r["bytes_read_per_token"] / mib if r["bytes_read_per_token"] is not None else float("nan")
+        long = f"{r['long_prefill']['prefill_s']:.2f} ({r['long_prefill']['tokens']})" if r.get("long_prefill") else "-"
         print(f"{r['mode']:<11}{r['expert_cache'] or '-':>7}{r['decode_tokens_per_s']:>8.2f}{r['prefill_s']:>10.2f}"
-              f"{per:>12.1f}{hit:>9}{r['peak_rss_bytes'] / mib:>13.0f}{str(r['token_ids_equal_to_reference']):>10}")
+              f"{long:>15}{per:>12.1f}{hit:>9}{r['peak_rss_bytes'] / mib:>13.0f}{str(r['token_ids_equal_to_reference']):>10}")
+    print_overlap(report.get("overlap"))
     cm = report["cost_model"]
     if "error" in cm:
         print(f"cost model: {cm['error']}")
     else:
         print(f"cost model: {cm['fixed_s'] * 1000:.1f} ms fixed + {cm['per_mib_s'] * 1000:.3f} ms per MiB read "
               f"(R^2 {cm['r2']:.3f}, {cm['points']} points)")
+        if "warning" in cm:
+            print(f"cost model: {cm['warning']}")
+
+
+def print_overlap(overlap: dict | None) -> None:
+    if not overlap:
+        return
+    bw = overlap["reader_bandwidth"]
+    print(f"reader O_DIRECT bandwidth: {bw['mib_per_s']:.0f} MiB/s ({bw['io_threads']} threads)")
+    if "error" in overlap:
+        print(f"overlap: not measured: {overlap['error']}")
+        return
+    print(f"compute-only (every expert resident): {overlap['compute_only_s_per_token'] * 1000:.1f} ms/token")
+    for r in overlap["runs"]:
+        print(f"overlap {r['expert_cache']}: {r['time_per_token_s'] * 1000:.1f} ms/token against max(compute "
+              f"{r['compute_only_s'] * 1000:.1f}, reads {r['read_s'] * 1000:.1f}) = {r['ratio']:.2f}x "
+              f"({'within' if r['within_target'] else 'outside'} {overlap['target_ratio']}x)")

@@ -37,6 +37,8 @@ class BenchConfig:
     chunk_bytes: int | None = None
     reference: bool = True
     predict_next: bool = False
+    long_prompt: list[int] | None = None  # its prefill is timed in direct and page-cache runs
+    overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each direct run
     extra: dict = field(default_factory=dict)
 
 
@@ -85,6 +87,8 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
             "routing_trace": config.routing_trace, "prompts": config.prompts[:1] if short else config.prompts,
             "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
             "predict_next": config.predict_next and mode == "direct",
+            "long_prompt": config.long_prompt if mode in ("direct", "page-cache") else None,
+            "warm_all": mode == "compute-only",
             "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
                                         f".ws-offload-{os.getpid()}-{mode}")}
 
@@ -94,7 +98,9 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
     decode_s = sum(p["decode_s"] for p in prompts)
     steps = sum(p.get("decode_steps", p.get("generated_tokens", 1) - 1) for p in prompts)
     tokens = sum(len(p["token_ids"]) for p in prompts)
+    long = result.get("long_prefill")
     out = {"decode_tokens_per_s": steps / decode_s if decode_s else 0.0,
+           "long_prefill": long,
            "prefill_s": sum(p["prefill_s"] for p in prompts) / len(prompts),
            "device_bytes_read": device_bytes,
            "bytes_read_per_token": device_bytes / tokens if device_bytes is not None else None,
@@ -103,6 +109,8 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
     if "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]:  # direct: the page cache has no hit count
         hits, misses = sum(p["expert_hits"] for p in prompts), sum(p["expert_misses"] for p in prompts)
         out.update(expert_hit_rate=hits / (hits + misses) if hits + misses else None,
+                   decode_bytes_read_per_token=sum(p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0)
+                                                   for p in prompts) / steps if steps else 0.0,
                    engine_bytes_read=sum(p["bytes_read"] for p in prompts),
                    io_wait_s=sum(p["io_wait_s"] for p in prompts), expert_cache_bytes=result["expert_cache_bytes"],
                    per_prompt=[{"decode_s_per_token": p["decode_s"] / max(p["generated_tokens"] - 1, 1),
@@ -138,9 +146,49 @@ def run_bench(config: BenchConfig, progress=lambda msg: None) -> dict:
             progress(f"{mode}{' ' + cache if cache else ''}")
             runs.append(measure(config, mode, cache or config.expert_caches[0], ckpt.files, device))
     compare_tokens(runs, reference, reference_kind)
+    overlap = measure_overlap(config, ckpt, runs, progress) if config.overlap and "direct" in config.modes else None
     return {"machine": machine_info(device), "model": config.model_dir, "model_bytes": ckpt.total_bytes(),
             "memory_limit_bytes": config.memory_limit, "routing": routing_label(config),
-            "reference": reference_kind, "runs": runs, "cost_model": cost_model(runs)}
+            "reference": reference_kind, "runs": runs, "cost_model": cost_model(runs), "overlap": overlap}
+
+
+OVERLAP_TARGET = 1.25
+
+
+def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> dict:
+    """Each direct run's time per token against max(compute-only time per token, its decode reads / bandwidth).
+
+    Compute-only is the same engine and prompts with every expert already in the cache (no limit: it needs the
+    whole model in memory); bandwidth is the reader's own O_DIRECT rate on this checkpoint, cold.
+    """
+    progress("reader bandwidth (O_DIRECT, cold)")
+    bandwidth = reader_bandwidth(config.model_dir, config.io_threads, config.chunk_bytes)
+    out = {"reader_bandwidth": bandwidth, "target_ratio": OVERLAP_TARGET}
+    experts = sum(t.nbytes for t in ckpt.tensors.values() if ".experts." in t.name)
+    if psutil.virtual_memory().available < 1.2 * ckpt.total_bytes():
+        out["error"] = (f"compute-only needs every expert in memory ({experts / 2**30:.1f} GiB of experts); "
+                        f"this machine has {psutil.virtual_memory().available / 2**30:.1f} GiB available")
+        return out
+    progress("compute-only: every expert resident, no limit")
+    result, err, rc = run_child(child_config(config, "compute-only", "1000x"), None)
+    if result is None:
+        out["error"] = f"compute-only run failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
+        return out
+    prompts = result["prompts"]
+    steps = sum(p["generated_tokens"] - 1 for p in prompts)
+    compute_s = sum(p["decode_s"] for p in prompts) / steps
+    out.update(compute_only_s_per_token=compute_s,
+               compute_only_misses=sum(p["expert_misses"] for p in prompts), runs=[])  # 0: all resident
+    for r in runs:
+        if r.get("mode") != "direct" or "error" in r:
+            continue
+        io_s = r["decode_bytes_read_per_token"] / MIB / bandwidth["mib_per_s"]
+        per_token = 1 / r["decode_tokens_per_s"]
+        bound = max(compute_s, io_s)
+        out["runs"].append({"expert_cache": r["expert_cache"], "time_per_token_s": per_token,
+                            "compute_only_s": compute_s, "read_s": io_s, "bound_s": bound,
+                            "ratio": per_token / bound, "within_target": per_token / bound <= OVERLAP_TARGET})
+    return out
 
 
 def compare_tokens(runs: list[dict], reference, kind: str) -> None:
@@ -159,7 +207,11 @@ def cost_model(runs: list[dict]) -> dict:
     model = fit_cost_model([p["mib_read_per_token"] for p in points], [p["decode_s_per_token"] for p in points])
     if model is None:
         return {"error": "needs direct runs with different read volumes: pass several --expert-cache sizes"}
-    return model.to_dict()
+    out = model.to_dict()
+    if model.per_mib_s <= 0 or model.r2 < 0.5:  # the line is noise, not a cost: say so rather than let it be used
+        out["warning"] = (f"poor fit (R^2 {model.r2:.2f}, {model.per_mib_s * 1000:.3f} ms per MiB): the runs' read "
+                          "volumes barely differ; pass several --expert-cache sizes (e.g. 1x,1.5x,2x,3x)")
+    return out
 
 
 def routing_label(config: BenchConfig) -> str:

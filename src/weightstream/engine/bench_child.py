@@ -32,6 +32,8 @@ def run_streaming(cfg: dict) -> dict:
         from weightstream.trace import load
 
         runtime.routing_override = RoutingReplay(load(cfg["routing_trace"]), runtime.layout)
+    if cfg.get("warm_all"):  # compute-only: every expert read into the cache before the clock starts
+        warm_every_expert(runtime.cache)
     prompts = []
     for _ in range(cfg.get("passes", 1)):
         prompts = []
@@ -39,9 +41,25 @@ def run_streaming(cfg: dict) -> dict:
             new, stats = generate(model, torch.tensor([ids]), cfg["max_new_tokens"])
             prompts.append({"token_ids": new[0].tolist(), **{k: v for k, v in stats.to_dict().items()
                                                               if k != "layer_misses"}})
+    long_prefill = None
+    if cfg.get("long_prompt"):  # a long prompt's prefill: every expert of every layer, read in parallel
+        _, stats = generate(model, torch.tensor([cfg["long_prompt"]]), 1)
+        long_prefill = {"tokens": len(cfg["long_prompt"]), "prefill_s": stats.prefill_s,
+                        "bytes_read": stats.prefill_bytes_read, "io_wait_s": stats.io_wait_s}
     runtime.close()
     return {"load_s": load_s, "prompts": prompts, "expert_cache_bytes": prompts[0]["expert_cache_bytes"],
-            "working_set_bytes": prompts[0]["working_set_bytes"]}
+            "working_set_bytes": prompts[0]["working_set_bytes"], "long_prefill": long_prefill}
+
+
+def warm_every_expert(cache) -> None:
+    """Read every expert of every layer into the cache (which must hold them all), as demand reads."""
+    if cache.n_slots < len(cache.layout.experts):
+        raise SystemExit(f"compute-only needs every expert resident: {len(cache.layout.experts)} slots, "
+                         f"the cache has {cache.n_slots}")
+    for layer, n in cache.layout.num_experts.items():
+        fetch = cache.fetch_layer(layer, list(range(n)))
+        for _ in fetch.missing:
+            cache.wait(fetch)
 
 
 def run_transformers(cfg: dict) -> dict:
@@ -81,7 +99,7 @@ def accelerate_device_map(model_dir: str) -> dict[str, str]:
 def main() -> None:
     cfg = json.load(sys.stdin)
     torch.set_num_threads(cfg.get("compute_threads") or torch.get_num_threads())
-    runner = run_streaming if cfg["mode"] in ("direct", "page-cache") else run_transformers
+    runner = run_streaming if cfg["mode"] in ("direct", "page-cache", "compute-only") else run_transformers
     result = runner(cfg)
     result.update(peak_rss_bytes=peak_rss(), pid=os.getpid(), compute_threads=torch.get_num_threads())
     print(json.dumps(result))

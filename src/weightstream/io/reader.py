@@ -15,7 +15,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import ALIGN, AlignedArena, aligned_span
 
 DEMAND, PREFETCH = 0, 1
-DEFAULT_CHUNK_BYTES = 128 * 1024
+DEFAULT_CHUNK_BYTES = 1024 * 1024  # from the pipeline sweep in docs/benchmarks.md
 
 
 @dataclass(slots=True)

@@ -1,0 +1,93 @@
+"""Where one expert's bytes are read to inside its cache slot, and where each parameter is then found.
+
+Checkpoints usually store an expert's tensors next to each other (OLMoE and Qwen: down, gate, up; 12 MiB in
+one stretch). Reading each such stretch as one O_DIRECT request, and using the parameters where they land,
+saves a request and an aligned page per tensor and the copy that would pack them. Where a parameter cannot be
+used in place (its pieces lie apart in the file, as gate and up do when the model fuses them but the file
+keeps them in separate places, or it would start misaligned for its dtype), the expert falls back to one
+request per piece followed by a pack into the model's contiguous layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightstream.io.aligned import aligned_span, region_bytes
+from weightstream.store.layout import ExpertLayout, Piece
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """Reads into the slot, the copies after they land, and each parameter's place in the slot."""
+
+    requests: tuple[tuple[str, int, int, int], ...]  # (path, offset, nbytes, 4 KiB-aligned destination in the slot)
+    packs: tuple[tuple[int, int, int], ...]  # (from, to, nbytes) in the slot, run in order once everything landed
+    views: tuple[tuple[str, int, tuple[int, ...], object], ...]  # (name, offset in the slot, shape, dtype)
+    aligned_bytes: int  # what O_DIRECT fetches for this expert: its requests' aligned spans, cut at end of file
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(region_bytes(n) for _, _, n, _ in self.requests)
+
+
+def plan_slot(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
+    """Read file-contiguous stretches whole and use parameters in place where possible; else read and pack."""
+    return _in_place(expert, file_sizes) or _packed(expert, file_sizes)
+
+
+def _aligned(path: str, offset: int, nbytes: int, file_sizes: dict[str, int]) -> int:
+    start, end = aligned_span(offset, nbytes)
+    return min(end, file_sizes[path]) - start
+
+
+def _runs(expert: ExpertLayout) -> list[list[Piece]]:
+    """Maximal stretches of file-adjacent pieces, each in file order; stretches in the order their bytes are used."""
+    order = {piece: i for i, piece in enumerate(expert.pieces)}
+    runs: list[list[Piece]] = []
+    for piece in sorted(set(expert.pieces), key=lambda p: (p.path, p.offset)):
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.path == piece.path and last.offset + last.nbytes == piece.offset:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return sorted(runs, key=lambda run: min(order[p] for p in run))  # gate projection first
+
+
+def _in_place(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan | None:
+    runs = _runs(expert)
+    requests, where, dest = [], {}, 0
+    for run in runs:
+        start = run[0].offset
+        nbytes = run[-1].offset + run[-1].nbytes - start
+        requests.append((run[0].path, start, nbytes, dest))
+        for piece in run:  # the piece lands `start % 4096` into the run's region, after the pieces before it
+            where[piece] = dest + start % 4096 + (piece.offset - start)
+        dest += region_bytes(nbytes)
+    views = []
+    for param in expert.params:
+        first = param.pieces[0]
+        for a, b in zip(param.pieces, param.pieces[1:]):
+            if where[b] != where[a] + a.nbytes:  # not adjacent in the slot: needs a copy
+                return None
+        if where[first] % param.dtype.itemsize:
+            return None
+        views.append((param.name, where[first], param.shape, param.dtype))
+    if sum(region_bytes(n) for *_, n, _ in requests) > expert.slot_bytes:
+        return None  # never more room than the per-piece plan, which sizes the slots
+    return SlotPlan(tuple(requests), (), tuple(views),
+                    sum(_aligned(p, o, n, file_sizes) for p, o, n, _ in requests))
+
+
+def _packed(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
+    """One request per piece (execution order, gate first), then each moved down to the model's layout."""
+    requests, packs, views = [], [], []
+    src = dst = 0
+    for param in expert.params:
+        views.append((param.name, dst, param.shape, param.dtype))
+        for piece in param.pieces:
+            requests.append((piece.path, piece.offset, piece.nbytes, src))
+            packs.append((src + piece.offset % 4096, dst, piece.nbytes))
+            src += region_bytes(piece.nbytes)
+            dst += piece.nbytes
+    return SlotPlan(tuple(requests), tuple(packs), tuple(views),
+                    sum(_aligned(p, o, n, file_sizes) for p, o, n, _ in requests))
