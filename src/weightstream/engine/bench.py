@@ -226,7 +226,11 @@ def machine_info(device: str) -> dict:
 
 
 def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, limit_bytes: int = 2 * 2**30) -> dict:
-    """The reader's own O_DIRECT bandwidth on this checkpoint's expert pieces, page cache dropped first."""
+    """The reader's own O_DIRECT bandwidth on this checkpoint's expert pieces, page cache dropped first.
+
+    Pieces go in batches of 64 into two halves of a buffer, the next batch queued while the last is read, so
+    the I/O threads never run dry (as during a layer's misses), but no more is queued than decode ever queues.
+    """
     import threading
 
     from weightstream.io.aligned import AlignedArena, region_bytes, round_up
@@ -235,24 +239,31 @@ def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, l
 
     pieces = [Piece(t.path, t.offset, t.nbytes) for t in open_checkpoint(model_dir).tensors.values() if ".experts." in t.name]
     pieces = sorted(pieces, key=lambda p: (p.path, p.offset))
-    arena = AlignedArena(round_up(max(region_bytes(p.nbytes) for p in pieces) * 64))
+    group = 64
+    half = round_up(max(region_bytes(p.nbytes) for p in pieces) * group)
+    arena = AlignedArena(2 * half)
     reader = DirectReader(arena, threads=io_threads, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
     drop_from_page_cache(sorted({p.path for p in pieces}))
-    done, total, start = threading.Semaphore(0), 0, time.perf_counter()
-    batches = 0
-    for i in range(0, len(pieces), 64):
+    free = [threading.Event(), threading.Event()]
+    for event in free:
+        event.set()
+    total, start = 0, time.perf_counter()
+    for i in range(0, len(pieces), group):
         if total >= limit_bytes:
             break
-        group, dest = pieces[i:i + 64], 0
-        requests = []
-        for p in group:
+        which = (i // group) % 2
+        free[which].wait()  # the batch that last used this half has landed
+        free[which].clear()
+        requests, dest = [], which * half
+        for p in pieces[i:i + group]:
             requests.append(ReadRequest(p.path, p.offset, p.nbytes, dest))
             dest += region_bytes(p.nbytes)
-        reader.submit(requests, lambda err: done.release())
-        done.acquire()
-        batches += 1
-        total += sum(p.nbytes for p in group)
+        reader.submit(requests, lambda err, e=free[which]: e.set())
+        total += sum(p.nbytes for p in pieces[i:i + group])
+    for event in free:
+        event.wait()
     elapsed = time.perf_counter() - start
     read = reader.bytes_read
     reader.close()
-    return {"bytes": read, "seconds": elapsed, "mib_per_s": read / MIB / elapsed, "io_threads": io_threads}
+    return {"bytes": read, "seconds": elapsed, "mib_per_s": read / MIB / elapsed, "io_threads": io_threads,
+            "chunk_bytes": reader.chunk_bytes}
