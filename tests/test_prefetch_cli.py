@@ -169,4 +169,8 @@ def test_record_notes_a_loader_that_keeps_its_weights_mapped(tmp_path, ckpt):
         (path,) = (home / "templates").glob("*.json")
         template = LoadTemplate.from_json(path.read_text())
         assert [w.holds_mapped for w in template.workers] == [hold]
-        assert Plan.from_template(template).no_burn == [hold]  # its tensors are the page cache: never burnt
+        assert template.workers[0].held_files == (list(range(len(template.files))) if hold else [])
+        plan = Plan.from_template(template)
+        assert plan.no_burn == [False]  # which files it held is known: the rest may be burnt
+        # its tensors are the page cache: a held file is never burnt; one it unmapped before the end may be
+        assert all(c.shared == hold for c in plan.workers[0])

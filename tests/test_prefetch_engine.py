@@ -111,6 +111,34 @@ def test_burn_after_reading_then_a_second_pass_rewinds(one_file):
         p.stop()
 
 
+def test_pages_mapped_when_burnt_are_burnt_once_the_loader_unmaps_them(one_file):
+    """safetensors maps a shard and touches all of it: burning behind the cursor finds the pages mapped, and
+    DONTNEED leaves them. Once the mapping is gone (the loader moved on), the next events burn them."""
+    import mmap
+
+    path, ident = one_file
+    p = _prefetcher(path, ident, budget=32 * MIB, reclaim_gap=4 * MIB)
+    p.go()
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        _settle(p, 32 * MIB)
+        for offset in range(0, 32 * MIB, 4096):  # the loader's view of its tensors: every page mapped
+            m[offset]
+        p.on_events(_reads(ident, *range(8)))
+        assert p.counters.reclaimed == 0 and _cached(path, 0, 12 * MIB) == 12 * MIB  # mapped: kept
+        m.close()
+        p.on_events(_reads(ident, 8))  # the same file, within the retry interval: not yet tried again
+        assert p.counters.reclaimed == 2 * MIB  # only chunk 6, newly due and no longer mapped
+        time.sleep(1.1)
+        p.on_events(_reads(ident, 9))
+        assert p.counters.reclaimed == 16 * MIB and _cached(path, 0, 16 * MIB) == 0  # 0..5 retried, 7 due
+    finally:
+        if not m.closed:
+            m.close()
+        p.stop()
+
+
 def test_eviction_before_use_halves_the_budget(one_file):
     path, ident = one_file
     p = _prefetcher(path, ident, budget=16 * MIB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -62,3 +63,21 @@ def test_recorded_template_is_under_1_kib_per_gib(tmp_path):
     finally:
         drop([str(path)])
         path.unlink()
+
+
+def test_held_files_mark_only_their_chunks_and_old_templates_keep_every_file():
+    from weightstream.prefetch.plan import Plan
+
+    files = [FileIdentity(f"/m/{i}.safetensors", 8 << 20, 0, 1, i, "x") for i in range(2)]
+    ranges = [(0, 0, 8 << 20), (1, 0, 8 << 20)]
+    one = LoadTemplate({}, "k", files, [WorkerTemplate("p", ranges, 1.0, True, [1])], "tracefs", 0.0)
+    back = LoadTemplate.from_json(one.to_json())
+    assert back.workers[0].held_files == [1]
+    plan = Plan.from_template(back)
+    assert plan.no_burn == [False] and {c.file for c in plan.workers[0] if c.shared} == {1}
+    doc = json.loads(one.to_json())
+    del doc["workers"][0]["held_files"]  # written before held_files existed: all files count as held
+    assert Plan.from_template(LoadTemplate.from_json(json.dumps(doc))).no_burn == [True]
+    doc["workers"][0]["held_files"] = [5]
+    with pytest.raises(TemplateError, match="held_files"):
+        LoadTemplate.from_json(json.dumps(doc))

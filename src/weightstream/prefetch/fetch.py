@@ -63,13 +63,15 @@ def _read_through(fd: int, offset: int, length: int) -> None:
         offset += n
 
 
-def reclaim(fd: int, offset: int, length: int) -> int:
-    """Drop the range's clean, unmapped pages (POSIX_FADV_DONTNEED); returns the bytes actually dropped."""
+def reclaim(fd: int, offset: int, length: int) -> tuple[int, int]:
+    """Drop the range's clean, unmapped pages (POSIX_FADV_DONTNEED); returns (bytes dropped, bytes still
+    cached): what stays is mapped by some process (or dirty), and may be dropped once it is unmapped."""
     before = cached_bytes(fd, offset, length)
     if before == 0:
-        return 0
+        return 0, 0
     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    return max(0, before - cached_bytes(fd, offset, length))
+    after = cached_bytes(fd, offset, length)
+    return max(0, before - after), after
 
 
 def page_span(offset: int, length: int) -> tuple[int, int]:

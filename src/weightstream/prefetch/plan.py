@@ -21,7 +21,7 @@ class Chunk:
     worker: int
     index: int
     position: int  # bytes of this worker's template before this chunk
-    shared: bool = False  # also in another worker's template: never reclaimed
+    shared: bool = False  # never reclaimed: also in another worker's template, or in a file its worker holds mapped
 
 
 @dataclass(slots=True)
@@ -52,8 +52,13 @@ class Plan:
         for chunks in by_file.values():
             chunks.sort(key=lambda c: (c.offset, c.worker, c.index))
             _mark_shared(chunks)
-        # No burning after reading for a worker that reads its bytes twice, or keeps them mapped as its model.
-        multi = [w.reads_per_byte > MULTI_PASS or w.holds_mapped for w in template.workers]
+        # No burning after reading for a worker that reads its bytes twice; nor of the files a worker keeps
+        # mapped to its end (its tensors are those pages), or of any file when which ones it held is unknown.
+        for chunks, worker in zip(workers, template.workers):
+            held = set(worker.held_files or ())
+            for c in chunks:
+                c.shared = c.shared or c.file in held
+        multi = [w.reads_per_byte > MULTI_PASS or (w.holds_mapped and w.held_files is None) for w in template.workers]
         return cls(workers, {f: [c.offset for c in cs] for f, cs in by_file.items()}, by_file, chunk, multi)
 
     def lookup(self, file: int, start: int, end: int) -> list[Chunk]:

@@ -35,6 +35,7 @@ SHRINK_EVERY_S = 0.1
 IDLE_WAIT_S = 0.05
 TIMELINE_POINTS = 20000
 EVICTION_AGE_S = 0.5  # prefetched pages missed this long after we read them were evicted, not raced
+BURN_RETRY_S = 1.0  # chunks still mapped when burnt are tried again when the loader changes file, or this often
 
 
 class Prefetcher:
@@ -55,6 +56,9 @@ class Prefetcher:
         self._pressure_at, self._pressured, self._shrunk_at = 0.0, False, 0.0
         self._rr, self._t0 = 0, time.monotonic()
         self._spans = ReadSpans()
+        self._unburnt: list[Chunk] = []  # read and due to burn, but mapped at the time: DONTNEED left them
+        self._burn_files: tuple[int, ...] = ()  # the file each worker's cursor was in at the last retry
+        self._burn_retry_at = 0.0
         self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
                          for i in range(max(1, settings.threads))]
         for t in self._threads:
@@ -141,15 +145,35 @@ class Prefetcher:
                 self._note(e)
             burn = self.settings.budget is not None and self.settings.reclaim_gap is not None
             todo = [c for w in self.workers for c in w.reclaimable(self.settings.reclaim_gap)] if burn else []
+            todo += self._burn_retries() if burn else []
             self._cond.notify_all()
         for chunk in todo:
             if self._stop:
                 return
-            dropped = io.reclaim(self._fds[chunk.file], chunk.offset, chunk.length)
+            dropped, left = io.reclaim(self._fds[chunk.file], chunk.offset, chunk.length)
             with self._cond:
                 self.counters.reclaimed += dropped
                 if dropped:
                     self.pages[chunk.file].set(DROPPED, chunk.offset, chunk.offset + chunk.length)
+                if left:  # still mapped (a loader that maps a shard drops it when done): try again later
+                    if not self._unburnt:
+                        self._burn_files, self._burn_retry_at = self._cursor_files(), time.monotonic()
+                    self._unburnt.append(chunk)
+
+    def _burn_retries(self) -> list[Chunk]:
+        """Under the lock: the chunks left mapped at their burn, when a worker moved to another file (it
+        likely unmapped the last) or BURN_RETRY_S has passed."""
+        if not self._unburnt:
+            return []
+        files, now = self._cursor_files(), time.monotonic()
+        if files == self._burn_files and now - self._burn_retry_at < BURN_RETRY_S:
+            return []
+        self._burn_files, self._burn_retry_at = files, now
+        retry, self._unburnt = self._unburnt, []
+        return retry
+
+    def _cursor_files(self) -> tuple[int, ...]:
+        return tuple(w.chunks[w.cursor].file if w.cursor >= 0 else -1 for w in self.workers)
 
     def _note(self, e: PageEvent) -> None:
         f = self.file_of.get((e.dev, e.ino))

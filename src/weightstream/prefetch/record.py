@@ -67,7 +67,7 @@ class _Watcher:
 
     def __init__(self, pid: int, on_new: Callable[[list[str]], None]) -> None:
         self.pid, self.on_new, self.seen = pid, on_new, set()
-        self.mapped_until: dict[int, float] = {}  # pid -> last sample that found weight files mapped
+        self.mapped_until: dict[int, dict[str, float]] = {}  # pid -> weight file -> last sample finding it mapped
         self.alive_until: dict[int, float] = {}  # pid -> last sample that found the process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ws-watch", daemon=True)
@@ -77,8 +77,8 @@ class _Watcher:
         while not self._stop.wait(0.05):
             pids, now = process_tree(self.pid), time.monotonic()
             for pid in pids:
-                if mapped_weight_files(pid):
-                    self.mapped_until[pid] = now
+                for path in mapped_weight_files(pid):
+                    self.mapped_until.setdefault(pid, {})[path] = now
                 if Path(f"/proc/{pid}/maps").exists():
                     self.alive_until[pid] = now
             new = open_weight_files(pids) - self.seen
@@ -86,9 +86,11 @@ class _Watcher:
                 self.seen |= new
                 self.on_new(sorted(new))
 
-    def holds_mapped(self) -> dict[int, bool]:
-        """pid -> whether it kept weight files mapped to about its end."""
-        return {pid: self.alive_until.get(pid, t) - t < self.HOLD_S for pid, t in self.mapped_until.items()}
+    def held_files(self) -> dict[int, set[str]]:
+        """pid -> the weight files it kept mapped to about its end (a loader that maps one shard at a time
+        holds only the last; one whose mapping is the model holds them all)."""
+        return {pid: {path for path, t in files.items() if self.alive_until.get(pid, t) - t < self.HOLD_S}
+                for pid, files in self.mapped_until.items()}
 
     def stop(self) -> None:
         self._stop.set()
@@ -103,7 +105,7 @@ class Recorder:
         self.merger = RangeMerger()
         self.reads: dict[int, dict[tuple[int, int], PageCounter]] = {}
         self.spans = ReadSpans()
-        self.holds_mapped: dict[int, bool] = {}
+        self.held: dict[int, set[str]] = {}
         self._span_pid: dict[int, int] = {}
         self._names: dict[int, str] = {}
         self.known = [Path(p) for p in weight_files(opts.model_dirs)]
@@ -155,7 +157,7 @@ class Recorder:
         self.events_lost = getattr(source, "lines_lost", 0)
         for tid, key, start, end in self.spans.flush():
             self._count(self._span_pid.get(tid, tid), key, start, end - start)
-        self.holds_mapped = watcher.holds_mapped()
+        self.held = watcher.held_files()
         return rc, watcher.seen
 
     def _attach(self, pid: int):
@@ -194,8 +196,8 @@ class Recorder:
                     ranges.append((files.index(by_id[key]), offset, length))
             if ranges:
                 counts = [c for key, c in self.reads.get(pid, {}).items() if key in by_id]
-                holds = self.holds_mapped.get(pid, False)
-                workers.append(WorkerTemplate(worker.name, ranges, reads_per_byte(counts), holds))
+                held = sorted({files.index(p) for p in self.held.get(pid, set()) if p in files})
+                workers.append(WorkerTemplate(worker.name, ranges, reads_per_byte(counts), bool(held), held))
         if not workers:
             return None
         identities = [FileIdentity.of(p) for p in files]

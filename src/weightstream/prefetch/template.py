@@ -80,7 +80,8 @@ class WorkerTemplate:
     name: str
     ranges: list[tuple[int, int, int]] = field(default_factory=list)
     reads_per_byte: float = 1.0  # >1: the process read its weight bytes more than once (several passes)
-    holds_mapped: bool = False  # still mapped its weight files at exit: its tensors live in the page cache
+    holds_mapped: bool = False  # still mapped weight files at exit: those tensors live in the page cache
+    held_files: list[int] | None = None  # which files it still mapped at exit (None: unknown, take all of them)
 
     @property
     def bytes(self) -> int:
@@ -115,7 +116,7 @@ class LoadTemplate:
             "format": FORMAT, "version": VERSION, "key": self.key, "spec": self.spec, "source": self.source,
             "record_seconds": round(self.record_seconds, 3), "files": [asdict(f) for f in self.files],
             "workers": [{"name": w.name, "reads_per_byte": w.reads_per_byte, "holds_mapped": w.holds_mapped,
-                         "ranges": pack_ranges(w.ranges)} for w in self.workers],
+                         "held_files": w.held_files, "ranges": pack_ranges(w.ranges)} for w in self.workers],
         }
         return json.dumps(doc, separators=(",", ":"))
 
@@ -181,5 +182,9 @@ def _worker_from_json(doc: dict, n_files: int) -> WorkerTemplate:
         raise TemplateError(f"corrupt (packed ranges: {exc})") from None
     if any(not 0 <= f < n_files for f, _, _ in ranges):
         raise TemplateError("corrupt (ranges do not match the file list)")
+    held = doc.get("held_files")
+    if held is not None and (not isinstance(held, list) or any(not isinstance(f, int) or not 0 <= f < n_files
+                                                               for f in held)):
+        raise TemplateError("corrupt (held_files do not match the file list)")
     return WorkerTemplate(str(doc["name"]), ranges, float(doc.get("reads_per_byte", 1.0)),
-                          bool(doc.get("holds_mapped", False)))
+                          bool(doc.get("holds_mapped", False)), held)
