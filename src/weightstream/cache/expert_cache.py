@@ -81,6 +81,7 @@ class ExpertCache:
         # sizes once, not a stat per miss: an aligned span is cut at the end of its file
         file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
         self.plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in layout.experts.items()}
+        self.reader.open_files(sorted(file_sizes))  # at load, not at the first miss of each file
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
         self.inflight = InFlightPrefetches()

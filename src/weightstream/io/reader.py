@@ -72,6 +72,11 @@ class DirectReader:
             self._queue.put((priority, next(self._seq), chunk, batch))
         return batch
 
+    def open_files(self, paths) -> None:
+        """Open (and probe) these files now, so that the first read of each during decode does not pay for it."""
+        for path in paths:
+            self._fd(path)
+
     def cancel(self, batch: ReadBatch) -> None:
         """Skip the batch's chunks that no thread has started (a prefetch nobody needs any more)."""
         batch.cancelled = True
@@ -129,7 +134,9 @@ class DirectReader:
             fd = None
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                os.preadv(fd, [self._probe.view], 0)  # some filesystems accept the flag, then refuse reads
+                got = os.preadv(fd, [self._probe.view], 0)  # some filesystems accept the flag, then refuse reads
+                with self._stats_lock:
+                    self.bytes_read += got  # a real device read: counted like any other
                 return fd, True
             except OSError as exc:
                 if fd is not None:

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from weightstream.prefetch.events import TRACE_EVENTS, PageEvent, kernel_dev, parse_trace_text
+from weightstream.prefetch import rawtrace
+from weightstream.prefetch.events import _KINDS, TRACE_EVENTS, PageEvent, kernel_dev, parse_trace_text
 
 CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 REQUIRED = "filemap/mm_filemap_add_to_page_cache"
@@ -90,6 +91,15 @@ class TraceSession:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.lines_lost = 0
+        self.pages_lost = 0  # binary pages marked as following lost events
+        self.format = "text" if os.environ.get("WEIGHTSTREAM_TRACE_TEXT") == "1" else "binary"
+        self._formats = None
+        if self.format == "binary":
+            try:  # the events' binary layout; where it cannot be read, the text pipe still works
+                kinds = {name: _KINDS[name[len("mm_filemap_"):].encode()] for name in events}
+                self._formats = rawtrace.read_formats(root / "events" / "filemap", kinds)
+            except (OSError, ValueError, KeyError):
+                self.format = "text"
 
     def follow_pid(self, pid: int) -> None:
         """Trace pid and (event-fork) every task it creates from now on."""
@@ -110,7 +120,8 @@ class TraceSession:
         for event in self.events:
             _write(self.inst / "events" / "filemap" / event / "enable", "1")
         _write(self.inst / "tracing_on", "1")
-        self._thread = threading.Thread(target=self._read, args=(on_events,), name="ws-trace", daemon=True)
+        target = self._read_binary if self.format == "binary" else self._read
+        self._thread = threading.Thread(target=target, args=(on_events,), name="ws-trace", daemon=True)
         self._thread.start()
 
     def _read(self, on_events: Callable[[list[PageEvent]], None]) -> None:
@@ -128,6 +139,35 @@ class TraceSession:
                     return
         finally:
             os.close(fd)
+
+    def _read_binary(self, on_events: Callable[[list[PageEvent]], None]) -> None:
+        """Per-CPU ring-buffer pages, merged in time order each round (see rawtrace)."""
+        cpus = sorted(self.inst.glob("per_cpu/cpu*/trace_pipe_raw"))
+        fds = [os.open(p, os.O_RDONLY | os.O_NONBLOCK) for p in cpus]
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        tgid_of = rawtrace.TgidMap(self.root / "saved_tgids")
+        page_size = os.sysconf("SC_PAGE_SIZE")
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                if not stopping:
+                    poller.poll(50)
+                records = []
+                for fd in fds:
+                    for page in _drain_pages(fd, page_size):
+                        got, lost = rawtrace.parse_page(page, self._formats)
+                        records += got
+                        self.pages_lost += lost
+                if records:
+                    records.sort(key=lambda r: r[0])  # stable: one CPU's events keep their order
+                    on_events(rawtrace.to_page_events(records, tgid_of))
+                elif stopping:
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def stop(self) -> None:
         """Stop tracing, deliver what is left in the buffer, join the reader and remove the instance."""
@@ -147,6 +187,20 @@ class TraceSession:
                 if line.startswith("overrun:"):
                     lost += int(line.split()[1])
         return lost
+
+
+def _drain_pages(fd: int, page_size: int) -> list[bytes]:
+    """Every page a per-CPU trace_pipe_raw has now (a partly filled one too); none when it is empty."""
+    pages = []
+    while True:
+        try:
+            page = os.read(fd, page_size)
+        except BlockingIOError:
+            break
+        if not page:
+            break
+        pages.append(page)
+    return pages
 
 
 def _drain(fd: int) -> bytes:
