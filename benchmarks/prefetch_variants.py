@@ -6,6 +6,8 @@ prefetch_bench.py). For trying budgets and reclaim gaps; prefetch_bench.py is th
         --variant plain= --variant gap1g=--reclaim-gap,1GiB --variant burn-only=--memory-budget,2MiB,--reclaim-gap,256MiB
 
 A variant is NAME=ARGS (comma-separated `prefetch run` options); an empty ARGS after `plain` means no prefetch.
+A variant whose name ends in `-text` runs with WEIGHTSTREAM_TRACE_TEXT=1 (the kernel's text trace instead of
+the binary ring-buffer pages).
 Prints JSON: per variant the wall seconds, the process tree's CPU seconds, the loader's own load and CPU seconds,
 and the prefetch report's byte counters.
 """
@@ -43,6 +45,13 @@ def main() -> int:
     model = work / f"moe-{args.gib:g}g"
     build(model, int(args.gib * GIB))
     lb = LoaderBench(args.loader, model, bench_env(work / "home"), args.reps, work)
+    cold = lb.cold
+
+    def cold_with_env(kind, prefetch, cgroup=None, extra=()):
+        lb.env["WEIGHTSTREAM_TRACE_TEXT"] = "1" if kind.endswith("-text") else "0"
+        return cold(kind, prefetch, cgroup, extra)
+
+    lb.cold = cold_with_env
     lb.cold("warm-up", False)
     rec = lb.record()
     timed(loader_argv(lb.loader, lb.model), lb.env)  # warm, then a warm run measures the loader's own memory
