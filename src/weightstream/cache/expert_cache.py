@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import queue
 from collections.abc import Callable
@@ -154,8 +153,7 @@ class ExpertCache:
         """The expert's parameters, in the model's layout, as views of its slot."""
         base = self.slot_of[(layer, expert)] * self.slot_bytes
         out = {}
-        for name, offset, shape, dtype in self.plans[(layer, expert)].views:
-            nbytes = dtype.itemsize * math.prod(shape)
+        for name, offset, nbytes, shape, dtype in self.plans[(layer, expert)].views:
             out[name] = self.arena.tensor[base + offset:base + offset + nbytes].view(dtype).view(shape)
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightstream.io.aligned import aligned_span, region_bytes
+from weightstream.io.aligned import aligned_bytes, region_bytes
 from weightstream.store.layout import ExpertLayout, Piece
 
 
@@ -22,7 +22,7 @@ class SlotPlan:
 
     requests: tuple[tuple[str, int, int, int], ...]  # (path, offset, nbytes, 4 KiB-aligned destination in the slot)
     packs: tuple[tuple[int, int, int], ...]  # (from, to, nbytes) in the slot, run in order once everything landed
-    views: tuple[tuple[str, int, tuple[int, ...], object], ...]  # (name, offset in the slot, shape, dtype)
+    views: tuple[tuple[str, int, int, tuple[int, ...], object], ...]  # (name, offset in the slot, nbytes, shape, dtype)
     aligned_bytes: int  # what O_DIRECT fetches for this expert: its requests' aligned spans, cut at end of file
 
     @property
@@ -35,9 +35,9 @@ def plan_slot(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
     return _in_place(expert, file_sizes) or _packed(expert, file_sizes)
 
 
-def _aligned(path: str, offset: int, nbytes: int, file_sizes: dict[str, int]) -> int:
-    start, end = aligned_span(offset, nbytes)
-    return min(end, file_sizes[path]) - start
+def _plan(requests: list, packs: list, views: list, file_sizes: dict[str, int]) -> SlotPlan:
+    aligned = sum(aligned_bytes(Piece(path, offset, nbytes), file_sizes[path]) for path, offset, nbytes, _ in requests)
+    return SlotPlan(tuple(requests), tuple(packs), tuple(views), aligned)
 
 
 def _runs(expert: ExpertLayout) -> list[list[Piece]]:
@@ -71,11 +71,9 @@ def _in_place(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan | No
                 return None
         if where[first] % param.dtype.itemsize:
             return None
-        views.append((param.name, where[first], param.shape, param.dtype))
-    if sum(region_bytes(n) for *_, n, _ in requests) > expert.slot_bytes:
-        return None  # never more room than the per-piece plan, which sizes the slots
-    return SlotPlan(tuple(requests), (), tuple(views),
-                    sum(_aligned(p, o, n, file_sizes) for p, o, n, _ in requests))
+        views.append((param.name, where[first], param.nbytes, param.shape, param.dtype))
+    plan = _plan(requests, [], views, file_sizes)
+    return plan if plan.slot_bytes <= expert.slot_bytes else None  # the per-piece plan sizes the slots
 
 
 def _packed(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
@@ -83,11 +81,10 @@ def _packed(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
     requests, packs, views = [], [], []
     src = dst = 0
     for param in expert.params:
-        views.append((param.name, dst, param.shape, param.dtype))
+        views.append((param.name, dst, param.nbytes, param.shape, param.dtype))
         for piece in param.pieces:
             requests.append((piece.path, piece.offset, piece.nbytes, src))
             packs.append((src + piece.offset % 4096, dst, piece.nbytes))
             src += region_bytes(piece.nbytes)
             dst += piece.nbytes
-    return SlotPlan(tuple(requests), tuple(packs), tuple(views),
-                    sum(_aligned(p, o, n, file_sizes) for p, o, n, _ in requests))
+    return _plan(requests, packs, views, file_sizes)

@@ -174,11 +174,9 @@ def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> di
     if result is None:
         out["error"] = f"compute-only run failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
         return out
-    prompts = result["prompts"]
-    steps = sum(p["generated_tokens"] - 1 for p in prompts)
-    compute_s = sum(p["decode_s"] for p in prompts) / steps
+    compute_s = 1 / summarize(result, None)["decode_tokens_per_s"]  # the same decode speed as every run's
     out.update(compute_only_s_per_token=compute_s,
-               compute_only_misses=sum(p["expert_misses"] for p in prompts), runs=[])  # 0: all resident
+               compute_only_misses=sum(p["expert_misses"] for p in result["prompts"]), runs=[])  # 0: all resident
     for r in runs:
         if r.get("mode") != "direct" or "error" in r:
             continue

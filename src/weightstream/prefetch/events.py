@@ -20,7 +20,8 @@ _LINE = re.compile(
 # get_pages fires for every batch of a read() with the range still requested (start .. end of the read), so
 # it is its own kind: ReadSpans turns those into what was actually read.
 _KINDS = {b"add_to_page_cache": MISS, b"map_pages": ACCESS, b"get_pages": READ, b"fault": ACCESS}
-TRACE_EVENTS = tuple(f"mm_filemap_{k.decode()}" for k in _KINDS)
+EVENT_KINDS = {f"mm_filemap_{k.decode()}": kind for k, kind in _KINDS.items()}  # tracefs event name -> kind
+TRACE_EVENTS = tuple(EVENT_KINDS)
 
 
 class PageEvent(NamedTuple):
@@ -36,27 +37,32 @@ class PageEvent(NamedTuple):
 
 
 def parse_trace_text(data: bytes) -> list[PageEvent]:
-    """Parse complete tracefs lines; lines of other formats are skipped.
+    """Parse complete tracefs lines; lines of other formats are skipped; continuing events joined (join_runs)."""
+    return [_event(key, start, end) for key, start, end in join_runs(_line_items(data))]
 
-    Consecutive events of one task on one file that continue each other (readahead adds pages one by one,
-    in order) are joined into one event: that is most of them, and it keeps Python's per-event cost low.
-    """
-    out: list[PageEvent] = []
-    key, start, end = None, 0, 0
+
+def _line_items(data: bytes):
     for m in _LINE.finditer(data):
         tid, tgid, kind, major, minor, ino, ofs, end_ofs, order = m.groups()
         offset = int(ofs)
         length = int(end_ofs) + 1 - offset if end_ofs else (4096 << int(order) if order else 4096)
-        this = (kind, tid, tgid, major, minor, ino)
+        yield (kind, tid, tgid, major, minor, ino), offset, length
+
+
+def join_runs(items):
+    """(key, offset, length) in order -> (key, start, end), consecutive items of one key that continue each other
+    joined into one. Readahead adds pages one by one, in order, so for one task on one file that is most of them,
+    and it keeps Python's per-event cost low."""
+    key, start, end = None, 0, 0
+    for this, offset, length in items:
         if this == key and offset == end:
             end += length
             continue
         if key is not None:
-            out.append(_event(key, start, end))
+            yield key, start, end
         key, start, end = this, offset, offset + length
     if key is not None:
-        out.append(_event(key, start, end))
-    return out
+        yield key, start, end
 
 
 def _event(key: tuple, start: int, end: int) -> PageEvent:

@@ -17,10 +17,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightstream.prefetch.events import PageEvent
+from weightstream.prefetch.events import PageEvent, join_runs
 
 PAGE_HEADER = 16
-_U32 = struct.Struct("<I")
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _COMMON = struct.Struct("<HxxI")  # common_type, common_pid (flags and preempt count skipped)
 
 
@@ -71,7 +71,7 @@ def parse_page(page: bytes, formats: dict[int, EventFormat]) -> tuple[list[tuple
     lost = bool(commit & (1 << 31))
     end = min(PAGE_HEADER + size, len(page))
     pos, out = PAGE_HEADER, []
-    unpack_u32, unpack_common = _U32.unpack_from, _COMMON.unpack_from
+    unpack_u32, unpack_u64, unpack_common = _U32.unpack_from, _U64.unpack_from, _COMMON.unpack_from
     while pos + 4 <= end:
         header = unpack_u32(page, pos)[0]
         type_len, delta = header & 0x1F, header >> 5
@@ -103,11 +103,11 @@ def parse_page(page: bytes, formats: dict[int, EventFormat]) -> tuple[list[tuple
         fmt = formats.get(event_type)
         if fmt is None:
             continue
-        ino = struct.unpack_from("<Q", page, data + fmt.ino)[0]
+        ino = unpack_u64(page, data + fmt.ino)[0]
         s_dev = unpack_u32(page, data + fmt.dev)[0]
-        index = struct.unpack_from("<Q", page, data + fmt.index)[0]
+        index = unpack_u64(page, data + fmt.index)[0]
         if fmt.last_index is not None:
-            pages = struct.unpack_from("<Q", page, data + fmt.last_index)[0] + 1 - index
+            pages = unpack_u64(page, data + fmt.last_index)[0] + 1 - index
         elif fmt.order is not None:
             pages = 1 << page[data + fmt.order]
         else:
@@ -117,26 +117,10 @@ def parse_page(page: bytes, formats: dict[int, EventFormat]) -> tuple[list[tuple
 
 
 def to_page_events(records: list[tuple], tgid_of) -> list[PageEvent]:
-    """Records in time order -> PageEvents, consecutive ones of one task on one file joined (as the text
-    parser does: readahead adds pages one by one, in order)."""
-    out: list[PageEvent] = []
-    key, start, stop = None, 0, 0
-    for _, kind, tid, s_dev, ino, offset, length in records:
-        this = (kind, tid, s_dev, ino)
-        if this == key and offset == stop:
-            stop += length
-            continue
-        if key is not None:
-            out.append(_event(key, start, stop, tgid_of))
-        key, start, stop = this, offset, offset + length
-    if key is not None:
-        out.append(_event(key, start, stop, tgid_of))
-    return out
-
-
-def _event(key: tuple, start: int, stop: int, tgid_of) -> PageEvent:
-    kind, tid, s_dev, ino = key
-    return PageEvent(kind, tid, tgid_of(tid), os.makedev(s_dev >> 20, s_dev & 0xFFFFF), ino, start, stop - start)
+    """Records in time order -> PageEvents, continuing ones of one task on one file joined (join_runs)."""
+    runs = join_runs(((kind, tid, s_dev, ino), offset, length) for _, kind, tid, s_dev, ino, offset, length in records)
+    return [PageEvent(kind, tid, tgid_of(tid), os.makedev(s_dev >> 20, s_dev & 0xFFFFF), ino, start, end - start)
+            for (kind, tid, s_dev, ino), start, end in runs]
 
 
 class TgidMap:

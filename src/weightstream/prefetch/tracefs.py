@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from weightstream.prefetch import rawtrace
-from weightstream.prefetch.events import _KINDS, TRACE_EVENTS, PageEvent, kernel_dev, parse_trace_text
+from weightstream.prefetch.events import EVENT_KINDS, TRACE_EVENTS, PageEvent, kernel_dev, parse_trace_text
 
 CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 REQUIRED = "filemap/mm_filemap_add_to_page_cache"
@@ -96,7 +96,7 @@ class TraceSession:
         self._formats = None
         if self.format == "binary":
             try:  # the events' binary layout; where it cannot be read, the text pipe still works
-                kinds = {name: _KINDS[name[len("mm_filemap_"):].encode()] for name in events}
+                kinds = {name: EVENT_KINDS[name] for name in events}
                 self._formats = rawtrace.read_formats(root / "events" / "filemap", kinds)
             except (OSError, ValueError, KeyError):
                 self.format = "text"
@@ -156,7 +156,7 @@ class TraceSession:
                     poller.poll(50)
                 records = []
                 for fd in fds:
-                    for page in _drain_pages(fd, page_size):
+                    for page in _reads(fd, page_size):
                         got, lost = rawtrace.parse_page(page, self._formats)
                         records += got
                         self.pages_lost += lost
@@ -189,28 +189,20 @@ class TraceSession:
         return lost
 
 
-def _drain_pages(fd: int, page_size: int) -> list[bytes]:
-    """Every page a per-CPU trace_pipe_raw has now (a partly filled one too); none when it is empty."""
-    pages = []
-    while True:
-        try:
-            page = os.read(fd, page_size)
-        except BlockingIOError:
-            break
-        if not page:
-            break
-        pages.append(page)
-    return pages
-
-
-def _drain(fd: int) -> bytes:
+def _reads(fd: int, size: int) -> list[bytes]:
+    """Every read of up to `size` bytes a non-blocking fd gives until it has nothing more (on a per-CPU
+    trace_pipe_raw, one read is one page, a partly filled one too)."""
     parts = []
     while True:
         try:
-            chunk = os.read(fd, 1 << 20)
+            part = os.read(fd, size)
         except BlockingIOError:
             break
-        if not chunk:
+        if not part:
             break
-        parts.append(chunk)
-    return b"".join(parts)
+        parts.append(part)
+    return parts
+
+
+def _drain(fd: int) -> bytes:
+    return b"".join(_reads(fd, 1 << 20))
