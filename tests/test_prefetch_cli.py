@@ -56,7 +56,9 @@ def test_record_then_run_reproduces_the_loader_output(tmp_path, ckpt):
 def test_record_discovers_model_dir_from_open_files(tmp_path, ckpt):
     paths, home = files(ckpt), tmp_path / "home"
     drop(paths)
-    rec = cli(home, "prefetch", "record", *SPEC, "--", *loader("mmap", paths))
+    # Discovery samples /proc every 50 ms: the loader maps each file longer than that, as a real one does
+    # (unthrottled, these 30 MB can be mapped, read and unmapped between two samples).
+    rec = cli(home, "prefetch", "record", *SPEC, "--", *loader("mmap", paths, "--sleep-per-mib", "0.01"))
     assert rec.returncode == 0, rec.stderr.decode()
     assert b"recorded 3 files" in rec.stderr
 
