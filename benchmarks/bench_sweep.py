@@ -1,6 +1,6 @@
 """Sweeps over `weightstream bench`: pipeline settings (I/O threads, compute threads, chunk size) and memory limits
-(direct vs page cache), each point a full bench run (own cgroup, cold cache). Prints JSON; --plot draws tok/s
-against the memory given to experts for direct and page-cache.
+(expert cache vs page cache), each point a full bench run (own cgroup, cold cache). Prints JSON; --plot draws tok/s
+against the memory given to experts for expert-cache and page-cache.
 
     .venv/bin/python benchmarks/bench_sweep.py pipeline MODEL_DIR --memory-limit 5GiB --expert-cache 1x
     .venv/bin/python benchmarks/bench_sweep.py limits MODEL_DIR --limits 3GiB,4GiB,5GiB,6GiB --plot docs/x.png
@@ -12,9 +12,9 @@ import argparse
 import json
 import sys
 
-from weightstream.cache.sizes import parse_size
-from weightstream.commands.bench import load_prompts
-from weightstream.engine.bench import BenchConfig, run_bench
+from weightstream.bench.runner import BenchConfig, run_bench
+from weightstream.engine.prompts import tokenized_prompts
+from weightstream.units import parse_size
 
 KEEP = ("mode", "expert_cache", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token", "expert_hit_rate",
         "io_wait_s", "peak_rss_bytes", "error")
@@ -22,7 +22,7 @@ KEEP = ("mode", "expert_cache", "decode_tokens_per_s", "prefill_s", "bytes_read_
 
 def point(args, **overrides) -> dict:
     config = BenchConfig(model_dir=args.model, memory_limit=parse_size(args.memory_limit), prompts=args.prompt_ids,
-                         expert_caches=[args.expert_cache], modes=["direct"], max_new_tokens=args.tokens,
+                         expert_caches=[args.expert_cache], modes=["expert-cache"], max_new_tokens=args.tokens,
                          routing_trace=args.routing_trace, reference=False)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -42,7 +42,7 @@ def limits(args) -> list[dict]:
     for limit in args.limits.split(","):
         budget = parse_size(limit) - parse_size(args.reserve)
         out.append(point(args, memory_limit=parse_size(limit), expert_caches=[str(budget)],
-                         modes=["direct", "page-cache"]) | {"limit": limit, "expert_cache_bytes": budget})
+                         modes=["expert-cache", "page-cache"]) | {"limit": limit, "expert_cache_bytes": budget})
     return out
 
 
@@ -53,7 +53,7 @@ def plot(points: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in (("direct", "o-"), ("page-cache", "s--")):
+    for mode, style in (("expert-cache", "o-"), ("page-cache", "s--")):
         xs = [parse_size(p["limit"]) / 2**30 for p in points]
         ys = [next((r["decode_tokens_per_s"] for r in p["runs"] if r["mode"] == mode and "error" not in r), None)
               for p in points]
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="pipeline sweep: run every setting this many times")
     ap.add_argument("--plot")
     args = ap.parse_args()
-    args.prompt_ids = load_prompts(args.model, args.prompts)
+    args.prompt_ids = tokenized_prompts(args.model, args.prompts)
     points = pipeline(args) if args.sweep == "pipeline" else limits(args)
     if args.plot:
         plot(points, args.plot)

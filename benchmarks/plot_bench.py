@@ -25,9 +25,10 @@ def main() -> None:
         report = json.load(open(path))
         label = "model's own routing" if report["routing"].startswith("the model") else "DeepSeek routing replayed"
         ok = [r for r in report["runs"] if "error" not in r]
-        direct = sorted((r["expert_cache_bytes"] / 2**30, r["decode_tokens_per_s"]) for r in ok if r["mode"] == "direct")
+        cached = sorted((r["expert_cache_bytes"] / 2**30, r["decode_tokens_per_s"]) for r in ok
+                        if r["mode"] in ("expert-cache", "direct"))  # "direct": reports made before the rename
         color = f"C{i}"
-        ax.plot(*zip(*direct), "o-", color=color, label=f"direct ({label})")
+        ax.plot(*zip(*cached), "o-", color=color, label=f"expert-cache ({label})")
         for r in ok:
             if r["mode"] == "page-cache":
                 ax.axhline(r["decode_tokens_per_s"], color=color, ls="--", label=f"page-cache ({label})")

@@ -1,6 +1,6 @@
 """Next-layer expert prediction on vs off, side by side in one run: accuracy, bytes read, I/O wait, decode tok/s.
 
-Each configuration runs in its own process (`weightstream.engine.bench_child`, the one `weightstream bench`
+Each configuration runs in its own process (`weightstream.bench.child`, the one `weightstream bench`
 uses) after the model's files are dropped from the page cache (fadvise, these files only). Configurations are
 interleaved and repeated so that load from other work on the machine shows up as spread, not as a trend.
 Ratios compare prediction on with prediction off at the same cache size and routing, within the same repeat.
@@ -20,29 +20,26 @@ import time
 
 import psutil
 
-from weightstream.commands.bench import BUILTIN_PROMPTS
-from weightstream.engine.bench import BenchConfig, child_config, run_child
+from weightstream.bench.runner import BenchConfig, child_config, run_child
+from weightstream.engine.prompts import BUILTIN_PROMPTS
+from weightstream.io.pagecache import evict_file
 from weightstream.engine.loader import load_tokenizer
 from weightstream.store.checkpoint import open_checkpoint
 
 MIB = 2**20
 FIGURES = ("decode_tokens_per_s", "mib_read_per_token", "decode_io_wait_s_per_token", "decode_hit_rate",
-           "decode_prediction_accuracy", "prefetch_issued", "prefetch_used", "prefetch_wasted")
+           "decode_prediction_accuracy", "readahead_issued", "readahead_used", "readahead_wasted")
 
 
 def drop_files(paths: list[str]) -> None:
     """Evict only this model's pages: a system-wide drop would disturb other work on a shared machine."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_file(path)
 
 
 def one_run(config: BenchConfig, cache: str, files: list[str]) -> dict:
     drop_files(files)
-    result, err, rc = run_child(child_config(config, "direct", cache), None)
+    result, err, rc = run_child(child_config(config, "expert-cache", cache), None)
     if result is None:
         raise SystemExit(f"run failed (exit {rc}): {err.strip()[-2000:]}")
     return figures(result["prompts"])
@@ -58,9 +55,9 @@ def figures(prompts: list[dict]) -> dict:
         "decode_io_wait_s_per_token": sum(p["decode_io_wait_s"] for p in prompts) / steps,
         "decode_hit_rate": statistics.fmean(p["decode_expert_hit_rate"] for p in prompts),
         "decode_prediction_accuracy": statistics.fmean(p["decode_prediction_accuracy"] for p in prompts),
-        "prefetch_issued": sum(p["prefetch_issued"] for p in prompts),
-        "prefetch_used": sum(p["prefetch_used"] for p in prompts),
-        "prefetch_wasted": sum(p["prefetch_wasted"] for p in prompts),
+        "readahead_issued": sum(p["readahead_issued"] for p in prompts),
+        "readahead_used": sum(p["readahead_used"] for p in prompts),
+        "readahead_wasted": sum(p["readahead_wasted"] for p in prompts),
         "expert_lookups": lookups, "decode_steps": steps,
         "token_ids": [p["token_ids"] for p in prompts],
     }
@@ -111,13 +108,13 @@ def main() -> None:
     routings = [("own", None)] + ([("replay", os.path.abspath(args.trace))] if args.trace else [])
     model_bytes = open_checkpoint(args.model).total_bytes()
     print("[predict_next] reference: transformers in memory", file=sys.stderr)
-    reference = reference_tokens(BenchConfig(args.model, 0, [], ["direct"], prompts, args.tokens), model_bytes)
+    reference = reference_tokens(BenchConfig(args.model, 0, [], ["expert-cache"], prompts, args.tokens), model_bytes)
     runs, start = [], time.time()
     for repeat in range(args.repeats):
         for routing, trace in routings:
             for cache in args.caches.split(","):
                 for predict in (False, True):
-                    config = BenchConfig(args.model, 0, [cache], ["direct"], prompts, args.tokens, routing_trace=trace,
+                    config = BenchConfig(args.model, 0, [cache], ["expert-cache"], prompts, args.tokens, routing_trace=trace,
                                          io_threads=args.io_threads, predict_next=predict)
                     print(f"[predict_next] repeat {repeat} {routing} {cache} predict={predict}", file=sys.stderr)
                     runs.append({"repeat": repeat, "routing": routing, "cache": cache, "predict_next": predict,

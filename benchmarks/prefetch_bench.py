@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefetch_checkpoint import build  # noqa: E402
 from prefetch_measure import (Outcome, buffered_read_bandwidth, direct_read_bandwidth, global_drop_note,  # noqa: E402
                               loader_argv, make_cold, mem_available, still_cached, timed, weight_files)
-from weightstream.prefetch.memory import MemoryCgroup  # noqa: E402
+from weightstream.bench.cgroup import MemoryCgroup  # noqa: E402
 from weightstream.prefetch.template import LoadTemplate  # noqa: E402
 
 GIB = 1 << 30
@@ -88,7 +88,7 @@ class LoaderBench:
         names = list(variants)
         for r in range(self.reps):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                cg = MemoryCgroup(f"ws-bench-{os.getpid()}-{len(self.runs)}", cgroup_limit) if cgroup_limit else None
+                cg = MemoryCgroup.create(cgroup_limit, name="ws-bench") if cgroup_limit else None
                 try:
                     extra = variants[name]
                     out[name].append(self.cold(f"{kind} {name}", extra is not None, cg, extra or ()))

@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 
+from weightstream.io.pagecache import evict_file
 from weightstream.prefetch import fetch as io
 
 CHUNK = 2 << 20
@@ -49,9 +50,7 @@ def main() -> None:
     path, ways = sys.argv[1], sys.argv[2:] or ["none", "readahead", "pread", "populate"]
     size = os.path.getsize(path)
     for how in ways:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        evict_file(path)
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         fill(path, how, size)
         r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

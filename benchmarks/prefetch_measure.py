@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightstream.prefetch.memory import MemoryCgroup
-from weightstream.prefetch.residency import cached_bytes, drop_all_caches, drop_cache
+from weightstream.bench.cgroup import MemoryCgroup
+from weightstream.bench.coldstart import drop_system_page_cache
+from weightstream.io.pagecache import cached_bytes, evict_file
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -26,12 +27,12 @@ def weight_files(model: Path) -> list[str]:
 
 def make_cold(model: Path) -> int:
     """Drop the model's pages (per file; the global drop_caches when permitted); returns bytes left cached."""
-    return sum(drop_cache(p) for p in weight_files(model))
+    return sum(evict_file(p) for p in weight_files(model))
 
 
 def global_drop_note() -> str:
     """Whether /proc/sys/vm/drop_caches works here (tried once, for the record)."""
-    return drop_all_caches()
+    return drop_system_page_cache() or "dropped the whole page cache (/proc/sys/vm/drop_caches)"
 
 
 def direct_read_bandwidth(paths: list[str], limit: int, threads: int = 4, block: int = MIB) -> float:
@@ -101,7 +102,7 @@ def timed(argv: list[str], env: dict, report: Path | None = None, cgroup: Memory
     if report is not None and report.exists():
         out.report = json.loads(report.read_text())
     if cgroup is not None:
-        out.cgroup_peak = cgroup.peak
+        out.cgroup_peak = cgroup.peak_bytes
     return out
 
 

@@ -36,10 +36,10 @@ def files(root: Path) -> list[str]:
 
 def drop(paths: list[str]) -> None:
     """Make the files cold."""
-    from weightstream.prefetch.residency import drop_cache
+    from weightstream.io.pagecache import evict_file
 
     for p in paths:
-        drop_cache(p)
+        evict_file(p)
 
 
 def env_with_home(home: Path) -> dict[str, str]:

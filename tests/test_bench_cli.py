@@ -20,22 +20,22 @@ def run_cli(*args, timeout=600):
 def test_bench_every_mode_under_a_limit_with_overlap_and_long_prefill(tiny_model):
     model_dir = tiny_model("olmoe", dtype="bf16")
     r = run_cli("bench", model_dir, "--memory-limit", "2GiB", "--expert-cache", "1x,2x", "--modes",
-                "direct,page-cache,accelerate", "--max-new-tokens", "5", "--prefill-tokens", "40", "--json")
+                "expert-cache,page-cache,accelerate", "--max-new-tokens", "5", "--prefill-tokens", "40", "--json")
     assert r.returncode == 0, r.stderr
-    assert "[bench] direct 1x" in r.stderr  # progress goes to stderr, JSON alone to stdout
+    assert "[bench] expert-cache 1x" in r.stderr  # progress goes to stderr, JSON alone to stdout
     report = json.loads(r.stdout)
     assert report["reference"] == "transformers in memory, no limit"
     runs = {(x["mode"], x["expert_cache"]): x for x in report["runs"]}
-    assert set(runs) == {("direct", "1x"), ("direct", "2x"), ("page-cache", None), ("accelerate", None)}
+    assert set(runs) == {("expert-cache", "1x"), ("expert-cache", "2x"), ("page-cache", None), ("accelerate", None)}
     for run in runs.values():
         assert "error" not in run, run
         assert run["token_ids_equal_to_reference"] is True, run["mode"]
         assert run["decode_tokens_per_s"] > 0 and run["peak_rss_bytes"] > 0
         assert run["cgroup_peak_bytes"] <= 2 * 2**30
-    for key in (("direct", "1x"), ("direct", "2x"), ("page-cache", None)):
+    for key in (("expert-cache", "1x"), ("expert-cache", "2x"), ("page-cache", None)):
         assert runs[key]["long_prefill"]["tokens"] == 40 and runs[key]["long_prefill"]["prefill_s"] > 0
     assert runs[("accelerate", None)]["long_prefill"] is None
-    assert runs[("direct", "1x")]["expert_hit_rate"] < runs[("direct", "2x")]["expert_hit_rate"] <= 1
+    assert runs[("expert-cache", "1x")]["expert_hit_rate"] < runs[("expert-cache", "2x")]["expert_hit_rate"] <= 1
     overlap = report["overlap"]
     assert overlap["reader_bandwidth"]["mib_per_s"] > 0 and overlap["compute_only_misses"] == 0
     assert [o["expert_cache"] for o in overlap["runs"]] == ["1x", "2x"]

@@ -64,7 +64,7 @@ def test_small_cache_misses_more_than_large(tiny_model):
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe", "gpt_oss"])  # gate/up apart, adjacent, fused on disk
 def test_page_cache_source_is_exact_too(tiny_model, arch):
     model_dir = tiny_model(arch)
-    model = load_streaming_model(model_dir, expert_source="mmap")
+    model = load_streaming_model(model_dir, expert_source="page-cache")
     new, stats = generate(model, PROMPT, NEW_TOKENS)
     model.weightstream.close()
     assert new[0].tolist() == reference_tokens(model_dir)

@@ -48,13 +48,13 @@ def test_bytes_read_are_the_missed_experts_and_the_kernel_agrees(big_experts_mod
     # O_DIRECT fetches each piece's 4 KiB-aligned span, never more; the kernel's own count agrees
     assert s["expert_bytes_missed"] <= s["bytes_read"] <= s["expert_bytes_missed"] + s["expert_misses"] * 3 * 8192
     assert r["proc_read_bytes"] == s["bytes_read"]
-    assert s["direct_io"] is True
+    assert s["o_direct"] is True
 
 
 def test_prediction_keeps_the_budget_and_the_kernel_counts_its_reads(big_experts_model):
     r = measure(big_experts_model, "1x", 2, 12, "--predict-next")
     s = r["stats"]
-    assert s["prefetch_issued"] > 0 and r["cache_bytes"] <= r["budget"]
+    assert s["readahead_issued"] > 0 and r["cache_bytes"] <= r["budget"]
     assert r["peak_rss"] <= r["baseline_rss"] + r["dense_bytes"] + r["budget"] + FIXED_OVERHEAD
-    # prefetches are real reads too; one issued in the last step may land after the stats were taken
+    # read-aheads are real reads too; one issued in the last step may land after the stats were taken
     assert r["proc_read_bytes"] == r["reader_bytes_read"] >= s["bytes_read"] > s["expert_bytes_missed"]

@@ -12,7 +12,7 @@ from prefetch_support import drop, make_checkpoint
 from weightstream.prefetch.events import ACCESS, MISS, PageEvent
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.prefetcher import Prefetcher
-from weightstream.prefetch.residency import cached_bytes
+from weightstream.io.pagecache import cached_bytes
 from weightstream.prefetch.settings import Settings
 from weightstream.prefetch.template import LoadTemplate, WorkerTemplate
 

@@ -13,7 +13,8 @@ import pytest
 from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import numa
-from weightstream.prefetch.memory import CgroupMemory, MemoryCgroup
+from weightstream.bench.cgroup import MemoryCgroup
+from weightstream.prefetch.memory import CgroupMemory
 
 SPEC = ["--spec", "model=fallback"]
 
@@ -91,7 +92,7 @@ def _cgroup_or_skip(limit: int) -> MemoryCgroup:
     if os.geteuid() != 0 or CgroupMemory.of() is None:
         pytest.skip("needs root and a memory cgroup controller")
     try:
-        return MemoryCgroup(f"ws-test-{os.getpid()}", limit)
+        return MemoryCgroup.create(limit, name="ws-test")
     except WeightstreamError as exc:
         pytest.skip(str(exc))
 
@@ -109,8 +110,8 @@ def test_run_inside_a_memory_limited_cgroup(tmp_path):
                               *loader("read", paths, "--sleep-per-mib", "0.002")])
         out = subprocess.run(argv, env=env_with_home(home), capture_output=True, timeout=120)
         assert out.returncode == 0 and out.stdout == want, out.stderr.decode()
-        assert b"memory cgroup limit 400.00 MiB: prefetch budget" in out.stderr
-        assert cg.peak is not None and cg.peak <= 400 << 20
+        assert b"memory cgroup limit 400.0 MiB: prefetch budget" in out.stderr
+        assert cg.peak_bytes is not None and cg.peak_bytes <= 400 << 20
     finally:
         cg.remove()
     assert not cg.path.exists()

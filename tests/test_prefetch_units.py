@@ -13,7 +13,7 @@ from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.template import LoadTemplate, WorkerTemplate, pack_ranges, unpack_ranges
-from weightstream.prefetch.units import PAGE, parse_size
+from weightstream.units import PAGE, parse_size
 
 MIB = 1 << 20
 

@@ -21,9 +21,9 @@ def data_file(tmp_path_factory):
     return str(path)
 
 
-def read_all(path, requests, threads, direct=True, chunk=128 * 1024):
+def read_all(path, requests, threads, o_direct=True, chunk=128 * 1024):
     arena = AlignedArena(round_up(sum(region_bytes(n) for _, n in requests)))
-    reader = DirectReader(arena, threads=threads, chunk_bytes=chunk, direct=direct)
+    reader = DirectReader(arena, threads=threads, chunk_bytes=chunk, o_direct=o_direct)
     done, errors, dest, placed = threading.Event(), [], 0, []
     batch = []
     for offset, n in requests:
@@ -38,9 +38,9 @@ def read_all(path, requests, threads, direct=True, chunk=128 * 1024):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
-@pytest.mark.parametrize("direct", [True, False])
-def test_bytes_equal_pread(data_file, threads, direct):
-    got, reader = read_all(data_file, CASES, threads, direct)
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_bytes_equal_pread(data_file, threads, o_direct):
+    got, reader = read_all(data_file, CASES, threads, o_direct)
     fd = os.open(data_file, os.O_RDONLY)
     try:
         for (offset, n), data in zip(CASES, got):

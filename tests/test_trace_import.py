@@ -131,24 +131,21 @@ def test_cli_import_writes_a_loadable_trace_and_reports_bad_input(tmp_path):
     assert not (tmp_path / "x.npz").exists()
 
 
-def test_record_calls_the_engine_or_says_what_it_needs(tmp_path, monkeypatch):
-    import argparse
-
-    from weightstream import engine
-    from weightstream.commands.trace import run_record
+def test_prompt_files_text_and_jsonl(tmp_path):
+    from weightstream.engine.prompts import read_prompts
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Hello"}\n\n{"prompt": "World"}\n')
-    args = argparse.Namespace(model_dir="m", prompts=str(prompts), max_new_tokens=5, out="o.npz")
-    monkeypatch.delattr(engine, "record_trace", raising=False)
-    with pytest.raises(WeightstreamError, match=r"weightstream\.engine\.record_trace"):
-        run_record(args)
-    calls = []
-    monkeypatch.setattr(engine, "record_trace", lambda *a: calls.append(a), raising=False)
-    assert run_record(args) == 0 and calls == [("m", ["Hello", "World"], 5, "o.npz")]
+    assert read_prompts(str(prompts)) == ["Hello", "World"]
+    text = tmp_path / "p.txt"
+    text.write_text("one\n\ntwo {not json}\n")
+    assert read_prompts(str(text)) == ["one", "two {not json}"]
     prompts.write_text("\n")
     with pytest.raises(WeightstreamError, match="no prompts"):
-        run_record(args)
+        read_prompts(str(prompts))
+    prompts.write_text('{"text": "x"}\n')
+    with pytest.raises(WeightstreamError, match=r"p\.jsonl:1: expected a JSON object with a 'prompt' field"):
+        read_prompts(str(prompts))
 
 
 def test_cli_record_with_the_engine_then_simulate(tiny_model, tmp_path):

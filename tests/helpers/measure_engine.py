@@ -8,7 +8,7 @@ import psutil
 import torch
 import transformers  # noqa: F401  (imported before the baseline so its size is not counted as engine memory)
 
-from weightstream.engine.bench_child import peak_rss
+from weightstream.bench.child import peak_rss
 
 
 def io_read_bytes() -> int:
@@ -40,7 +40,7 @@ def main(model_dir: str, cache: str, threads: int, tokens: int, predict_next: bo
     page_in_mapped_files(model_dir)
     before, reader_before = io_read_bytes(), model.weightstream.cache.bytes_read
     _, stats = generate(model, torch.tensor([[5, 6, 7, 8]]), tokens)
-    model.weightstream.close()  # joins the I/O threads: a prefetch issued in the last step has landed too
+    model.weightstream.close()  # joins the I/O threads: a read-ahead issued in the last step has landed too
     after = io_read_bytes()
     layout = model.weightstream.layout
     print(json.dumps({
@@ -50,7 +50,7 @@ def main(model_dir: str, cache: str, threads: int, tokens: int, predict_next: bo
         "proc_read_bytes": after - before, "reader_bytes_read": model.weightstream.cache.bytes_read - reader_before,
         "stats": stats.to_dict(),
         "aligned_bytes_missed": model.weightstream.cache.stats.aligned_bytes_missed,
-        "prefetch_aligned_bytes": model.weightstream.cache.stats.prefetch_aligned_bytes,
+        "readahead_aligned_bytes": model.weightstream.cache.stats.readahead_aligned_bytes,
         "expert_nbytes": sorted({e.nbytes for e in layout.experts.values()}),
     }))
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightstream.cache.inflight import InFlightPrefetches
+from weightstream.cache.inflight import InFlightReadAheads
 from weightstream.cache.policies import make_policy
-from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_prefetched
-from weightstream.cache.sizes import format_bytes
+from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_read_ahead
+from weightstream.units import format_bytes
 from weightstream.cache.slot_plan import SlotPlan, plan_slot
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import AlignedArena
-from weightstream.io.reader import DEMAND, PREFETCH, DirectReader, ReadBatch, ReadRequest
+from weightstream.io.reader import DEMAND, READ_AHEAD, DirectReader, ReadBatch, ReadRequest
 from weightstream.store.layout import ModelLayout
 
 
@@ -30,12 +30,12 @@ class CacheStats:
     expert_bytes_missed: int = 0  # the missed experts' own bytes
     aligned_bytes_missed: int = 0  # what O_DIRECT must fetch for them: their 4 KiB-aligned spans
     layer_misses: dict[int, int] = field(default_factory=dict)
-    prefetch_issued: int = 0  # predicted experts whose reads were queued ahead of demand
-    prefetch_used: int = 0  # of those, demand-hit before being evicted
-    prefetch_wasted: int = 0  # of those, evicted before any demand lookup found them
-    prefetch_cancelled: int = 0  # of the wasted, evicted while still queued: their unread chunks were skipped
-    prefetch_aligned_bytes: int = 0  # what O_DIRECT would fetch for every prefetch queued (cancelled or not)
-    eviction_wait_s: float = 0.0  # time a lookup waited for an in-flight prefetch it had to evict
+    readahead_issued: int = 0  # predicted experts whose reads were queued ahead of demand
+    readahead_used: int = 0  # of those, demand-hit before being evicted
+    readahead_wasted: int = 0  # of those, evicted before any demand lookup found them
+    readahead_cancelled: int = 0  # of the wasted, evicted while still queued: their unread chunks were skipped
+    readahead_aligned_bytes: int = 0  # what O_DIRECT would fetch for every read-ahead queued (cancelled or not)
+    eviction_wait_s: float = 0.0  # time a lookup waited for an in-flight read-ahead it had to evict
 
     @property
     def hit_rate(self) -> float:
@@ -57,11 +57,11 @@ class ExpertCache:
     """Fixed-budget expert slots; the policy decides what stays, the reader fills what is missing.
 
     A slot's key is resident in the policy from the moment its read is queued. Demand reads of a layer are
-    all awaited before the next layer; a prefetch may still be landing, and `inflight` tracks those.
+    all awaited before the next layer; a read-ahead may still be landing, and `inflight` tracks those.
     """
 
     def __init__(self, layout: ModelLayout, budget_bytes: int, policy: str = "lru", io_threads: int = 4,
-                 chunk_bytes: int | None = None, direct: bool = True, policy_options: dict | None = None):
+                 chunk_bytes: int | None = None, o_direct: bool = True, policy_options: dict | None = None):
         self.layout, self.slot_bytes = layout, layout.slot_bytes
         working_set = layout.working_set_bytes
         if budget_bytes < working_set:
@@ -75,7 +75,7 @@ class ExpertCache:
                                   **(policy_options or {}))
         self.arena = AlignedArena(self.n_slots * self.slot_bytes)
         kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
-        self.reader = DirectReader(self.arena, threads=io_threads, direct=direct, **kwargs)
+        self.reader = DirectReader(self.arena, threads=io_threads, o_direct=o_direct, **kwargs)
         self.slot_of: dict[Key, int] = {}
         # sizes once, not a stat per miss: an aligned span is cut at the end of its file
         file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
@@ -83,8 +83,8 @@ class ExpertCache:
         self.reader.open_files(sorted(file_sizes))  # at load, not at the first miss of each file
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
-        self.inflight = InFlightPrefetches()
-        self.unused_prefetches: dict[Key, ReadBatch] = {}  # prefetched, not yet found by a demand lookup
+        self.inflight = InFlightReadAheads()
+        self.unused_read_aheads: dict[Key, ReadBatch] = {}  # read ahead, not yet found by a demand lookup
         self._failed: BaseException | None = None
 
     @property
@@ -100,7 +100,7 @@ class ExpertCache:
         return self.reader.threads
 
     @property
-    def direct_io(self) -> bool:
+    def o_direct(self) -> bool:
         return not self.reader.buffered_fallback
 
     def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
@@ -112,7 +112,7 @@ class ExpertCache:
         for key in dict.fromkeys(access.hits):
             if key[1] in fetch.missing:
                 continue
-            # a prefetch still landing is awaited like a miss: readiness is observed once, here or on `arrived`
+            # a read-ahead still landing is awaited like a miss: readiness is observed once, here or on `arrived`
             (fetch.missing if self.inflight.listen(key, fetch.arrived) else fetch.resident).append(key[1])
         slots = [self.free.pop() for _ in range(len(access.misses) - len(access.evicted))]
         slots += [self._reclaim(victim) for victim in access.evicted]
@@ -122,7 +122,7 @@ class ExpertCache:
         self._count_lookups(layer, access)
         return fetch
 
-    def prefetch(self, layer: int, experts: list[int], running: set[Key]) -> int:
+    def read_ahead(self, layer: int, experts: list[int], running: set[Key]) -> int:
         """Queue low-priority reads for the predicted `experts` of `layer` that are not resident; returns how many.
 
         Never evicts `running` (the layer being computed) or another predicted expert (the policy gets them as
@@ -137,16 +137,16 @@ class ExpertCache:
         for key in keys:
             if key in self.policy:
                 continue
-            slot = self._prefetch_slot(pinned)
+            slot = self._read_ahead_slot(pinned)
             if slot is None:
                 break
-            insert_prefetched(self.policy, key)
+            insert_read_ahead(self.policy, key)
             self._assign(key, slot)
             self.inflight.start(key)
-            self.unused_prefetches[key] = self._load(key, slot, lambda error, k=key: self._prefetch_landed(k, error),
-                                                     PREFETCH)
+            self.unused_read_aheads[key] = self._load(key, slot, lambda error, k=key: self._read_ahead_landed(k, error),
+                                                     READ_AHEAD)
             issued += 1
-        self.stats.prefetch_issued += issued
+        self.stats.readahead_issued += issued
         return issued
 
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
@@ -176,13 +176,13 @@ class ExpertCache:
 
     def _count_lookups(self, layer: int, access: LayerAccess) -> None:
         for key in access.hits:
-            if self.unused_prefetches.pop(key, None) is not None:
-                self.stats.prefetch_used += 1
+            if self.unused_read_aheads.pop(key, None) is not None:
+                self.stats.readahead_used += 1
         self.stats.hits += len(access.hits)
         self.stats.misses += len(access.misses)
         self.stats.layer_misses[layer] = self.stats.layer_misses.get(layer, 0) + len(access.misses)
 
-    def _prefetch_slot(self, pinned: set[Key]) -> int | None:
+    def _read_ahead_slot(self, pinned: set[Key]) -> int | None:
         """A free slot, or the slot of the policy's victim among unpinned experts; None when all are pinned."""
         if self.free:
             return self.free.pop()
@@ -194,12 +194,12 @@ class ExpertCache:
 
     def _reclaim(self, victim: Key) -> int:
         """The victim's slot, once no read is still landing in it (else that read would overwrite the new one)."""
-        batch = self.unused_prefetches.pop(victim, None)
+        batch = self.unused_read_aheads.pop(victim, None)
         if batch is not None:
-            self.stats.prefetch_wasted += 1
+            self.stats.readahead_wasted += 1
             if victim in self.inflight:  # a wrong guess still queued: skip its unread chunks instead of waiting
                 self.reader.cancel(batch)
-                self.stats.prefetch_cancelled += 1
+                self.stats.readahead_cancelled += 1
         self.stats.eviction_wait_s += self.inflight.wait_landed(victim)
         return self.slot_of.pop(victim)
 
@@ -209,7 +209,7 @@ class ExpertCache:
         # every slot is either free or held by exactly one key: the byte budget stays hard
         assert len(self.slot_of) + len(self.free) <= self.n_slots, (len(self.slot_of), len(self.free))
 
-    def _prefetch_landed(self, key: Key, error: BaseException | None) -> None:
+    def _read_ahead_landed(self, key: Key, error: BaseException | None) -> None:
         if error is not None and self._failed is None:
             self._failed = error  # the next lookup reports it; a listener gets it through `arrived` too
         self.inflight.landed(key, error)
@@ -222,7 +222,7 @@ class ExpertCache:
             self.stats.expert_bytes_missed += self.layout.experts[key].nbytes
             self.stats.aligned_bytes_missed += plan.aligned_bytes
         else:
-            self.stats.prefetch_aligned_bytes += plan.aligned_bytes
+            self.stats.readahead_aligned_bytes += plan.aligned_bytes
 
         def done(error: BaseException | None) -> None:
             if error is None:  # also after a cancel: the slot is then rewritten in full before any use

@@ -1,4 +1,4 @@
-"""Prefetches whose bytes are still landing, shared between the compute thread and the I/O threads."""
+"""Read-aheads whose bytes are still landing, shared between the compute thread and the I/O threads."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 from weightstream.cache.policy import Key
 
 
-class InFlightPrefetches:
+class InFlightReadAheads:
     """A demand lookup that finds one listens for its arrival; an eviction that picks one waits for it to land.
 
     Without this a lookup could compute from a half-filled slot, or a demand read could be overwritten by a
-    late prefetch into the same slot.
+    late read-ahead into the same slot.
     """
 
     def __init__(self):

@@ -3,7 +3,7 @@
 Contract (what :func:`access_layer` relies on): ``key in p``, ``len(p)``, ``p.capacity`` (slots),
 ``p.on_hit(key)``, ``p.on_insert(key)`` (only when there is room) and ``p.evict(pinned) -> victim`` (never a
 key of ``pinned``). Optional: ``p.needs_room(key)`` when entries differ in size (see :class:`ByteBudget`);
-``p.on_prefetch(key)`` to insert a predicted expert where a wrong guess is evicted first.
+``p.on_read_ahead(key)`` to insert a predicted expert where a wrong guess is evicted first.
 Belady's optimum needs the future, so it lives in ``weightstream.sim``.
 """
 
@@ -51,7 +51,7 @@ class SLRUPolicy:
         assert key not in self and len(self) < self.capacity, key
         self._probation[key] = None
 
-    def on_prefetch(self, key: Key) -> None:
+    def on_read_ahead(self, key: Key) -> None:
         """A guess enters probation at its cold end."""
         self.on_insert(key)
         self._probation.move_to_end(key, last=False)
@@ -99,7 +99,7 @@ class LFUPolicy:
         assert key not in self._rank and len(self._rank) < self.capacity, key
         self._touch(key, 1)
 
-    def on_prefetch(self, key: Key) -> None:
+    def on_read_ahead(self, key: Key) -> None:
         """A guess counts zero uses, below every looked-up expert; its first lookup makes it one."""
         assert key not in self._rank and len(self._rank) < self.capacity, key
         self._touch(key, 0)
@@ -152,7 +152,7 @@ class PinnedPolicy:
         else:
             self._scratch[key] = None
 
-    def on_prefetch(self, key: Key) -> None:
+    def on_read_ahead(self, key: Key) -> None:
         """A guess outside the pinned set enters scratch at its cold end."""
         self.on_insert(key)
         if key in self._scratch:
@@ -192,8 +192,8 @@ class AdaptivePolicy:
     def on_insert(self, key: Key) -> None:
         self.inner.on_insert(key)
 
-    def on_prefetch(self, key: Key) -> None:
-        self.inner.on_prefetch(key)
+    def on_read_ahead(self, key: Key) -> None:
+        self.inner.on_read_ahead(key)
 
     def evict(self, pinned: set[Key]) -> Key:
         """The chosen inner policy's victim."""

@@ -15,7 +15,7 @@ Key = tuple[int, int]  # (layer, expert)
 
 
 class AllPinnedError(RuntimeError):
-    """No resident expert may be evicted: every one is pinned (a prefetch then simply stops)."""
+    """No resident expert may be evicted: every one is pinned (a read-ahead then simply stops)."""
 
 
 class LRUPolicy:
@@ -41,7 +41,7 @@ class LRUPolicy:
         assert key not in self._order and len(self._order) < self.capacity, key
         self._order[key] = None
 
-    def on_prefetch(self, key: Key) -> None:
+    def on_read_ahead(self, key: Key) -> None:
         """Insert a guessed expert at the cold end: unless a lookup finds it first, it is the next victim."""
         self.on_insert(key)
         self._order.move_to_end(key, last=False)
@@ -87,9 +87,9 @@ def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | 
     return out
 
 
-def insert_prefetched(policy, key: Key) -> None:
-    """Insert a predicted (not yet looked-up) expert; policies without `on_prefetch` treat it as a miss."""
-    getattr(policy, "on_prefetch", policy.on_insert)(key)
+def insert_read_ahead(policy, key: Key) -> None:
+    """Insert a predicted (not yet looked-up) expert; policies without `on_read_ahead` treat it as a miss."""
+    getattr(policy, "on_read_ahead", policy.on_insert)(key)
 
 
 def unique_in_order(experts: Sequence[int]) -> list[int]:

@@ -6,32 +6,27 @@ from __future__ import annotations
 import json
 import sys
 
-from weightstream.errors import WeightstreamError
-
-BUILTIN_PROMPTS = (
-    "Explain why a cache that is smaller than the working set of one token cannot help.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "The capital of France is Paris. The capital of Germany is",
-    "Write a short story about a small computer that runs a very large model from its disk.",
-)
+from weightstream.units import SIZE_HELP
 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="decode benchmark under a real memory limit: direct vs page cache vs accelerate",
+        "bench", help="decode benchmark under a real memory limit: expert cache vs page cache vs accelerate",
         description="Runs every configuration in its own process inside a memory cgroup (the limit counts the "
         "page cache; no swap), after dropping the model's files from the page cache, and reads the block "
-        "device's counters before and after. Modes: direct (weightstream's expert cache), page-cache (same "
-        "engine, experts through mmap), accelerate (transformers + accelerate disk offload). Tokens are compared "
+        "device's counters before and after. Modes: expert-cache (weightstream's own cache, O_DIRECT reads; "
+        "'direct' is accepted too), page-cache (same engine, experts through mmap), accelerate (transformers + "
+        "accelerate disk offload). Tokens are compared "
         "with transformers in memory when the machine can hold the model. Needs root (cgroups, drop_caches).",
         epilog="example: weightstream bench models/olmoe --memory-limit 5GiB --expert-cache 1x,2x "
                "--routing-trace traces/deepseek.npz --json")
     p.add_argument("model", metavar="MODEL_DIR")
-    p.add_argument("--memory-limit", required=True, metavar="SIZE", help="cgroup memory limit for each run")
+    p.add_argument("--memory-limit", required=True, metavar="SIZE", help=f"cgroup memory limit for each run: {SIZE_HELP}")
     p.add_argument("--expert-cache", default="1.5x", metavar="SIZE[,SIZE...]",
-                   help="expert cache size(s) for direct runs; several give the cost model its spread")
-    p.add_argument("--modes", default="direct,page-cache,accelerate", help="comma-separated subset of "
-                   "direct,page-cache,accelerate (default all)")
+                   help="expert cache size(s) for expert-cache runs: bytes (2GiB) or multiples of one token's working "
+                   "set (1.5x); several give the cost model its spread")
+    p.add_argument("--modes", default="expert-cache,page-cache,accelerate", help="comma-separated subset of "
+                   "expert-cache,page-cache,accelerate (default all)")
     p.add_argument("--routing-trace", metavar="TRACE", help="replay this trace's routing instead of the router's "
                    "(from `weightstream trace import`); labelled as replay, tokens not compared")
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: built-in prompts)")
@@ -40,47 +35,25 @@ def register(sub) -> None:
     p.add_argument("--compute-threads", type=int, metavar="N", help="torch threads (default: torch's)")
     p.add_argument("--chunk-kib", type=int, metavar="KIB", help="O_DIRECT chunk size (default 1024)")
     p.add_argument("--prefill-tokens", type=int, default=256, metavar="N", help="also time the prefill of an "
-                   "N-token prompt in direct and page-cache runs (default 256; 0 skips it)")
+                   "N-token prompt in expert-cache and page-cache runs (default 256; 0 skips it)")
     p.add_argument("--no-reference", action="store_true", help="skip the in-memory transformers reference")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap check (the reader's bandwidth and "
                    "a compute-only run with every expert resident, which needs the whole model in memory)")
-    p.add_argument("--predict-next", action="store_true", help="direct runs prefetch each next layer's guessed "
+    p.add_argument("--predict-next", action="store_true", help="expert-cache runs read ahead each next layer's guessed "
                    "experts (see `weightstream generate --help`)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
 
-def load_prompts(model_dir: str, path: str | None) -> list[list[int]]:
-    from weightstream.commands.trace import read_prompts
-    from weightstream.engine.loader import load_tokenizer
-
-    texts = read_prompts(path) if path else BUILTIN_PROMPTS
-    tokenizer = load_tokenizer(model_dir, required=True)
-    return [tokenizer(t).input_ids for t in texts]
-
-
-def long_prompt(model_dir: str, n: int) -> list[int]:
-    """`n` token ids of text: the built-in prompts, repeated as often as needed."""
-    from weightstream.engine.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir, required=True)
-    ids: list[int] = []
-    while len(ids) < n:
-        before = len(ids)
-        ids += tokenizer(" ".join(BUILTIN_PROMPTS)).input_ids
-        if len(ids) == before:
-            raise WeightstreamError(f"{model_dir}: the tokenizer gives no tokens for the built-in prompts")
-    return ids[:n]
-
-
 def run(args) -> int:
-    from weightstream.cache.sizes import parse_size
-    from weightstream.engine.bench import BenchConfig, run_bench
+    from weightstream.bench.runner import BenchConfig, run_bench
+    from weightstream.engine.prompts import long_prompt, tokenized_prompts
+    from weightstream.units import parse_size
 
     config = BenchConfig(
         model_dir=args.model, memory_limit=parse_size(args.memory_limit, what="--memory-limit"),
         expert_caches=[s.strip() for s in args.expert_cache.split(",") if s.strip()],
-        modes=[m.strip() for m in args.modes.split(",") if m.strip()], prompts=load_prompts(args.model, args.prompts),
+        modes=[m.strip() for m in args.modes.split(",") if m.strip()], prompts=tokenized_prompts(args.model, args.prompts),
         max_new_tokens=args.max_new_tokens, routing_trace=args.routing_trace, io_threads=args.io_threads,
         compute_threads=args.compute_threads, chunk_bytes=args.chunk_kib * 1024 if args.chunk_kib else None,
         reference=not args.no_reference, predict_next=args.predict_next, overlap=not args.no_overlap,
@@ -102,16 +75,16 @@ def print_table(report: dict) -> None:
     mib = 2**20
     print(f"model {report['model']} ({report['model_bytes'] / 2**30:.1f} GiB), memory limit "
           f"{report['memory_limit_bytes'] / 2**30:.2f} GiB, routing: {report['routing']}, reference: {report['reference']}")
-    print(f"{'mode':<11}{'cache':>7}{'tok/s':>8}{'prefill s':>10}{'long prefill s':>15}{'dev MiB/tok':>12}"
+    print(f"{'mode':<13}{'cache':>7}{'tok/s':>8}{'prefill s':>10}{'long prefill s':>15}{'dev MiB/tok':>12}"
           f"{'hit rate':>9}{'peak RSS MiB':>13}{'tokens ok':>10}")
     for r in report["runs"]:
         if "error" in r:
-            print(f"{r['mode']:<11}  not run: {r['error']}")
+            print(f"{r['mode']:<13}  not run: {r['error']}")
             continue
         hit = f"{r['expert_hit_rate']:.1%}" if r.get("expert_hit_rate") is not None else "-"
         per = r["bytes_read_per_token"] / mib if r["bytes_read_per_token"] is not None else float("nan")
         long = f"{r['long_prefill']['prefill_s']:.2f} ({r['long_prefill']['tokens']})" if r.get("long_prefill") else "-"
-        print(f"{r['mode']:<11}{r['expert_cache'] or '-':>7}{r['decode_tokens_per_s']:>8.2f}{r['prefill_s']:>10.2f}"
+        print(f"{r['mode']:<13}{r['expert_cache'] or '-':>7}{r['decode_tokens_per_s']:>8.2f}{r['prefill_s']:>10.2f}"
               f"{long:>15}{per:>12.1f}{hit:>9}{r['peak_rss_bytes'] / mib:>13.0f}{str(r['token_ids_equal_to_reference']):>10}")
     print_overlap(report.get("overlap"))
     cm = report["cost_model"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
+from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.errors import WeightstreamError
 
 
@@ -14,15 +16,24 @@ def add_engine_options(p) -> None:
                         "(1.5x); below 1x is refused (default 1.5x)")
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="dedicated I/O threads (default 4)")
     p.add_argument("--policy", default="lru", help="cache policy (default lru)")
-    p.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT (for comparison)")
-    p.add_argument("--expert-source", default="direct", choices=("direct", "mmap"),
-                   help="direct: the expert cache (default); mmap: experts through the page cache, no cache of "
-                        "our own (the baseline llama.cpp and safetensors users get)")
+    p.add_argument("--no-o-direct", "--no-direct", dest="no_o_direct", action="store_true",
+                   help="buffered reads into the expert cache instead of O_DIRECT (for comparison)")
+    p.add_argument("--expert-source", default="expert-cache", type=_expert_source, metavar="{expert-cache,page-cache}",
+                   help="expert-cache: weightstream's own cache, read with O_DIRECT (default); page-cache: experts "
+                        "through mmap and the kernel's page cache, no cache of our own (what llama.cpp and "
+                        "safetensors users get). The old names direct and mmap are accepted")
     p.add_argument("--predict-next", action="store_true",
                    help="at each MoE layer, guess the next layer's experts (this layer's input times the next "
                         "router's weights) and read them early at low priority; tokens are unchanged, stats add "
-                        "prefetch_issued, prefetch_used and prediction_accuracy. Off by default: measured here it "
+                        "readahead_issued, readahead_used and prediction_accuracy. Off by default: measured here it "
                         "read more and decoded slower (docs/benchmarks.md, next-layer prediction)")
+
+
+def _expert_source(text: str) -> str:
+    name = SOURCE_ALIASES.get(text, text)
+    if name not in EXPERT_SOURCES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(EXPERT_SOURCES)}")
+    return name
 
 
 def register(sub) -> None:
@@ -33,7 +44,7 @@ def register(sub) -> None:
         "overlapped with compute). Tokens equal the in-memory model's. Greedy by default.",
         epilog="examples:\n  weightstream generate models/olmoe --prompt 'Hello' --expert-cache 2GiB\n"
                "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json",
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (config.json + *.safetensors), or a "
                    "Hugging Face model id when the network allows")
     src = p.add_mutually_exclusive_group(required=True)
@@ -67,7 +78,7 @@ def run(args) -> int:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if args.prompt is not None else parse_prompt_ids(args.prompt_ids)
-    model = load_streaming_model(model_dir, args.expert_cache, args.io_threads, args.policy, direct=not args.no_direct,
+    model = load_streaming_model(model_dir, args.expert_cache, args.io_threads, args.policy, o_direct=not args.no_o_direct,
                                  expert_source=args.expert_source, predict_next=args.predict_next)
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
@@ -96,5 +107,5 @@ def summary_line(stats) -> str:
 
 
 def prediction_line(stats) -> str:
-    return (f"; next-layer prediction {stats.prediction_accuracy:.1%} accurate, {stats.prefetch_issued} prefetched, "
-            f"{stats.prefetch_used} used")
+    return (f"; next-layer prediction {stats.prediction_accuracy:.1%} accurate, {stats.readahead_issued} read ahead, "
+            f"{stats.readahead_used} used")

@@ -110,7 +110,7 @@ def _run(args) -> int:
     from weightstream.prefetch.procs import exit_like
     from weightstream.prefetch.run import RunOptions, run
     from weightstream.prefetch.spec import DeploymentSpec
-    from weightstream.prefetch.units import parse_size
+    from weightstream.units import parse_size
 
     if args.threads < 1:
         raise WeightstreamError(f"--threads {args.threads} must be at least 1")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 
@@ -78,36 +77,14 @@ def run_import(args) -> int:
     return 0
 
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts from a text file (one per line) or a .jsonl file with a 'prompt' field per line."""
-    p = Path(path)
-    if not p.is_file():
-        raise WeightstreamError(f"{path}: no such prompts file")
-    prompts = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise WeightstreamError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field") from None
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise WeightstreamError(f"{path}: no prompts (the file is empty)")
-    return prompts
-
-
 def run_record(args) -> int:
     if args.max_new_tokens < 0:
         raise WeightstreamError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    from weightstream.engine.prompts import read_prompts
+    from weightstream.engine.routing import record_trace
+
     prompts = read_prompts(args.prompts)
-    record = getattr(importlib.import_module("weightstream.engine"), "record_trace", None)
-    if record is None:
-        raise WeightstreamError("recording needs the streaming engine (weightstream.engine.record_trace), which this "
-                                "build does not have yet; use `weightstream trace import` on existing dumps")
-    record(args.model_dir, prompts, args.max_new_tokens, args.out)
+    record_trace(args.model_dir, prompts, args.max_new_tokens, args.out)
     print(f"{args.out}: routing of {len(prompts)} prompt(s) recorded")
     return 0
 

@@ -32,11 +32,11 @@ class GenerationStats:
     expert_cache_slots: int = 0
     working_set_bytes: int = 0
     io_threads: int = 0
-    direct_io: bool = True
+    o_direct: bool = True
     predict_next: bool = False
-    prefetch_issued: int = 0  # predicted experts read ahead of demand
-    prefetch_used: int = 0  # of those, found by a demand lookup (counted as hits there)
-    prefetch_wasted: int = 0  # of those, evicted before any demand lookup found them
+    readahead_issued: int = 0  # predicted experts read ahead of demand
+    readahead_used: int = 0  # of those, found by a demand lookup (counted as hits there)
+    readahead_wasted: int = 0  # of those, evicted before any demand lookup found them
     prediction_accuracy: float = 0.0  # share of the layers' actual top-k choices that were predicted
     decode_prediction_accuracy: float = 0.0
     layer_misses: dict = field(default_factory=dict)
@@ -53,7 +53,7 @@ class _Snapshot:
     bytes_read: int
     io_wait_s: float
     expert_bytes_missed: int
-    prefetch: tuple[int, int, int] = (0, 0, 0)  # issued, used, wasted
+    read_ahead: tuple[int, int, int] = (0, 0, 0)  # issued, used, wasted
     predicted: tuple[int, int] = (0, 0)  # predicted, checked
 
 
@@ -95,10 +95,10 @@ def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple
 def _snapshot(runtime) -> _Snapshot:
     s = runtime.cache.stats
     p = runtime.predictor.counters if runtime.predictor is not None else None
-    # waiting for an in-flight prefetch before reusing its slot is I/O wait too
+    # waiting for an in-flight read-ahead before reusing its slot is I/O wait too
     return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.bytes_read,
                      runtime.counters.io_wait_s + s.eviction_wait_s, s.expert_bytes_missed,
-                     (s.prefetch_issued, s.prefetch_used, s.prefetch_wasted),
+                     (s.readahead_issued, s.readahead_used, s.readahead_wasted),
                      (p.predicted, p.checked) if p is not None else (0, 0))
 
 
@@ -108,9 +108,9 @@ def _ratio(end: tuple[int, int], start: tuple[int, int]) -> float:
 
 
 def _prediction_stats(runtime, start: _Snapshot, first: _Snapshot, last: _Snapshot) -> dict:
-    issued, used, wasted = (b - a for a, b in zip(start.prefetch, last.prefetch))
-    return {"predict_next": runtime.predictor is not None, "prefetch_issued": issued, "prefetch_used": used,
-            "prefetch_wasted": wasted, "prediction_accuracy": _ratio(last.predicted, start.predicted),
+    issued, used, wasted = (b - a for a, b in zip(start.read_ahead, last.read_ahead))
+    return {"predict_next": runtime.predictor is not None, "readahead_issued": issued, "readahead_used": used,
+            "readahead_wasted": wasted, "prediction_accuracy": _ratio(last.predicted, start.predicted),
             "decode_prediction_accuracy": _ratio(last.predicted, first.predicted)}
 
 
@@ -133,5 +133,5 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         io_wait_s=last.io_wait_s - start.io_wait_s, decode_io_wait_s=last.io_wait_s - first.io_wait_s,
         expert_cache_bytes=cache.memory_bytes, expert_cache_slots=cache.n_slots,
         working_set_bytes=cache.layout.working_set_bytes, io_threads=cache.io_threads,
-        direct_io=cache.direct_io, layer_misses=dict(cache.stats.layer_misses),
+        o_direct=cache.o_direct, layer_misses=dict(cache.stats.layer_misses),
         **_prediction_stats(runtime, start, first, last))

@@ -11,9 +11,10 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from weightstream.cache.expert_cache import ExpertCache
-from weightstream.cache.sizes import parse_size
+from weightstream.cache.sizes import parse_cache_size
+from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
-from weightstream.engine.mmap_source import MmapExpertSource
+from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
@@ -21,25 +22,25 @@ from weightstream.store.checkpoint import Checkpoint, open_checkpoint
 from weightstream.store.layout import build_layout, experts_modules, streamable_modules
 
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-EXPERT_SOURCES = ("direct", "mmap")
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 
 
 def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_threads: int = 4,
-                         policy: str = "lru", chunk_bytes: int | None = None, direct: bool = True,
-                         policy_options: dict | None = None, expert_source: str = "direct",
+                         policy: str = "lru", chunk_bytes: int | None = None, o_direct: bool = True,
+                         policy_options: dict | None = None, expert_source: str = "expert-cache",
                          predict_next: bool = False):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
-    `expert_source="mmap"` is the page-cache baseline instead: experts through mmap, no cache of our own.
-    `predict_next=True` prefetches each next MoE layer's experts as guessed by its router from this layer's input.
+    `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
+    `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
+    expert_source = SOURCE_ALIASES.get(expert_source, expert_source)
     if expert_source not in EXPERT_SOURCES:
         raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
-    if predict_next and expert_source != "direct":
-        raise WeightstreamError("--predict-next needs --expert-source direct: with mmap there are no slots of our own "
-                                "to prefetch into")
+    if predict_next and expert_source != "expert-cache":
+        raise WeightstreamError("--predict-next needs --expert-source expert-cache: through the page cache there are "
+                                "no slots of our own to read ahead into")
     ckpt = open_checkpoint(model_dir)
     config = _load_config(model_dir)
     ws_experts.register()
@@ -49,12 +50,12 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
     streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir))
     _load_dense(model, layout.dense, model_dir)
-    if expert_source == "mmap":
-        cache = MmapExpertSource(layout)
+    if expert_source == "page-cache":
+        cache = PageCacheSource(layout)
     else:
-        budget = parse_size(expert_cache, layout.working_set_bytes, "expert cache")
+        budget = parse_cache_size(expert_cache, layout.working_set_bytes)
         cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
-                            direct=direct, policy_options=policy_options)
+                            o_direct=o_direct, policy_options=policy_options)
     runtime = StreamingRuntime(cache, layout)
     if predict_next:
         runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)

@@ -1,4 +1,4 @@
-"""Next-layer expert prediction: layer L's FFN input times layer L+1's router weight, top-k, prefetched early.
+"""Next-layer expert prediction: layer L's FFN input times layer L+1's router weight, top-k, read ahead early.
 
 The residual stream changes little from one layer to the next, so the router of layer L+1 applied to what
 layer L's experts receive guesses most of L+1's choices one layer ahead. A guess only decides what is read
@@ -64,7 +64,7 @@ class NextLayerPredictor:
         self.routers = {layer: find_router(model, path_of[layer], layout.num_experts[layer], hidden)
                         for layer in layers[1:]}
         self.top_k = layout.top_k
-        # a prefill step's tokens predict many experts: prefetch at most the layer's fair share of the cache
+        # a prefill step's tokens predict many experts: read ahead at most the layer's fair share of the cache
         self.limit = max(self.top_k, n_slots // len(layers))
         self.pending: dict[int, torch.Tensor] = {}  # layer -> predicted (T, k) expert ids
         self.counters = PredictionCounters()
@@ -79,7 +79,7 @@ class NextLayerPredictor:
         self.counters.predicted += int(found.sum())
 
     def predict(self, layer: int, hidden_states: torch.Tensor) -> tuple[int, list[int]] | None:
-        """(next MoE layer, experts to prefetch, most-voted first) from this layer's FFN input (T, D)."""
+        """(next MoE layer, experts to read ahead, most-voted first) from this layer's FFN input (T, D)."""
         nxt = self.next_layer.get(layer)
         if nxt is None:
             return None

@@ -33,7 +33,7 @@ class StreamingRuntime:
         self.routing_override: Callable | None = None
         # (layer, top_k_index, top_k_weights) -> None: records routing
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # set by load_streaming_model(predict_next=True): prefetches the next layer's guessed experts
+        # set by load_streaming_model(predict_next=True): read-aheads the next layer's guessed experts
         self.predictor: NextLayerPredictor | None = None
 
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
@@ -52,7 +52,7 @@ class StreamingRuntime:
         for i, wave in enumerate(split_waves(top_k_index.reshape(-1).tolist(), self.cache.n_slots)):
             fetch = self.cache.fetch_layer(layer, wave)
             if i == 0 and self.predictor is not None:  # after this layer's demand reads, so they go first
-                self._prefetch_next(layer, hidden_states, wave)
+                self._read_ahead_next(layer, hidden_states, wave)
             for expert in fetch.resident:  # no waiting: compute these while the misses are read
                 contributions[expert] = expert_contribution(module, self.cache.params(layer, expert), *args, expert)
             for _ in fetch.missing:  # each late expert as soon as its own bytes are in
@@ -60,10 +60,10 @@ class StreamingRuntime:
                 contributions[expert] = expert_contribution(module, self.cache.params(layer, expert), *args, expert)
         return combine(hidden_states, contributions)
 
-    def _prefetch_next(self, layer: int, hidden_states: torch.Tensor, wave: list[int]) -> None:
+    def _read_ahead_next(self, layer: int, hidden_states: torch.Tensor, wave: list[int]) -> None:
         guess = self.predictor.predict(layer, hidden_states)
         if guess is not None:
-            self.cache.prefetch(guess[0], guess[1], running={(layer, e) for e in wave})
+            self.cache.read_ahead(guess[0], guess[1], running={(layer, e) for e in wave})
 
     def close(self) -> None:
         self.cache.close()

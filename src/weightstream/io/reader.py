@@ -1,4 +1,4 @@
-"""O_DIRECT reads into aligned memory by a pool of dedicated I/O threads; demand requests before prefetch."""
+"""O_DIRECT reads into aligned memory by a pool of dedicated I/O threads; demand requests before read-ahead."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import ALIGN, AlignedArena, aligned_span
 
-DEMAND, PREFETCH = 0, 1
+DEMAND, READ_AHEAD = 0, 1
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # from the pipeline sweep in docs/benchmarks.md
 
 
@@ -43,12 +43,12 @@ class DirectReader:
     """A pool of I/O threads reading chunks with O_DIRECT (buffered where the filesystem refuses it)."""
 
     def __init__(self, arena: AlignedArena, threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 direct: bool = True, warn=None):
+                 o_direct: bool = True, warn=None):
         if threads < 1:
             raise WeightstreamError(f"--io-threads {threads}: need at least 1 I/O thread")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise WeightstreamError(f"chunk size {chunk_bytes}: must be a positive multiple of {ALIGN} bytes")
-        self.arena, self.chunk_bytes, self.want_direct, self.threads = arena, chunk_bytes, direct, threads
+        self.arena, self.chunk_bytes, self.want_o_direct, self.threads = arena, chunk_bytes, o_direct, threads
         self._warn = warn or (lambda msg: print(f"weightstream: {msg}", file=sys.stderr))
         self._fds: dict[str, tuple[int, bool]] = {}
         self._probe = AlignedArena(ALIGN)
@@ -78,7 +78,7 @@ class DirectReader:
             self._fd(path)
 
     def cancel(self, batch: ReadBatch) -> None:
-        """Skip the batch's chunks that no thread has started (a prefetch nobody needs any more)."""
+        """Skip the batch's chunks that no thread has started (a read-ahead nobody needs any more)."""
         batch.cancelled = True
 
     def close(self) -> None:
@@ -130,7 +130,7 @@ class DirectReader:
             return self._fds[path]
 
     def _open(self, path: str) -> tuple[int, bool]:
-        if self.want_direct and hasattr(os, "O_DIRECT"):
+        if self.want_o_direct and hasattr(os, "O_DIRECT"):
             fd = None
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_DIRECT)

@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 
-from weightstream.prefetch.residency import cached_bytes, resident_pages
-from weightstream.prefetch.units import PAGE
+from weightstream.io.pagecache import cached_bytes, evict, resident_pages
+from weightstream.units import PAGE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.readahead.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_size_t]
@@ -69,7 +69,7 @@ def reclaim(fd: int, offset: int, length: int) -> tuple[int, int]:
     before = cached_bytes(fd, offset, length)
     if before == 0:
         return 0, 0
-    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    evict(fd, offset, length)
     after = cached_bytes(fd, offset, length)
     return max(0, before - after), after
 

@@ -1,4 +1,4 @@
-"""Memory headroom for prefetch (system and memory cgroup), and memory cgroups for limited runs.
+"""Memory headroom for prefetch: the system's and the memory cgroup's a process runs in (read only).
 
 Both cgroup v2 (memory.max, memory.current) and v1 (memory.limit_in_bytes, memory.usage_in_bytes) are read.
 Page cache counts against a cgroup's limit, so prefetched pages are charged to the wrapper's cgroup.
@@ -6,11 +6,8 @@ Page cache counts against a cgroup's limit, so prefetched pages are charged to t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from weightstream.errors import WeightstreamError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED = 1 << 60
@@ -92,40 +89,3 @@ def under_pressure(cgroup: CgroupMemory | None, floor: int) -> bool:
     if cgroup is not None and cgroup.limited:
         return cgroup.limit - cgroup.usage < min(floor, cgroup.limit // 20)
     return False
-
-
-class MemoryCgroup:
-    """A child memory cgroup with a byte limit, created under the caller's own cgroup (root only)."""
-
-    def __init__(self, name: str, limit: int, parent: CgroupMemory | None = None) -> None:
-        parent = parent or CgroupMemory.of()
-        if parent is None:
-            raise WeightstreamError("no memory cgroup controller found under /sys/fs/cgroup; cannot limit memory")
-        self.parent, self.path = parent, parent.path / name
-        try:
-            if parent.v2:  # v2 only limits children whose parent delegates the memory controller
-                (parent.path / "cgroup.subtree_control").write_text("+memory")
-            self.path.mkdir(exist_ok=True)
-            knob = "memory.max" if parent.v2 else "memory.limit_in_bytes"
-            (self.path / knob).write_text(str(limit))
-            if not parent.v2:  # v1: no swap here, but keep the kernel from using it if there is
-                (self.path / "memory.swappiness").write_text("0")
-        except OSError as exc:
-            raise WeightstreamError(f"cannot create memory cgroup {self.path}: {exc.strerror} (needs root)") from None
-        self.cg = CgroupMemory(self.path, parent.v2)
-
-    def enter_argv(self, argv: list[str]) -> list[str]:
-        """argv wrapped so that the process moves itself into this cgroup before exec."""
-        return ["sh", "-c", f'echo $$ > "{self.path}/cgroup.procs" && exec "$@"', "sh", *argv]
-
-    @property
-    def peak(self) -> int | None:
-        """Peak bytes charged (v1 max_usage_in_bytes, v2 memory.peak)."""
-        return _read_int(self.path / ("memory.peak" if self.parent.v2 else "memory.max_usage_in_bytes"))
-
-    def remove(self) -> None:
-        """Remove the cgroup (its processes must have exited)."""
-        try:
-            os.rmdir(self.path)
-        except OSError:
-            pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from weightstream.prefetch.template import WorkerTemplate
-from weightstream.prefetch.units import page_ceil, page_floor
+from weightstream.units import page_ceil, page_floor
 
 SEGMENT = 64 << 20  # a range's largest size: bounds how far replay order can drift from the loader's
 GAP = 1 << 20  # misses this close to a segment's end continue it (pages between were already cached)

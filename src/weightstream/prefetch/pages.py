@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from weightstream.prefetch.units import PAGE
+from weightstream.units import PAGE
 
 ISSUED, FETCHED, TOUCHED, DROPPED = 1, 2, 4, 8
 

@@ -16,11 +16,12 @@ from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.pages import PageCounter
 from weightstream.prefetch.procs import (WEIGHT_SUFFIXES, GatedCommand, mapped_weight_files, open_weight_files,
                                          process_tree)
-from weightstream.prefetch.residency import ResidencySampler, drop_cache
+from weightstream.io.pagecache import evict_file
+from weightstream.prefetch.residency import ResidencySampler
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.store import save_template
 from weightstream.prefetch.template import FileIdentity, LoadTemplate, WorkerTemplate
-from weightstream.prefetch.units import human
+from weightstream.units import format_bytes
 
 
 @dataclass(slots=True)
@@ -140,7 +141,7 @@ class Recorder:
         """Run the command; returns its returncode and the weight files seen open."""
         if not self.opts.keep_cache:
             for p in self.known:
-                drop_cache(str(p))
+                evict_file(str(p))
         cmd = GatedCommand(self.opts.argv)
         source = watcher = None
         try:
@@ -227,7 +228,7 @@ def _summarise(opts: RecordOptions, rec: Recorder, template: LoadTemplate, secon
     path = save_template(template, opts.spec)
     size = path.stat().st_size
     per_gib = size / max(template.bytes / (1 << 30), 1e-9)
-    opts.say(f"recorded {len(template.files)} files, {template.ranges} ranges, {human(template.bytes)} in "
+    opts.say(f"recorded {len(template.files)} files, {template.ranges} ranges, {format_bytes(template.bytes)} in "
              f"{len(template.workers)} processes, {seconds:.2f} s")
     opts.say(f"template {path} ({size} bytes, {per_gib:.0f} bytes per GiB read)")
     if getattr(rec, "events_lost", 0):

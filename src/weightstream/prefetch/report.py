@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from weightstream.prefetch.units import human
+from weightstream.units import format_bytes
 
 
 @dataclass(slots=True)
@@ -51,22 +51,22 @@ class RunReport:
         head = f"load {self.load_seconds:.2f} s, exit {self.exit_code}"
         if not self.template_used:
             return [f"{head}; no prefetch (template not used, reason above)"]
-        used = "n/a (no access events without tracefs)" if self.bytes_used is None else human(self.bytes_used)
+        used = "n/a (no access events without tracefs)" if self.bytes_used is None else format_bytes(self.bytes_used)
         lines = [
             f"{head}; template used ({self.source} events, {self.threads} threads)",
-            f"prefetched {human(self.bytes_prefetched)} of {human(self.bytes_template)} "
-            f"(already cached {human(self.bytes_already_cached)}), used by the loader {used}, "
-            f"abandoned {human(self.bytes_abandoned)}",
-            f"reclaimed {human(self.bytes_reclaimed)}, re-read after reclaim "
-            f"{human(self.bytes_reread_after_reclaim)}, loader read itself {human(self.bytes_loader_missed)}",
+            f"prefetched {format_bytes(self.bytes_prefetched)} of {format_bytes(self.bytes_template)} "
+            f"(already cached {format_bytes(self.bytes_already_cached)}), used by the loader {used}, "
+            f"abandoned {format_bytes(self.bytes_abandoned)}",
+            f"reclaimed {format_bytes(self.bytes_reclaimed)}, re-read after reclaim "
+            f"{format_bytes(self.bytes_reread_after_reclaim)}, loader read itself {format_bytes(self.bytes_loader_missed)}",
         ]
         if self.memory_budget is not None:
-            gap = "no reclaim" if self.reclaim_gap is None else f"reclaim gap {human(self.reclaim_gap)}"
-            lines.append(f"budget {human(self.memory_budget)}: at most {human(self.peak_ahead)} was ahead of the "
+            gap = "no reclaim" if self.reclaim_gap is None else f"reclaim gap {format_bytes(self.reclaim_gap)}"
+            lines.append(f"budget {format_bytes(self.memory_budget)}: at most {format_bytes(self.peak_ahead)} was ahead of the "
                          f"loader; {gap}")
         if self.bytes_evicted_before_use:
-            lines.append(f"memory pressure: {human(self.bytes_evicted_before_use)} prefetched was evicted before "
-                         f"use; budget cut to {human(self.final_budget or 0)}")
+            lines.append(f"memory pressure: {format_bytes(self.bytes_evicted_before_use)} prefetched was evicted before "
+                         f"use; budget cut to {format_bytes(self.final_budget or 0)}")
         if self.rewinds:
             lines.append(f"the loader went back {self.rewinds}x (another pass over evicted data): prefetch followed, "
                          "burn-after-reading stopped")

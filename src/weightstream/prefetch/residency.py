@@ -1,6 +1,6 @@
-"""Page-cache residency without tracefs: cachestat(2) counts, mincore(2) bitmaps, and dropping a file's pages.
+"""Page-cache misses without tracefs: a sampler of mincore(2) residency over the model files.
 
-These need no root. The sampler turns residency changes into MISS events: a page that was not cached at the
+It needs no root. The sampler turns residency changes into MISS events: a page that was not cached at the
 previous sample and is cached now was missed in between. Its precision is the sampling interval: the order
 of misses inside one interval is lost (they are reported in file order), the process is unknown, and a page
 cached and evicted inside one interval is not seen.
@@ -8,7 +8,6 @@ cached and evicted inside one interval is not seen.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -16,73 +15,9 @@ from typing import Callable
 
 import numpy as np
 
+from weightstream.io.pagecache import resident_pages
 from weightstream.prefetch.events import MISS, PageEvent
-from weightstream.prefetch.units import PAGE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.syscall.restype = ctypes.c_long
-_SYS_CACHESTAT = 451  # same number on x86-64 and arm64 (asm-generic)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-class _Range(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Stat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
-
-
-def cached_bytes(fd: int, offset: int = 0, length: int = 0) -> int:
-    """Bytes of [offset, offset+length) in the page cache (length 0: to the end), by cachestat(2)."""
-    rng, st = _Range(offset, length), _Stat()
-    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:
-        return st.cache * PAGE
-    return int(resident_pages(fd, offset, length).sum()) * PAGE  # kernels before 6.5: mincore
-
-
-def resident_pages(fd: int, offset: int = 0, length: int = 0) -> np.ndarray:
-    """A 0/1 vector, one entry per page of [offset, offset+length), by mmap + mincore(2)."""
-    size = os.fstat(fd).st_size
-    length = (length or size - offset) if offset < size else 0
-    n = -(-length // PAGE)
-    vec = np.zeros(n, dtype=np.uint8)
-    if n == 0:
-        return vec
-    addr = _libc.mmap(None, length, 1, 1, fd, offset)  # PROT_READ, MAP_SHARED; offset is page aligned
-    if addr in (None, _MAP_FAILED):
-        raise OSError(ctypes.get_errno(), "mmap for mincore failed")
-    try:
-        if _libc.mincore(addr, length, vec.ctypes.data) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-    finally:
-        _libc.munmap(addr, length)
-    return vec & 1
-
-
-def drop_cache(path: str) -> int:
-    """Evict a file's unmapped pages (POSIX_FADV_DONTNEED); returns bytes still cached afterwards."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)  # DONTNEED skips dirty pages: a freshly written checkpoint must reach the disk first
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return cached_bytes(fd)
-    finally:
-        os.close(fd)
-
-
-def drop_all_caches() -> str:
-    """Write 1 to /proc/sys/vm/drop_caches when permitted; returns what happened, in words."""
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        return "dropped the whole page cache (/proc/sys/vm/drop_caches)"
-    except OSError as exc:
-        return f"/proc/sys/vm/drop_caches refused ({exc.strerror}); dropped per file only"
+from weightstream.units import PAGE
 
 
 class ResidencySampler:

@@ -17,7 +17,7 @@ from weightstream.prefetch.report import RunReport
 from weightstream.prefetch.residency import ResidencySampler
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.store import Lookup, find_template
-from weightstream.prefetch.units import human
+from weightstream.units import format_bytes
 
 AUTO_BUDGET_SHARE = 4  # in a memory-limited cgroup without --memory-budget: a quarter of the room left
 
@@ -91,7 +91,7 @@ class _Session:
         s.cgroup = CgroupMemory.of()
         if s.budget is None and s.cgroup is not None and s.cgroup.limited:
             s.budget = max(64 << 20, (s.cgroup.limit - s.cgroup.usage) // AUTO_BUDGET_SHARE)
-            self.opts.say(f"memory cgroup limit {human(s.cgroup.limit)}: prefetch budget {human(s.budget)} "
+            self.opts.say(f"memory cgroup limit {format_bytes(s.cgroup.limit)}: prefetch budget {format_bytes(s.budget)} "
                           "(pass --memory-budget to choose)")
 
     def _stop_events(self) -> None:

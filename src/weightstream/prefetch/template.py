@@ -11,7 +11,7 @@ import struct
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from weightstream.prefetch.units import PAGE
+from weightstream.units import PAGE
 
 FORMAT = "weightstream-load-template"
 VERSION = 1

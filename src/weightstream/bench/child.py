@@ -23,7 +23,7 @@ def run_streaming(cfg: dict) -> dict:
     start = time.perf_counter()
     model = load_streaming_model(cfg["model_dir"], expert_cache=cfg["expert_cache"], io_threads=cfg["io_threads"],
                                  chunk_bytes=cfg.get("chunk_bytes"), policy=cfg.get("policy", "lru"),
-                                 expert_source="mmap" if cfg["mode"] == "page-cache" else "direct",
+                                 expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
                                  predict_next=cfg.get("predict_next", False))
     load_s = time.perf_counter() - start
     runtime = model.weightstream
@@ -99,7 +99,7 @@ def accelerate_device_map(model_dir: str) -> dict[str, str]:
 def main() -> None:
     cfg = json.load(sys.stdin)
     torch.set_num_threads(cfg.get("compute_threads") or torch.get_num_threads())
-    runner = run_streaming if cfg["mode"] in ("direct", "page-cache", "compute-only") else run_transformers
+    runner = run_streaming if cfg["mode"] in ("expert-cache", "page-cache", "compute-only") else run_transformers
     result = runner(cfg)
     result.update(peak_rss_bytes=peak_rss(), pid=os.getpid(), compute_threads=torch.get_num_threads())
     print(json.dumps(result))

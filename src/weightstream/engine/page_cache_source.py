@@ -15,11 +15,11 @@ from weightstream.cache.expert_cache import CacheStats, LayerFetch
 from weightstream.store.layout import ExpertParam, ModelLayout
 
 
-class MmapExpertSource:
+class PageCacheSource:
     """Serves expert parameters as views of mmapped checkpoint files (a copy only where gate and up are apart)."""
 
     io_threads = 0
-    direct_io = False
+    o_direct = False
     bytes_read = 0  # unknown to us: the page cache reads; `weightstream bench` reads the device's counters
 
     def __init__(self, layout: ModelLayout):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -14,13 +13,17 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from weightstream.bench.cgroup import MemoryCgroup
+from weightstream.bench.coldstart import drop_page_cache
+from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
+from weightstream.bench.overlap import OVERLAP_TARGET, judge_overlap, reader_bandwidth
 from weightstream.errors import WeightstreamError
-from weightstream.io.memlimit import MemoryCgroup, block_device_of, device_bytes_read, drop_from_page_cache
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint
+from weightstream.units import GIB, MIB
 
-MODES = ("direct", "page-cache", "accelerate")
-MIB = 2**20
+MODES = ("expert-cache", "page-cache", "accelerate")
+MODE_ALIASES = {"direct": "expert-cache"}  # the name before 0.2, kept for scripts
 
 
 @dataclass(slots=True)
@@ -37,13 +40,21 @@ class BenchConfig:
     chunk_bytes: int | None = None
     reference: bool = True
     predict_next: bool = False
-    long_prompt: list[int] | None = None  # its prefill is timed in direct and page-cache runs
-    overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each direct run
+    long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
+    overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run
     extra: dict = field(default_factory=dict)
 
 
+def canonical_mode(mode: str) -> str:
+    """A --modes entry in today's name; an error listing the modes when it is none of them."""
+    mode = MODE_ALIASES.get(mode, mode)
+    if mode not in MODES:
+        raise WeightstreamError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return mode
+
+
 def run_child(cfg: dict, cgroup: MemoryCgroup | None) -> tuple[dict | None, str, int]:
-    args = [sys.executable, "-m", "weightstream.engine.bench_child"]
+    args = [sys.executable, "-m", "weightstream.bench.child"]
     kwargs = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = cgroup.popen(args, **kwargs) if cgroup else subprocess.Popen(args, **kwargs)
     out, err = proc.communicate(json.dumps(cfg))
@@ -58,18 +69,18 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
     if mode == "accelerate" and config.routing_trace:
         return {"mode": mode, "error": "routing replay is not available for accelerate's offload (its experts "
                                         "run transformers' own code with the model's router); run without --routing-trace"}
-    dropped_globally = drop_from_page_cache(files)
+    dropped_globally = drop_page_cache(files)
     before = device_bytes_read(device)
     group = MemoryCgroup.create(config.memory_limit, name=f"ws-bench-{mode}")
     start = time.perf_counter()
     try:
         result, err, rc = run_child(cfg, group)
-        peak = group.peak_bytes()
+        peak = group.peak_bytes
     finally:
         group.remove()
         shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
     after = device_bytes_read(device)
-    run = {"mode": mode, "expert_cache": cache if mode == "direct" else None, "wall_s": time.perf_counter() - start,
+    run = {"mode": mode, "expert_cache": cache if mode == "expert-cache" else None, "wall_s": time.perf_counter() - start,
            "cgroup_peak_bytes": peak, "page_cache_dropped_globally": dropped_globally}
     if result is None:
         reason = "killed by the memory limit (out of memory)" if rc in (-9, 137) else f"exit {rc}"
@@ -86,8 +97,8 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
             "compute_threads": config.compute_threads, "chunk_bytes": config.chunk_bytes,
             "routing_trace": config.routing_trace, "prompts": config.prompts[:1] if short else config.prompts,
             "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
-            "predict_next": config.predict_next and mode == "direct",
-            "long_prompt": config.long_prompt if mode in ("direct", "page-cache") else None,
+            "predict_next": config.predict_next and mode == "expert-cache",
+            "long_prompt": config.long_prompt if mode in ("expert-cache", "page-cache") else None,
             "warm_all": mode == "compute-only",
             "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
                                         f".ws-offload-{os.getpid()}-{mode}")}
@@ -106,7 +117,7 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
            "bytes_read_per_token": device_bytes / tokens if device_bytes is not None else None,
            "peak_rss_bytes": result["peak_rss_bytes"], "load_s": result["load_s"],
            "token_ids": [p["token_ids"] for p in prompts]}
-    if "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]:  # direct: the page cache has no hit count
+    if "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]:  # expert-cache: the page cache has no hit count
         hits, misses = sum(p["expert_hits"] for p in prompts), sum(p["expert_misses"] for p in prompts)
         out.update(expert_hit_rate=hits / (hits + misses) if hits + misses else None,
                    decode_bytes_read_per_token=sum(p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0)
@@ -134,29 +145,24 @@ def reference_tokens(config: BenchConfig, model_bytes: int) -> tuple[list | None
 
 def run_bench(config: BenchConfig, progress=lambda msg: None) -> dict:
     ckpt = open_checkpoint(config.model_dir)
-    for mode in config.modes:
-        if mode not in MODES:
-            raise WeightstreamError(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    config.modes = [canonical_mode(m) for m in config.modes]
     device = block_device_of(config.model_dir)
     progress("reference: transformers in memory")
     reference, reference_kind = reference_tokens(config, ckpt.total_bytes())
     runs = []
     for mode in config.modes:
-        for cache in (config.expert_caches if mode == "direct" else [None]):
+        for cache in (config.expert_caches if mode == "expert-cache" else [None]):
             progress(f"{mode}{' ' + cache if cache else ''}")
             runs.append(measure(config, mode, cache or config.expert_caches[0], ckpt.files, device))
     compare_tokens(runs, reference, reference_kind)
-    overlap = measure_overlap(config, ckpt, runs, progress) if config.overlap and "direct" in config.modes else None
+    overlap = measure_overlap(config, ckpt, runs, progress) if config.overlap and "expert-cache" in config.modes else None
     return {"machine": machine_info(device), "model": config.model_dir, "model_bytes": ckpt.total_bytes(),
             "memory_limit_bytes": config.memory_limit, "routing": routing_label(config),
             "reference": reference_kind, "runs": runs, "cost_model": cost_model(runs), "overlap": overlap}
 
 
-OVERLAP_TARGET = 1.25
-
-
 def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> dict:
-    """Each direct run's time per token against max(compute-only time per token, its decode reads / bandwidth).
+    """Each expert-cache run's time per token against max(compute-only time per token, its decode reads / bandwidth).
 
     Compute-only is the same engine and prompts with every expert already in the cache (no limit: it needs the
     whole model in memory); bandwidth is the reader's own O_DIRECT rate on this checkpoint, cold.
@@ -166,8 +172,8 @@ def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> di
     out = {"reader_bandwidth": bandwidth, "target_ratio": OVERLAP_TARGET}
     experts = sum(t.nbytes for t in ckpt.tensors.values() if ".experts." in t.name)
     if psutil.virtual_memory().available < 1.2 * ckpt.total_bytes():
-        out["error"] = (f"compute-only needs every expert in memory ({experts / 2**30:.1f} GiB of experts); "
-                        f"this machine has {psutil.virtual_memory().available / 2**30:.1f} GiB available")
+        out["error"] = (f"compute-only needs every expert in memory ({experts / GIB:.1f} GiB of experts); "
+                        f"this machine has {psutil.virtual_memory().available / GIB:.1f} GiB available")
         return out
     progress("compute-only: every expert resident, no limit")
     result, err, rc = run_child(child_config(config, "compute-only", "1000x"), None)
@@ -176,16 +182,8 @@ def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> di
         return out
     compute_s = 1 / summarize(result, None)["decode_tokens_per_s"]  # the same decode speed as every run's
     out.update(compute_only_s_per_token=compute_s,
-               compute_only_misses=sum(p["expert_misses"] for p in result["prompts"]), runs=[])  # 0: all resident
-    for r in runs:
-        if r.get("mode") != "direct" or "error" in r:
-            continue
-        io_s = r["decode_bytes_read_per_token"] / MIB / bandwidth["mib_per_s"]
-        per_token = 1 / r["decode_tokens_per_s"]
-        bound = max(compute_s, io_s)
-        out["runs"].append({"expert_cache": r["expert_cache"], "time_per_token_s": per_token,
-                            "compute_only_s": compute_s, "read_s": io_s, "bound_s": bound,
-                            "ratio": per_token / bound, "within_target": per_token / bound <= OVERLAP_TARGET})
+               compute_only_misses=sum(p["expert_misses"] for p in result["prompts"]))  # 0: all resident
+    out["runs"] = judge_overlap(runs, compute_s, bandwidth)
     return out
 
 
@@ -201,10 +199,10 @@ def compare_tokens(runs: list[dict], reference, kind: str) -> None:
 
 
 def cost_model(runs: list[dict]) -> dict:
-    points = [p for r in runs if r.get("mode") == "direct" for p in r.get("per_prompt", [])]
+    points = [p for r in runs if r.get("mode") == "expert-cache" for p in r.get("per_prompt", [])]
     model = fit_cost_model([p["mib_read_per_token"] for p in points], [p["decode_s_per_token"] for p in points])
     if model is None:
-        return {"error": "needs direct runs with different read volumes: pass several --expert-cache sizes"}
+        return {"error": "needs expert-cache runs with different read volumes: pass several --expert-cache sizes"}
     out = model.to_dict()
     if model.per_mib_s <= 0 or model.r2 < 0.5:  # the line is noise, not a cost: say so rather than let it be used
         out["warning"] = (f"poor fit (R^2 {model.r2:.2f}, {model.per_mib_s * 1000:.3f} ms per MiB): the runs' read "
@@ -214,54 +212,3 @@ def cost_model(runs: list[dict]) -> dict:
 
 def routing_label(config: BenchConfig) -> str:
     return f"replay of {config.routing_trace}" if config.routing_trace else "the model's own router"
-
-
-def machine_info(device: str) -> dict:
-    model_path = os.path.join(device, "device", "model")
-    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "kernel": platform.release(),
-            "python": platform.python_version(), "block_device": os.path.realpath(device),
-            "disk_model": open(model_path).read().strip() if os.path.exists(model_path) else None}
-
-
-def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, limit_bytes: int = 2 * 2**30) -> dict:
-    """The reader's own O_DIRECT bandwidth on this checkpoint's expert pieces, page cache dropped first.
-
-    Pieces go in batches of 64 into two halves of a buffer, the next batch queued while the last is read, so
-    the I/O threads never run dry (as during a layer's misses), but no more is queued than decode ever queues.
-    """
-    import threading
-
-    from weightstream.io.aligned import AlignedArena, region_bytes, round_up
-    from weightstream.io.reader import DirectReader, ReadRequest
-    from weightstream.store.layout import Piece
-
-    pieces = [Piece(t.path, t.offset, t.nbytes) for t in open_checkpoint(model_dir).tensors.values() if ".experts." in t.name]
-    pieces = sorted(pieces, key=lambda p: (p.path, p.offset))
-    group = 64
-    half = round_up(max(region_bytes(p.nbytes) for p in pieces) * group)
-    arena = AlignedArena(2 * half)
-    reader = DirectReader(arena, threads=io_threads, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
-    drop_from_page_cache(sorted({p.path for p in pieces}))
-    free = [threading.Event(), threading.Event()]
-    for event in free:
-        event.set()
-    total, start = 0, time.perf_counter()
-    for i in range(0, len(pieces), group):
-        if total >= limit_bytes:
-            break
-        which = (i // group) % 2
-        free[which].wait()  # the batch that last used this half has landed
-        free[which].clear()
-        requests, dest = [], which * half
-        for p in pieces[i:i + group]:
-            requests.append(ReadRequest(p.path, p.offset, p.nbytes, dest))
-            dest += region_bytes(p.nbytes)
-        reader.submit(requests, lambda err, e=free[which]: e.set())
-        total += sum(p.nbytes for p in pieces[i:i + group])
-    for event in free:
-        event.wait()
-    elapsed = time.perf_counter() - start
-    read = reader.bytes_read
-    reader.close()
-    return {"bytes": read, "seconds": elapsed, "mib_per_s": read / MIB / elapsed, "io_threads": io_threads,
-            "chunk_bytes": reader.chunk_bytes}

@@ -1,0 +1,34 @@
+"""What a benchmark ran on: the machine, and the block device holding the model with its own read counter."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import psutil
+
+
+def block_device_of(path: str) -> str:
+    """The /sys/dev/block entry (major:minor) of the device holding `path`."""
+    st = os.stat(path)
+    return f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def device_bytes_read(device: str) -> int | None:
+    """Bytes the device has read since boot (sectors of 512 bytes, from its own stat counters)."""
+    try:
+        with open(os.path.join(device, "stat")) as f:
+            return int(f.read().split()[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def machine_info(device: str) -> dict:
+    """CPUs, memory, kernel, Python, and the disk the model is on."""
+    model_path = os.path.join(device, "device", "model")
+    disk = None
+    if os.path.exists(model_path):
+        with open(model_path) as f:
+            disk = f.read().strip()
+    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "kernel": platform.release(),
+            "python": platform.python_version(), "block_device": os.path.realpath(device), "disk_model": disk}
