@@ -24,11 +24,11 @@ class Gate:
         first_path, offset, nbytes, _ = cache.plans[key].requests[0]
         start, real, reader = aligned_span(offset, nbytes)[0], cache.reader._read_chunk, cache.reader
 
-        def read(path, pos, dest, n):
+        def read(path, pos, *rest):
             if (path, pos) == (first_path, start) and not self._open.is_set():
                 self.reached.set()
                 self._open.wait(60)
-            real(path, pos, dest, n)
+            real(path, pos, *rest)
 
         reader._read_chunk = read
 

@@ -58,3 +58,43 @@ def test_prediction_keeps_the_budget_and_the_kernel_counts_its_reads(big_experts
     assert r["peak_rss"] <= r["baseline_rss"] + r["dense_bytes"] + r["budget"] + FIXED_OVERHEAD
     # read-aheads are real reads too; one issued in the last step may land after the stats were taken
     assert r["proc_read_bytes"] == r["reader_bytes_read"] >= s["bytes_read"] > s["expert_bytes_missed"]
+
+
+def _split_experts_from_dense(src: str, dst: str) -> str:
+    """A copy of checkpoint `src` with every expert tensor in experts.safetensors; returns that file's path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst)
+    tensors = {}
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            tensors |= load_file(os.path.join(src, name))
+        elif not name.endswith(".index.json"):
+            shutil.copy(os.path.join(src, name), dst)
+    parts = {"experts.safetensors": {k: v for k, v in tensors.items() if ".experts." in k},
+             "dense.safetensors": {k: v for k, v in tensors.items() if ".experts." not in k}}
+    for file, part in parts.items():
+        save_file(part, os.path.join(dst, file))
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {k: file for file, part in parts.items() for k in part}}, f)
+    return os.path.join(dst, "experts.safetensors")
+
+
+def test_an_expert_file_truncated_after_loading_raises_naming_it(tiny_model, tmp_path):
+    """Every read delivers exactly the expert's bytes or fails: never the previous expert's bytes left in a slot."""
+    import torch
+
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_streaming_model
+    from weightstream.errors import WeightstreamError
+
+    experts_file = _split_experts_from_dense(tiny_model("olmoe"), str(tmp_path / "model"))
+    model = load_streaming_model(str(tmp_path / "model"), expert_cache="1x", io_threads=2)
+    os.truncate(experts_file, os.path.getsize(experts_file) // 2)
+    try:
+        with pytest.raises(WeightstreamError, match=r"experts\.safetensors: short read at byte \d+"):
+            generate(model, torch.tensor([[3, 17, 101, 250]]), 4)
+    finally:
+        model.weightstream.close()

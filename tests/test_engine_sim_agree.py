@@ -7,19 +7,13 @@ from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
 from weightstream.engine.routing import RoutingRecorder, RoutingReplay, per_token_choices
 from weightstream.sim import replay as sim_replay
-from weightstream.trace import resolve_shape
-from weightstream.trace.importers import import_vllm_jsonl
 
-MIXTRAL = "/work/shared/traces/mixtral-8x7b-instruct/gsm8k_2_routing.jsonl"
+from _real_traces import mixtral
 
 
 @pytest.fixture(scope="module")
 def mixtral_trace():
-    import os
-
-    path = MIXTRAL if os.path.exists(MIXTRAL) else os.path.join(os.path.dirname(__file__), "..", "..", "shared",
-                                                               "traces", "mixtral-8x7b-instruct", "gsm8k_2_routing.jsonl")
-    return import_vllm_jsonl([path], resolve_shape("mixtral-8x7b"))
+    return mixtral(("gsm8k_2_routing.jsonl",))
 
 
 @pytest.mark.parametrize("policy, size", [("lru", "1x"), ("lru", "1.5x"), ("slru", "2x"), ("lfu", "1.5x")])

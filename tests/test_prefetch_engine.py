@@ -40,10 +40,17 @@ def _settle(p: Prefetcher, want: int, timeout: float = 20.0) -> None:
     time.sleep(0.2)  # and nothing more arrives: the budget holds the threads
 
 
-def _cached(path: str, offset: int, length: int) -> int:
+def _cached(path: str, offset: int, length: int, want: int | None = None, timeout: float = 5.0) -> int:
+    """Bytes of the range in the page cache; with `want`, waits up to `timeout` for that many (pages that
+    readahead(2) queued are counted once their read completes, which may be a moment after fetch returns)."""
+    deadline = time.monotonic() + timeout
     fd = os.open(path, os.O_RDONLY)
     try:
-        return cached_bytes(fd, offset, length)
+        while True:
+            got = cached_bytes(fd, offset, length)
+            if want is None or got >= want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.01)
     finally:
         os.close(fd)
 
@@ -62,7 +69,7 @@ def test_budget_holds_until_the_loader_reads(one_file):
     p.go()
     try:
         _settle(p, 6 * MIB)
-        assert p.counters.prefetched == 6 * MIB and _cached(path, 0, 32 * MIB) == 6 * MIB
+        assert p.counters.prefetched == 6 * MIB and _cached(path, 0, 32 * MIB, want=6 * MIB) == 6 * MIB
         p.on_events([_event(MISS, ident, 28 * MIB, MIB)])  # its own readahead far ahead: not a read
         p.on_events(_reads(ident, 2))  # one of our three chunks read: one more may come
         _settle(p, 8 * MIB)
@@ -86,7 +93,7 @@ def test_a_stray_read_far_ahead_abandons_one_chunk_not_the_template(one_file):
         p.on_events(_reads(ident, 0, 1, 2, 3, 4, 5, 6, 7))  # the loader outruns us: 2..7 are its own
         _settle(p, 8 * MIB)
         assert p.counters.abandoned == 2 * MIB + 7 * 2 * MIB  # 2..8: nine chunks read put it at chunk 8
-        assert p.counters.prefetched == 8 * MIB and _cached(path, 18 * MIB, 4 * MIB) == 4 * MIB  # chunks 9, 10
+        assert p.counters.prefetched == 8 * MIB and _cached(path, 18 * MIB, 4 * MIB, want=4 * MIB) == 4 * MIB  # chunks 9, 10
     finally:
         p.stop()
 
@@ -99,7 +106,7 @@ def test_burn_after_reading_then_a_second_pass_rewinds(one_file):
         _settle(p, 32 * MIB)
         p.on_events(_reads(ident, *range(8)))  # read up to 16 MiB: what ends before 12 MiB is burnt
         assert p.counters.reclaimed == 12 * MIB and _cached(path, 0, 12 * MIB) == 0
-        assert _cached(path, 12 * MIB, 20 * MIB) == 20 * MIB
+        assert _cached(path, 12 * MIB, 20 * MIB, want=20 * MIB) == 20 * MIB
         p.on_events([_event(MISS, ident, 2 * MIB, 8192)])  # the same thread misses far behind: a new pass
         _settle(p, 42 * MIB)
         assert p.counters.rewinds == 1 and p.counters.reread_after_reclaim == 8192
@@ -126,7 +133,7 @@ def test_pages_mapped_when_burnt_are_burnt_once_the_loader_unmaps_them(one_file)
         for offset in range(0, 32 * MIB, 4096):  # the loader's view of its tensors: every page mapped
             m[offset]
         p.on_events(_reads(ident, *range(8)))
-        assert p.counters.reclaimed == 0 and _cached(path, 0, 12 * MIB) == 12 * MIB  # mapped: kept
+        assert p.counters.reclaimed == 0 and _cached(path, 0, 12 * MIB, want=12 * MIB) == 12 * MIB  # mapped: kept
         m.close()
         p.on_events(_reads(ident, 8))  # the same file, within the retry interval: not yet tried again
         assert p.counters.reclaimed == 2 * MIB  # only chunk 6, newly due and no longer mapped
@@ -166,7 +173,7 @@ def test_unlimited_prefetch_reads_everything_and_counts_used(one_file):
     p.stop()
     assert p.counters.prefetched == 32 * MIB and p.counters.reclaimed == 0
     assert p.used_bytes() == 8 * MIB
-    assert _cached(path, 0, 32 * MIB) == 32 * MIB
+    assert _cached(path, 0, 32 * MIB, want=32 * MIB) == 32 * MIB
 
 
 def test_residency_mode_ignores_its_own_reads_and_sweeps(one_file):

@@ -85,3 +85,24 @@ def test_bad_settings():
         DirectReader(arena, threads=0)
     with pytest.raises(WeightstreamError, match="multiple of 4096"):
         DirectReader(arena, threads=1, chunk_bytes=1000)
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+@pytest.mark.parametrize("cut", [0, 4096 * 3, 4096 * 3 + 100])  # cut at, past the start of, inside a request
+def test_a_file_truncated_after_opening_is_an_error_not_stale_bytes(tmp_path, o_direct, cut):
+    """A read at or past the file's new end used to raise nothing and leave the slot's old bytes in place."""
+    path = tmp_path / "shrinks.bin"
+    path.write_bytes(os.urandom(64 * 1024))
+    offset, n = 4096 * 3 + 10, 20_000
+    arena = AlignedArena(round_up(region_bytes(n)))
+    arena.view[:] = b"\xab" * arena.nbytes  # what a previous expert left in the slot
+    reader = DirectReader(arena, threads=2, chunk_bytes=8192, o_direct=o_direct)
+    reader.open_files([str(path)])  # opened (and indexed) while whole
+    os.truncate(path, cut)
+    errors, done = [], threading.Event()
+    reader.submit([ReadRequest(str(path), offset, n, 0)], lambda e: (errors.append(e), done.set()))
+    assert done.wait(10)
+    reader.close()
+    assert isinstance(errors[0], WeightstreamError), errors
+    message = str(errors[0])
+    assert str(path) in message and "short read at byte" in message and "needs" in message

@@ -102,3 +102,39 @@ def test_sharded_checkpoint_indexes_every_tensor(tiny_model):
     assert len(ckpt.files) > 1
     with open(os.path.join(ckpt.model_dir, "model.safetensors.index.json")) as f:
         assert set(json.load(f)["weight_map"]) == set(ckpt.tensors)
+
+
+@pytest.mark.parametrize("arch, cls", [("mixtral", "MixtralForCausalLM"), ("olmoe", "OlmoeForCausalLM"),
+                                       ("gpt_oss", "GptOssForCausalLM")])
+def test_synth_config_names_its_architecture(tiny_model, arch, cls):
+    """Hub checkpoints name their class; converters (llama.cpp's convert_hf_to_gguf) refuse a config without it."""
+    with open(os.path.join(tiny_model(arch), "config.json")) as f:
+        assert json.load(f)["architectures"] == [cls]
+
+
+def test_aligned_writer_round_trips_through_safetensors_and_aligns(tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    from weightstream.store.safetensors_writer import save_aligned
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"bias": torch.randn(10, generator=gen),  # 40 bytes: placed after the aligned ones
+               "w.bf16": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
+               "w.f32": torch.randn(3, 64, generator=gen), "q": torch.randint(-128, 127, (128,), dtype=torch.int8),
+               "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+    path = tmp_path / "x.safetensors"
+    save_aligned(tensors, str(path), metadata={"format": "pt"})
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors) and f.metadata() == {"format": "pt"}
+        for name, t in tensors.items():
+            assert torch.equal(f.get_tensor(name), t), name
+    index = read_safetensors_header(str(path))
+    for name, t in tensors.items():
+        if t.numel() * t.element_size() % 64 == 0:
+            assert index[name].offset % 64 == 0, name
+
+
+def test_synth_experts_are_64_byte_aligned(tiny_model):
+    ckpt = open_checkpoint(tiny_model("qwen3_moe", "bf16"))
+    assert all(t.offset % 64 == 0 for n, t in ckpt.tensors.items() if ".experts." in n)

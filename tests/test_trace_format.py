@@ -115,6 +115,19 @@ def test_load_names_file_and_step_for_layer_count_disagreement(tmp_path):
         load(tmp_path / "order.npz")
 
 
+def test_load_refuses_layer_groups_that_are_not_tokens_times_top_k(tmp_path):
+    """Found at replay as a bare numpy reshape error before; now the file, step, layer and counts are named."""
+    save(tiny_trace(), tmp_path / "t.npz")
+    # move one choice from the prefill's layer-1 group (2 tokens x top-2 = 4) to its layer-2 group
+    _rewrite(tmp_path / "t.npz", tmp_path / "bad.npz", group_offsets=np.array([0, 3, 8, 10, 12, 14], np.int64))
+    with pytest.raises(WeightstreamError, match=r"bad\.npz: step 0 layer 1 lists 3 expert choices; its 2 token\(s\) "
+                                                r"x top-2 of shape 'tiny' make 4"):
+        load(tmp_path / "bad.npz")
+    _rewrite(tmp_path / "t.npz", tmp_path / "tokens.npz", step_tokens=np.array([2, 2, 1], np.int32))
+    with pytest.raises(WeightstreamError, match=r"tokens\.npz: step 1 layer 1 lists 2 expert choices; its 2 token"):
+        load(tmp_path / "tokens.npz")
+
+
 def test_load_rejects_empty_truncated_and_foreign_files(tmp_path):
     (tmp_path / "empty.npz").write_bytes(b"")
     with pytest.raises(WeightstreamError, match=r"empty\.npz: empty file"):

@@ -7,6 +7,7 @@ import os
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -51,6 +52,29 @@ class LayerFetch:
     resident: list[int]
     missing: list[int]
     arrived: queue.SimpleQueue
+
+
+class ExpertSource(Protocol):
+    """Where the runtime gets experts from: this cache, or `engine.page_cache_source.PageCacheSource` (mmap)."""
+
+    layout: ModelLayout
+    stats: CacheStats
+    n_slots: int  # experts it can hold at once
+    memory_bytes: int  # memory of its own (0: the page cache holds the bytes)
+    bytes_read: int  # bytes it read from the device itself
+    io_threads: int
+    o_direct: bool
+
+    def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
+        """Look up one layer's experts; the resident ones are usable now, each missing one arrives once."""
+
+    def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The expert's parameters in the model's layout (views, valid until the expert is evicted)."""
+
+    def wait(self, fetch: LayerFetch) -> int:
+        """Block until the next missing expert of `fetch` has all its bytes; returns it."""
+
+    def close(self) -> None: ...
 
 
 class ExpertCache:

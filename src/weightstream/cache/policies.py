@@ -1,9 +1,5 @@
-"""More cache policies over expert keys, on LRUPolicy's contract, and `make_policy` to build any by name.
+"""More cache policies over expert keys, on the `policy.CachePolicy` contract, and `make_policy` to build any by name.
 
-Contract (what :func:`access_layer` relies on): ``key in p``, ``len(p)``, ``p.capacity`` (slots),
-``p.on_hit(key)``, ``p.on_insert(key)`` (only when there is room) and ``p.evict(pinned) -> victim`` (never a
-key of ``pinned``). Optional: ``p.needs_room(key)`` when entries differ in size (see :class:`ByteBudget`);
-``p.on_read_ahead(key)`` to insert a predicted expert where a wrong guess is evicted first.
 Belady's optimum needs the future, so it lives in ``weightstream.sim``.
 """
 
@@ -13,7 +9,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from weightstream.cache.policy import AllPinnedError, Key, LRUPolicy
+from weightstream.cache.policy import AllPinnedError, CachePolicy, Key, LRUPolicy
 from weightstream.errors import WeightstreamError
 
 ALL_PINNED = "every resident expert is pinned; the cache is below one layer's working set"
@@ -236,7 +232,7 @@ POLICY_OPTIONS = {"lru": set(), "slru": {"protected_share"}, "lfu": set(), "pinn
 POLICY_NAMES = tuple(POLICY_OPTIONS)
 
 
-def make_policy(name: str, capacity_slots: int, working_set_slots: int | None = None, **opts):
+def make_policy(name: str, capacity_slots: int, working_set_slots: int | None = None, **opts) -> CachePolicy:
     """Build a runtime policy by name: lru, slru (protected_share), lfu, pinned (pinned_keys), adaptive (threshold)."""
     if name == "belady":
         raise WeightstreamError("policy 'belady' needs the future and exists only in the simulator "

@@ -10,8 +10,32 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 Key = tuple[int, int]  # (layer, expert)
+
+
+class CachePolicy(Protocol):
+    """What `access_layer` (and so the runtime cache and the simulator) needs of a policy.
+
+    Optional, looked up by name: `needs_room(key)` when entries differ in size (`policies.ByteBudget`), and
+    `on_read_ahead(key)` to insert a guessed expert where a wrong guess is evicted first.
+    """
+
+    name: str
+    capacity: int  # slots
+
+    def __contains__(self, key: Key) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def on_hit(self, key: Key) -> None: ...
+
+    def on_insert(self, key: Key) -> None:
+        """Only called when there is room."""
+
+    def evict(self, pinned: set[Key]) -> Key:
+        """Remove and return the victim, never a key of `pinned`; AllPinnedError when every key is pinned."""
 
 
 class AllPinnedError(RuntimeError):
@@ -64,13 +88,13 @@ class LayerAccess:
     evicted: list[Key]
 
 
-def _needs_room(policy, key: Key) -> bool:
+def _needs_room(policy: CachePolicy, key: Key) -> bool:
     # Optional hook for byte budgets (experts of different sizes); slot-counted policies need none.
     hook = getattr(policy, "needs_room", None)
     return hook(key) if hook is not None else len(policy) >= policy.capacity
 
 
-def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None) -> LayerAccess:
+def access_layer(policy: CachePolicy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None) -> LayerAccess:
     """Look up one layer's chosen experts in order; the layer's own experts are never evicted for each other."""
     keys = [(layer, int(e)) for e in experts]
     pin = set(keys) if pinned is None else pinned | set(keys)
@@ -87,14 +111,9 @@ def access_layer(policy, layer: int, experts: Iterable[int], pinned: set[Key] | 
     return out
 
 
-def insert_read_ahead(policy, key: Key) -> None:
+def insert_read_ahead(policy: CachePolicy, key: Key) -> None:
     """Insert a predicted (not yet looked-up) expert; policies without `on_read_ahead` treat it as a miss."""
     getattr(policy, "on_read_ahead", policy.on_insert)(key)
-
-
-def unique_in_order(experts: Sequence[int]) -> list[int]:
-    """Experts in first-use order without repeats (a prefill step lists an expert once per token)."""
-    return list(dict.fromkeys(int(e) for e in experts))
 
 
 def split_waves(experts: Sequence[int], capacity: int) -> list[list[int]]:

@@ -4,8 +4,9 @@ Checkpoints usually store an expert's tensors next to each other (OLMoE and Qwen
 one stretch). Reading each such stretch as one O_DIRECT request, and using the parameters where they land,
 saves a request and an aligned page per tensor and the copy that would pack them. Where a parameter cannot be
 used in place (its pieces lie apart in the file, as gate and up do when the model fuses them but the file
-keeps them in separate places, or it would start misaligned for its dtype), the expert falls back to one
-request per piece followed by a pack into the model's contiguous layout.
+keeps them in separate places, or it would sit at another address modulo 64 than transformers' in-memory copy,
+where fp32 gemv rounds differently), the expert falls back to one request per piece followed by a pack into
+the model's contiguous layout.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightstream.io.aligned import aligned_bytes, region_bytes
-from weightstream.store.layout import ExpertLayout, Piece
+from weightstream.store.layout import MEMORY_ALIGN, ExpertLayout, Piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ def _in_place(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan | No
         for a, b in zip(param.pieces, param.pieces[1:]):
             if where[b] != where[a] + a.nbytes:  # not adjacent in the slot: needs a copy
                 return None
-        if where[first] % param.dtype.itemsize:
+        if where[first] % MEMORY_ALIGN != param.residue:  # not where eager's copy sits: kernels may round otherwise
             return None
         views.append((param.name, where[first], param.nbytes, param.shape, param.dtype))
     plan = _plan(requests, [], views, file_sizes)
@@ -81,6 +82,7 @@ def _packed(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan:
     requests, packs, views = [], [], []
     src = dst = 0
     for param in expert.params:
+        dst += (param.residue - dst) % MEMORY_ALIGN  # at eager's alignment; a piece's region gives room for it
         views.append((param.name, dst, param.nbytes, param.shape, param.dtype))
         for piece in param.pieces:
             requests.append((piece.path, piece.offset, piece.nbytes, src))

@@ -12,7 +12,7 @@ import queue
 import torch
 
 from weightstream.cache.expert_cache import CacheStats, LayerFetch
-from weightstream.store.layout import ExpertParam, ModelLayout
+from weightstream.store.layout import MEMORY_ALIGN, ExpertParam, ModelLayout
 
 
 class PageCacheSource:
@@ -55,5 +55,16 @@ class PageCacheSource:
             raw = self._maps[first.path][1][first.offset:first.offset + param.nbytes]
         else:  # e.g. Mixtral's w1 and w3 are apart on disk: the model's gate_up layout needs one copy
             raw = torch.cat([self._maps[p.path][1][p.offset:p.offset + p.nbytes] for p in param.pieces])
+        if raw.data_ptr() % MEMORY_ALIGN != param.residue:  # where eager's copy sits, or kernels may round otherwise
+            raw = _at_residue(raw, param.residue)
         return raw.view(param.dtype).view(param.shape)
+
+
+def _at_residue(raw: torch.Tensor, residue: int) -> torch.Tensor:
+    """A copy of the bytes `raw` whose address is `residue` modulo MEMORY_ALIGN."""
+    buf = torch.empty(raw.numel() + MEMORY_ALIGN, dtype=torch.uint8)
+    start = (residue - buf.data_ptr()) % MEMORY_ALIGN
+    out = buf[start:start + raw.numel()]
+    out.copy_(raw)
+    return out
 

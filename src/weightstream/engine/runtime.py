@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightstream.cache.expert_cache import ExpertCache
+from weightstream.cache.expert_cache import ExpertSource
 from weightstream.cache.policy import split_waves
 from weightstream.clock.activity import Announcer
 from weightstream.engine.experts import combine, expert_contribution, timed_wait
@@ -24,7 +24,7 @@ class EngineCounters:
 class StreamingRuntime:
     """Serves every experts module of one model from one ExpertCache."""
 
-    def __init__(self, cache: ExpertCache, layout: ModelLayout):
+    def __init__(self, cache: ExpertSource, layout: ModelLayout):
         self.cache, self.layout = cache, layout
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]

@@ -91,10 +91,11 @@ class DirectReader:
         self._fds.clear()
 
     def _chunks(self, r: ReadRequest):
+        """(path, file position, arena offset, bytes to read, bytes that must arrive) per chunk of `r`."""
         start, end = aligned_span(r.offset, r.nbytes)
         for pos in range(start, end, self.chunk_bytes):
             n = min(self.chunk_bytes, end - pos)
-            yield (r.path, pos, r.dest + (pos - start), n)
+            yield (r.path, pos, r.dest + (pos - start), n, min(pos + n, r.offset + r.nbytes) - pos)
 
     def _work(self) -> None:
         while True:
@@ -114,14 +115,17 @@ class DirectReader:
             if last:
                 batch.on_done(batch.error)
 
-    def _read_chunk(self, path: str, pos: int, dest: int, n: int) -> None:
+    def _read_chunk(self, path: str, pos: int, dest: int, n: int, need: int) -> None:
+        """Read `n` bytes at `pos`; only the aligned tail past the request's end may be cut short (end of file)."""
         fd, _ = self._fd(path)
         view = self.arena.view[dest:dest + n]
         got = os.preadv(fd, [view], pos)
-        if got < n and pos + got < os.fstat(fd).st_size:
-            raise WeightstreamError(f"{path}: short read at byte {pos} ({got} of {n}); the file changed or the disk failed")
         with self._stats_lock:
             self.bytes_read += got
+        if got < need:  # else the slot would keep whatever bytes it held before: wrong output, no error
+            raise WeightstreamError(f"{path}: short read at byte {pos}: got {got} bytes, the checkpoint's index "
+                                    f"needs {need} (file now {os.fstat(fd).st_size} bytes); the file was truncated "
+                                    "or replaced after loading, reload the model")
 
     def _fd(self, path: str) -> tuple[int, bool]:
         with self._fd_lock:

@@ -37,9 +37,12 @@ def fetch(fd: int, offset: int, length: int) -> tuple[list[tuple[int, int]], int
     runs = [(offset, offset + length)] if cached == 0 else _missing_runs(fd, offset, length)
     if _libc.readahead(fd, offset, length) != 0:
         _read_through(fd, offset, length)  # a file system without readahead: plain reads do the same
-    else:
-        for pos in range(offset + length - 1, offset - 1, -_WAIT_STEP):
-            os.pread(fd, 1, pos)
+        return runs, cached
+    for pos in range(offset + length - 1, offset - 1, -_WAIT_STEP):
+        os.pread(fd, 1, pos)
+    if cached_bytes(fd, offset, length) < length:  # readahead(2) is a hint: it may leave a few pages out
+        for start, end in _missing_runs(fd, offset, length):
+            _read_through(fd, start, end - start)
     return runs, cached
 
 

@@ -36,14 +36,23 @@ class Piece:
     nbytes: int
 
 
+MEMORY_ALIGN = 64  # torch's CPU allocator aligns to 64 bytes
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertParam:
-    """One parameter of one expert in the model's layout: its shape, dtype and the pieces it concatenates."""
+    """One parameter of one expert in the model's layout: its shape, dtype and the pieces it concatenates.
+
+    `residue` is its address modulo MEMORY_ALIGN in transformers' own in-memory model: some CPU kernels give
+    different results for differently aligned weights (fp32 gemv: 4 or 8 bytes off 16 changes the last bit),
+    so the cache places each parameter at the residue eager computes it at.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: tuple[Piece, ...]
+    residue: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -122,17 +131,20 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelL
     module_layers = {path: _layer_index(path, i) for i, path in enumerate(modules)}
     params = {f"{path}.{n}": (path, n, p) for path, m in modules.items() for n, p in m.named_parameters(recurse=False)}
     found: dict[tuple[str, int, str], list[tuple[int, Piece]]] = {}
+    fused: set[tuple[str, str]] = set()  # (module path, param) stored fused on disk: transformers maps it as is
     dense: dict[str, TensorInfo] = {}
     for key, info in ckpt.tensors.items():
         target, converter, position = _map_key(model, key)
         if target in params:
             _add_pieces(found, params[target], key, info, converter, position, model_type)
+            if converter is None:
+                fused.add(params[target][:2])
         elif converter is not None:
             raise WeightstreamError(f"{ckpt.model_dir}: tensor {key!r} of architecture {model_type!r} needs a "
                                     f"conversion weightstream does not support for dense weights")
         else:
             dense[target] = info
-    experts = _assemble(found, modules, module_layers, params, ckpt.model_dir)
+    experts = _assemble(found, fused, modules, module_layers, params, ckpt.model_dir)
     num_experts = {module_layers[p]: m.num_experts for p, m in modules.items()}
     return ModelLayout(model_type, experts, module_layers, num_experts, top_k, dense)
 
@@ -184,17 +196,17 @@ def _add_pieces(found, param, key, info: TensorInfo, converter, position, model_
     found.setdefault((path, expert, name), []).append((position, Piece(info.path, info.offset, info.nbytes)))
 
 
-def _assemble(found, modules, module_layers, params, model_dir) -> dict[tuple[int, int], ExpertLayout]:
+def _assemble(found, fused, modules, module_layers, params, model_dir) -> dict[tuple[int, int], ExpertLayout]:
     experts = {}
     for path, module in modules.items():
         names = sorted((n for p, n, _ in params.values() if p == path), key=lambda n: (_EXEC_ORDER.get(n, 9), n))
         for e in range(module.num_experts):
-            experts[(module_layers[path], e)] = ExpertLayout(
-                module_layers[path], e, tuple(_expert_param(found, path, e, n, params, model_dir) for n in names))
+            experts[(module_layers[path], e)] = ExpertLayout(module_layers[path], e, tuple(
+                _expert_param(found, path, e, n, params, model_dir, (path, n) in fused) for n in names))
     return experts
 
 
-def _expert_param(found, path, e, name, params, model_dir) -> ExpertParam:
+def _expert_param(found, path, e, name, params, model_dir, fused: bool) -> ExpertParam:
     meta_param = params[f"{path}.{name}"][2]
     shape = tuple(meta_param.shape[1:])
     pieces = tuple(p for _, p in sorted(found.get((path, e, name), []), key=lambda t: t[0]))
@@ -202,4 +214,6 @@ def _expert_param(found, path, e, name, params, model_dir) -> ExpertParam:
     if sum(p.nbytes for p in pieces) != need:
         raise WeightstreamError(f"{model_dir}: expert {e} of {path}.{name} has {sum(p.nbytes for p in pieces)} bytes "
                                 f"in the checkpoint, the model expects {need}; tensors are missing or the wrong dtype")
-    return ExpertParam(name, shape, meta_param.dtype, pieces)
+    # fused on disk, transformers uses the file's bytes where mmap put them; merged, a new (E, ...) tensor
+    residue = pieces[0].offset % MEMORY_ALIGN if fused else e * need % MEMORY_ALIGN
+    return ExpertParam(name, shape, meta_param.dtype, pieces, residue)

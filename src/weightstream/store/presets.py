@@ -30,7 +30,8 @@ TINY = {
                     intermediate_size=40, num_key_value_heads=2, max_position_embeddings=131072),
 }
 
-# Real models' shapes (bf16); `--layers` shrinks them.
+# Real models' shapes, copied from each model's published config.json (bf16); `--layers` shrinks them.
+# Also the named shapes of routing traces (`trace.shapes.resolve_shape`).
 REAL = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_experts=64, num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16,
@@ -47,6 +48,17 @@ REAL = {
                              qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, n_group=1, topk_group=1,
                              routed_scaling_factor=1.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
                              tie_word_embeddings=False),
+}
+
+REAL |= {
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, vocab_size=201088, sliding_window=128, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
 PRESETS = ("tiny", *REAL)

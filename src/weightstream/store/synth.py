@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.safetensors_writer import save_aligned
 from weightstream.store.tokenizer import build_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -42,6 +42,7 @@ def synthesize(out_dir: str, fields: dict, dtype: str = "bf16", seed: int = 0, f
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    config.architectures = [type(model).__name__]  # as every Hub checkpoint has; converters such as llama.cpp's need it
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".synth-", dir=parent)
@@ -79,7 +80,7 @@ def _write_weights(model, out: str, seed: int, progress) -> tuple[int, int]:
         state = {name: _random_like(name, params[name], gen, std) for name in group}
         state = revert_weight_conversion(model, state)
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, shard), metadata={"format": "pt"})
+        save_aligned(state, os.path.join(out, shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in state})
         done += sum(v.numel() * v.element_size() for v in state.values())
         if progress:

@@ -2,10 +2,9 @@
 
 from weightstream.trace.format import PHASES, Trace, TraceWriter
 from weightstream.trace.npz import load, save
-from weightstream.trace.shapes import KNOWN_CONFIGS, ModelShape, resolve_shape, shape_from_config
+from weightstream.trace.shapes import ModelShape, resolve_shape, shape_from_config
 
 __all__ = [
-           "KNOWN_CONFIGS",
            "PHASES",
            "ModelShape",
            "Trace",

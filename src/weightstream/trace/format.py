@@ -89,6 +89,7 @@ class Trace:
         if n and (self.step_phase.max() >= len(PHASES) or self.step_tokens.min() < 1):
             raise WeightstreamError(f"{source}: a step has an unknown phase or fewer than one token")
         _check_layers(self, source)
+        _check_group_sizes(self, source)
         bad = np.flatnonzero((self.experts < 0) | (self.experts >= self.shape.n_experts))
         if len(bad):
             step, group = _locate(self, int(bad[0]))
@@ -123,6 +124,20 @@ def _check_layers(trace: Trace, source: str) -> None:
     if len(trace.group_offsets) > 1 and np.any(np.diff(trace.group_offsets) == 0):
         g = int(np.flatnonzero(np.diff(trace.group_offsets) == 0)[0])
         raise WeightstreamError(f"{source}: layer group {g} (layer {trace.group_layer[g]}) chose no experts")
+
+
+def _check_group_sizes(trace: Trace, source: str) -> None:
+    """Every layer group lists top-k experts for each of its step's tokens (replay reshapes it to tokens x top-k)."""
+    tokens_of_group = np.repeat(trace.step_tokens.astype(np.int64), np.diff(trace.step_groups))
+    sizes = np.diff(trace.group_offsets)
+    bad = np.flatnonzero(sizes != tokens_of_group * trace.shape.top_k)
+    if len(bad):
+        g = int(bad[0])
+        step = int(np.searchsorted(trace.step_groups, g, side="right") - 1)
+        raise WeightstreamError(
+            f"{source}: step {step} layer {trace.group_layer[g]} lists {sizes[g]} expert choices; its "
+            f"{tokens_of_group[g]} token(s) x top-{trace.shape.top_k} of shape {trace.shape.name!r} make "
+            f"{tokens_of_group[g] * trace.shape.top_k}; was the trace made with another top-k or token count?")
 
 
 def _locate(trace: Trace, access: int) -> tuple[int, int]:

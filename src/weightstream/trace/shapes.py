@@ -1,6 +1,7 @@
 """Model shapes for routing traces: which layers route, how many experts, top-k, and bytes of one expert.
 
-Named shapes are the real models' ``config.json`` fields, so a name and a config file go through one parser.
+Named shapes are the real models' ``config.json`` fields (``store.presets.REAL``), so a name and a config file go
+through one parser.
 """
 
 from __future__ import annotations
@@ -10,22 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightstream.errors import WeightstreamError
-
-# The fields below are copied from each model's published config.json (only those the shape needs).
-KNOWN_CONFIGS: dict[str, dict] = {
-    "mixtral-8x7b": {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
-                     "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
-    "deepseek-v2-lite": {"model_type": "deepseek_v2", "hidden_size": 2048, "moe_intermediate_size": 1408,
-                         "num_hidden_layers": 27, "n_routed_experts": 64, "num_experts_per_tok": 6,
-                         "first_k_dense_replace": 1, "moe_layer_freq": 1},
-    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
-                      "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
-                      "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "olmoe-1b-7b": {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
-                    "num_hidden_layers": 16, "num_experts": 64, "num_experts_per_tok": 8},
-    "gpt-oss-20b": {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
-                    "num_hidden_layers": 24, "num_local_experts": 32, "num_experts_per_tok": 4},
-}
+from weightstream.store.presets import REAL
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -106,14 +92,14 @@ def shape_from_config(cfg: dict, name: str, source: str = "config", dtype_bytes:
 
 def resolve_shape(spec: str, expert_bytes: int | None = None) -> ModelShape:
     """A shape from a known name or a path to config.json; `expert_bytes` overrides the derived size."""
-    if spec in KNOWN_CONFIGS:
-        shape = shape_from_config(KNOWN_CONFIGS[spec], spec, source=spec)
+    if spec in REAL:
+        shape = shape_from_config(REAL[spec], spec, source=spec)
     else:
         path = Path(spec)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise WeightstreamError(f"model shape {spec!r} is neither a known name ({', '.join(KNOWN_CONFIGS)}) "
+            raise WeightstreamError(f"model shape {spec!r} is neither a known name ({', '.join(REAL)}) "
                                     f"nor an existing config.json")
         try:
             cfg = json.loads(path.read_text())
