@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= .work/demo-model
 
-.PHONY: venv demo test test-slow clean
+.PHONY: venv demo test test-slow lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ test: venv
 
 test-slow: venv
 	WEIGHTSTREAM_SLOW=1 $(PY) -m pytest -q tests
+
+# ruff: the formatter and linter configured in pyproject.toml; `make format` applies what `make lint` checks.
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) .work

@@ -52,7 +52,9 @@ def fast_rates(w: Workload) -> dict:
         w.__dict__.pop("next_use", None)
         return run_one(w, name, int(ws * m))
 
-    rates = {name: {f"{m}x": n / timed(lambda name=name, m=m: one_size(name, m))[0] for m in SIZES} for name in POLICIES}
+    rates = {
+        name: {f"{m}x": n / timed(lambda name=name, m=m: one_size(name, m))[0] for m in SIZES} for name in POLICIES
+    }
     t_pass, _ = timed(lambda: (w.__dict__.pop("lru_distances", None), w.lru_distances))
     t_sizes, _ = timed(lambda: [run_one(w, "lru", int(ws * m)) for m in SIZES])
     rates["lru_all_sizes_one_pass"] = n * len(SIZES) / (t_pass + t_sizes)
@@ -63,8 +65,10 @@ def reference_rates(trace, prompts: int) -> dict:
     """Lookups/s of the reference path (what the runtime cache runs) on the first `prompts` requests."""
     sub = trace.slice_steps(0, trace.first_step_of_request(prompts))
     w, ws = Workload(sub), sub.shape.working_set_bytes
-    return {name: sub.n_accesses / timed(lambda name=name: run_one(w, name, int(ws * 2.0), Options(), "reference"), 1)[0]
-            for name in POLICIES}
+    return {
+        name: sub.n_accesses / timed(lambda name=name: run_one(w, name, int(ws * 2.0), Options(), "reference"), 1)[0]
+        for name in POLICIES
+    }
 
 
 def libcachesim_rates(w: Workload) -> dict:
@@ -99,19 +103,31 @@ def main() -> None:
     fast = fast_rates(w)
     ref = reference_rates(trace, args.reference_prompts)
     lcs = libcachesim_rates(w)
-    print(json.dumps({
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python "
-                   f"{platform.python_version()}", "pinned_to_one_core": hasattr(os, "sched_setaffinity"),
-        "clock": "process CPU time (best of 3)", "load_average_1min": [load_before, os.getloadavg()[0]],
-        "trace": args.trace, "accesses": trace.n_accesses, "load_s": round(t_load, 3),
-        "fast_accesses_per_s": {k: v if isinstance(v, float) else {s: round(r) for s, r in v.items()}
-                                for k, v in fast.items()},
-        "min_fast_accesses_per_s": round(min(r for v in fast.values() if isinstance(v, dict) for r in v.values())),
-        "reference_accesses_per_s_at_2x": {k: round(v) for k, v in ref.items()},
-        "libcachesim_c_accesses_per_s_at_2x": {k: round(v) for k, v in lcs.items()},
-        "fast_over_reference_at_2x": {k: round(fast[k]["2.0x"] / ref[k], 1) for k in POLICIES},
-        "fast_over_libcachesim_at_2x": {k: round(fast[k]["2.0x"] / lcs[k], 2) for k in lcs},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python "
+                f"{platform.python_version()}",
+                "pinned_to_one_core": hasattr(os, "sched_setaffinity"),
+                "clock": "process CPU time (best of 3)",
+                "load_average_1min": [load_before, os.getloadavg()[0]],
+                "trace": args.trace,
+                "accesses": trace.n_accesses,
+                "load_s": round(t_load, 3),
+                "fast_accesses_per_s": {
+                    k: v if isinstance(v, float) else {s: round(r) for s, r in v.items()} for k, v in fast.items()
+                },
+                "min_fast_accesses_per_s": round(
+                    min(r for v in fast.values() if isinstance(v, dict) for r in v.values())
+                ),
+                "reference_accesses_per_s_at_2x": {k: round(v) for k, v in ref.items()},
+                "libcachesim_c_accesses_per_s_at_2x": {k: round(v) for k, v in lcs.items()},
+                "fast_over_reference_at_2x": {k: round(fast[k]["2.0x"] / ref[k], 1) for k in POLICIES},
+                "fast_over_libcachesim_at_2x": {k: round(fast[k]["2.0x"] / lcs[k], 2) for k in lcs},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,14 +16,30 @@ from weightstream.bench.runner import BenchConfig, run_bench
 from weightstream.engine.prompts import tokenized_prompts
 from weightstream.units import parse_size
 
-KEEP = ("mode", "expert_cache", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token", "expert_hit_rate",
-        "io_wait_s", "peak_rss_bytes", "error")
+KEEP = (
+    "mode",
+    "expert_cache",
+    "decode_tokens_per_s",
+    "prefill_s",
+    "bytes_read_per_token",
+    "expert_hit_rate",
+    "io_wait_s",
+    "peak_rss_bytes",
+    "error",
+)
 
 
 def point(args, **overrides) -> dict:
-    config = BenchConfig(model_dir=args.model, memory_limit=parse_size(args.memory_limit), prompts=args.prompt_ids,
-                         expert_caches=[args.expert_cache], modes=["expert-cache"], max_new_tokens=args.tokens,
-                         routing_trace=args.routing_trace, reference=False)
+    config = BenchConfig(
+        model_dir=args.model,
+        memory_limit=parse_size(args.memory_limit),
+        prompts=args.prompt_ids,
+        expert_caches=[args.expert_cache],
+        modes=["expert-cache"],
+        max_new_tokens=args.tokens,
+        routing_trace=args.routing_trace,
+        reference=False,
+    )
     for key, value in overrides.items():
         setattr(config, key, value)
     report = run_bench(config, progress=lambda m: print(f"[sweep] {m}", file=sys.stderr, flush=True))
@@ -41,8 +57,12 @@ def limits(args) -> list[dict]:
     out = []
     for limit in args.limits.split(","):
         budget = parse_size(limit) - parse_size(args.reserve)
-        out.append(point(args, memory_limit=parse_size(limit), expert_caches=[str(budget)],
-                         modes=["expert-cache", "page-cache"]) | {"limit": limit, "expert_cache_bytes": budget})
+        out.append(
+            point(
+                args, memory_limit=parse_size(limit), expert_caches=[str(budget)], modes=["expert-cache", "page-cache"]
+            )
+            | {"limit": limit, "expert_cache_bytes": budget}
+        )
     return out
 
 
@@ -55,8 +75,10 @@ def plot(points: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, style in (("expert-cache", "o-"), ("page-cache", "s--")):
         xs = [parse_size(p["limit"]) / 2**30 for p in points]
-        ys = [next((r["decode_tokens_per_s"] for r in p["runs"] if r["mode"] == mode and "error" not in r), None)
-              for p in points]
+        ys = [
+            next((r["decode_tokens_per_s"] for r in p["runs"] if r["mode"] == mode and "error" not in r), None)
+            for p in points
+        ]
         ax.plot([x for x, y in zip(xs, ys) if y], [y for y in ys if y], style, label=mode)
     ax.set_xlabel("memory limit of the run (GiB; direct: expert cache = limit - reserve)")
     ax.set_ylabel("decode tokens / s")
@@ -84,8 +106,11 @@ def main() -> None:
     points = pipeline(args) if args.sweep == "pipeline" else limits(args)
     if args.plot:
         plot(points, args.plot)
-    print(json.dumps({"sweep": args.sweep, "model": args.model, "routing_trace": args.routing_trace,
-                      "points": points}, indent=1))
+    print(
+        json.dumps(
+            {"sweep": args.sweep, "model": args.model, "routing_trace": args.routing_trace, "points": points}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake sysfs tree and helpers
 
-from clockfakes import DaemonProcess, burner, make_devfreq_tree, read_hz, spawn, wait_for, write_config  # noqa: E402
-
 from weightstream.clock.activity import AnnounceListener, Announcer  # noqa: E402
 from weightstream.clock.procscan import YOUNG_S, FlagMatcher, ProcessPoller, read_argv  # noqa: E402
 from weightstream.clock.uprobe import unavailable_reason  # noqa: E402
+
+from clockfakes import DaemonProcess, burner, make_devfreq_tree, read_hz, spawn, wait_for, write_config  # noqa: E402
 
 FLAGS = ("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe")
 
@@ -53,8 +53,11 @@ def announce_cost(directory: Path) -> dict:
     absent = Announcer(str(directory / "nobody.sock"))
     listener = AnnounceListener(str(directory / "listening.sock"))
     listening = Announcer(listener.path)
-    result = {"noop_call_ns": ns_per_call(Empty()), "decode_step_no_daemon_ns": ns_per_call(absent),
-              "decode_step_daemon_listening_ns": ns_per_call(listening)}
+    result = {
+        "noop_call_ns": ns_per_call(Empty()),
+        "decode_step_no_daemon_ns": ns_per_call(absent),
+        "decode_step_daemon_listening_ns": ns_per_call(listening),
+    }
     listener.close()
     result["ratio_no_daemon"] = result["decode_step_no_daemon_ns"] / result["noop_call_ns"]
     result["ratio_listening"] = result["decode_step_daemon_listening_ns"] / result["noop_call_ns"]
@@ -82,8 +85,12 @@ def poll_cost(polls: int = 200) -> dict:
         naive_poll(matcher)
     naive = (time.perf_counter() - start) / polls * 1e6
     processes = sum(1 for name in os.listdir("/proc") if name.isdigit())
-    return {"processes": processes, "poller_us_per_poll": ours, "naive_full_scan_us_per_poll": naive,
-            "ratio": ours / naive}
+    return {
+        "processes": processes,
+        "poller_us_per_poll": ours,
+        "naive_full_scan_us_per_poll": naive,
+        "ratio": ours / naive,
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -95,8 +102,14 @@ def cpu_seconds(pid: int) -> float:
 def start_daemon(directory: Path, detect: str, **keys) -> tuple[DaemonProcess, Path]:
     """The CLI daemon on a fresh fake Jetson tree, ready."""
     node = make_devfreq_tree(directory / "sys")
-    config = write_config(directory / "c.conf", STATE_FILE=directory / "state.json", SOCKET=directory / "a.sock",
-                          DETECT=detect, HOLD=1.0, **keys)
+    config = write_config(
+        directory / "c.conf",
+        STATE_FILE=directory / "state.json",
+        SOCKET=directory / "a.sock",
+        DETECT=detect,
+        HOLD=1.0,
+        **keys,
+    )
     daemon = DaemonProcess("--config", str(config), "--sysfs-root", str(directory / "sys"))
     daemon.wait_line("detecting by")
     return daemon, node
@@ -111,6 +124,7 @@ def idle_cpu(directory: Path, seconds: float) -> dict:
     daemon.stop()
     return {"seconds": seconds, "cpu_fraction_of_one_core": used / (time.monotonic() - start)}
 
+
 ENGINE = """
 import sys, time
 from weightstream.clock.activity import Announcer
@@ -124,10 +138,22 @@ while time.monotonic() < end:
 def build_uprobe_lab(directory: Path) -> Path:
     """The test libllama.so and decode loop, built with gcc."""
     sources = Path(__file__).resolve().parents[1] / "tests" / "clock_uprobe"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", f"{directory}/libllama.so", f"{sources}/libllama.c"],
-                   check=True)
-    subprocess.run(["gcc", "-O1", "-o", f"{directory}/decode_loop", f"{sources}/decode_loop.c", f"-L{directory}",
-                    "-lllama", f"-Wl,-rpath,{directory}"], check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", f"{directory}/libllama.so", f"{sources}/libllama.c"], check=True
+    )
+    subprocess.run(
+        [
+            "gcc",
+            "-O1",
+            "-o",
+            f"{directory}/decode_loop",
+            f"{sources}/decode_loop.c",
+            f"-L{directory}",
+            "-lllama",
+            f"-Wl,-rpath,{directory}",
+        ],
+        check=True,
+    )
     return directory / "libllama.so"
 
 
@@ -166,8 +192,13 @@ def reaction(directory: Path, method: str, rounds: int) -> dict:
     samples = [one_reaction(daemon, node, start_child, stop_child) for _ in range(rounds)]
     daemon.stop()
     raise_s, restore_s = [s[0] for s in samples], [s[1] for s in samples]
-    return {"raise_s_median": statistics.median(raise_s), "raise_s_max": max(raise_s),
-            "restore_after_exit_s_median": statistics.median(restore_s), "hold_s": 1.0, "rounds": rounds}
+    return {
+        "raise_s_median": statistics.median(raise_s),
+        "raise_s_max": max(raise_s),
+        "restore_after_exit_s_median": statistics.median(restore_s),
+        "hold_s": 1.0,
+        "rounds": rounds,
+    }
 
 
 def main() -> None:
@@ -187,8 +218,9 @@ def main() -> None:
     for method in ("poll", "announce", "uprobe"):
         reason = unavailable_reason() if method == "uprobe" else None
         with tempfile.TemporaryDirectory() as directory:
-            results["reaction"][method] = {"skipped": reason} if reason else reaction(Path(directory), method,
-                                                                                       args.rounds)
+            results["reaction"][method] = (
+                {"skipped": reason} if reason else reaction(Path(directory), method, args.rounds)
+            )
     print(json.dumps(results, indent=2))
 
 

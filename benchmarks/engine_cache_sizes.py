@@ -38,8 +38,10 @@ def ensure_model(preset: str, layers: int, root: str) -> str:
 def in_memory(model_dir: str, ids: torch.Tensor, tokens: int) -> dict:
     size = open_checkpoint(model_dir).total_bytes()
     if psutil.virtual_memory().available < 1.5 * size:
-        return {"skipped": f"needs {size / 2**30:.1f} GiB in memory; only "
-                           f"{psutil.virtual_memory().available / 2**30:.1f} GiB available"}
+        return {
+            "skipped": f"needs {size / 2**30:.1f} GiB in memory; only "
+            f"{psutil.virtual_memory().available / 2**30:.1f} GiB available"
+        }
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation="eager")
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
@@ -49,8 +51,12 @@ def in_memory(model_dir: str, ids: torch.Tensor, tokens: int) -> dict:
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
         t2 = time.perf_counter()
     prefill = t1 - start
-    return {"token_ids": out[0, ids.shape[1]:].tolist(), "prefill_s": prefill,
-            "decode_tokens_per_s": (tokens - 1) / max(t2 - t1 - prefill, 1e-9), "first": first[0, -1].item()}
+    return {
+        "token_ids": out[0, ids.shape[1] :].tolist(),
+        "prefill_s": prefill,
+        "decode_tokens_per_s": (tokens - 1) / max(t2 - t1 - prefill, 1e-9),
+        "first": first[0, -1].item(),
+    }
 
 
 def main() -> None:
@@ -74,20 +80,46 @@ def main() -> None:
         model.weightstream.close()
         del model
         gc.collect()  # free this run's cache before the next one allocates its own
-        run = {"expert_cache": size, **{k: stats.to_dict()[k] for k in (
-            "decode_tokens_per_s", "prefill_s", "expert_hit_rate", "decode_expert_hit_rate", "io_wait_s",
-            "expert_cache_bytes", "working_set_bytes")},
-            "mib_read_per_token": stats.bytes_read_per_token / 2**20, "total_mib_read": stats.bytes_read / 2**20}
+        run = {
+            "expert_cache": size,
+            **{
+                k: stats.to_dict()[k]
+                for k in (
+                    "decode_tokens_per_s",
+                    "prefill_s",
+                    "expert_hit_rate",
+                    "decode_expert_hit_rate",
+                    "io_wait_s",
+                    "expert_cache_bytes",
+                    "working_set_bytes",
+                )
+            },
+            "mib_read_per_token": stats.bytes_read_per_token / 2**20,
+            "total_mib_read": stats.bytes_read / 2**20,
+        }
         if "token_ids" in baseline:
             run["tokens_equal_in_memory"] = new[0].tolist() == baseline["token_ids"]
             run["decode_speed_vs_in_memory"] = stats.decode_tokens_per_s / baseline["decode_tokens_per_s"]
         runs.append(run)
-    print(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-                    "platform": platform.platform(), "torch": torch.__version__},
-        "model": model_dir, "expert_bytes_total": open_checkpoint(model_dir).total_bytes(), "prompt_tokens": ids.shape[1],
-        "tokens": args.tokens, "in_memory": {k: v for k, v in baseline.items() if k != "token_ids"}, "runs": runs,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                },
+                "model": model_dir,
+                "expert_bytes_total": open_checkpoint(model_dir).total_bytes(),
+                "prompt_tokens": ids.shape[1],
+                "tokens": args.tokens,
+                "in_memory": {k: v for k, v in baseline.items() if k != "token_ids"},
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,11 @@ def main() -> None:
         report = json.load(open(path))
         label = "model's own routing" if report["routing"].startswith("the model") else "DeepSeek routing replayed"
         ok = [r for r in report["runs"] if "error" not in r]
-        cached = sorted((r["expert_cache_bytes"] / 2**30, r["decode_tokens_per_s"]) for r in ok
-                        if r["mode"] in ("expert-cache", "direct"))  # "direct": reports made before the rename
+        cached = sorted(
+            (r["expert_cache_bytes"] / 2**30, r["decode_tokens_per_s"])
+            for r in ok
+            if r["mode"] in ("expert-cache", "direct")
+        )  # "direct": reports made before the rename
         color = f"C{i}"
         ax.plot(*zip(*cached), "o-", color=color, label=f"expert-cache ({label})")
         for r in ok:

@@ -21,14 +21,22 @@ import time
 import psutil
 
 from weightstream.bench.runner import BenchConfig, child_config, run_child
+from weightstream.engine.loader import load_tokenizer
 from weightstream.engine.prompts import BUILTIN_PROMPTS
 from weightstream.io.pagecache import evict_file
-from weightstream.engine.loader import load_tokenizer
 from weightstream.store.checkpoint import open_checkpoint
 
 MIB = 2**20
-FIGURES = ("decode_tokens_per_s", "mib_read_per_token", "decode_io_wait_s_per_token", "decode_hit_rate",
-           "decode_prediction_accuracy", "readahead_issued", "readahead_used", "readahead_wasted")
+FIGURES = (
+    "decode_tokens_per_s",
+    "mib_read_per_token",
+    "decode_io_wait_s_per_token",
+    "decode_hit_rate",
+    "decode_prediction_accuracy",
+    "readahead_issued",
+    "readahead_used",
+    "readahead_wasted",
+)
 
 
 def drop_files(paths: list[str]) -> None:
@@ -58,7 +66,8 @@ def figures(prompts: list[dict]) -> dict:
         "readahead_issued": sum(p["readahead_issued"] for p in prompts),
         "readahead_used": sum(p["readahead_used"] for p in prompts),
         "readahead_wasted": sum(p["readahead_wasted"] for p in prompts),
-        "expert_lookups": lookups, "decode_steps": steps,
+        "expert_lookups": lookups,
+        "decode_steps": steps,
         "token_ids": [p["token_ids"] for p in prompts],
     }
 
@@ -75,9 +84,16 @@ def summarize(runs: list[dict]) -> list[dict]:
     """Per (routing, cache): median of each figure off and on, and the median of per-repeat on/off ratios."""
     out = []
     for routing, cache in dict.fromkeys((r["routing"], r["cache"]) for r in runs):
-        pairs = [(off, on) for off in runs for on in runs
-                 if off["routing"] == on["routing"] == routing and off["cache"] == on["cache"] == cache
-                 and off["repeat"] == on["repeat"] and not off["predict_next"] and on["predict_next"]]
+        pairs = [
+            (off, on)
+            for off in runs
+            for on in runs
+            if off["routing"] == on["routing"] == routing
+            and off["cache"] == on["cache"] == cache
+            and off["repeat"] == on["repeat"]
+            and not off["predict_next"]
+            and on["predict_next"]
+        ]
         row = {"routing": routing, "cache": cache, "repeats": len(pairs)}
         for name in FIGURES:
             row[f"{name}_off"] = statistics.median(off[name] for off, _ in pairs)
@@ -103,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(args.model, required=True)
-    prompts = [tokenizer(t).input_ids for t in BUILTIN_PROMPTS[:args.prompts]]
+    prompts = [tokenizer(t).input_ids for t in BUILTIN_PROMPTS[: args.prompts]]
     files = open_checkpoint(args.model).files
     routings = [("own", None)] + ([("replay", os.path.abspath(args.trace))] if args.trace else [])
     model_bytes = open_checkpoint(args.model).total_bytes()
@@ -114,22 +130,57 @@ def main() -> None:
         for routing, trace in routings:
             for cache in args.caches.split(","):
                 for predict in (False, True):
-                    config = BenchConfig(args.model, 0, [cache], ["expert-cache"], prompts, args.tokens, routing_trace=trace,
-                                         io_threads=args.io_threads, predict_next=predict)
+                    config = BenchConfig(
+                        args.model,
+                        0,
+                        [cache],
+                        ["expert-cache"],
+                        prompts,
+                        args.tokens,
+                        routing_trace=trace,
+                        io_threads=args.io_threads,
+                        predict_next=predict,
+                    )
                     print(f"[predict_next] repeat {repeat} {routing} {cache} predict={predict}", file=sys.stderr)
-                    runs.append({"repeat": repeat, "routing": routing, "cache": cache, "predict_next": predict,
-                                 **one_run(config, cache, files)})
-    print(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-                    "kernel": platform.release(), "python": platform.python_version(),
-                    "load_avg_at_end": os.getloadavg()},
-        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - start,
-        "model": args.model, "model_bytes": model_bytes, "trace": args.trace,
-        "prompts": len(prompts), "new_tokens": args.tokens, "io_threads": args.io_threads,
-        "reference": "transformers in memory" if reference else "none (not enough free memory)",
-        "own_routing_tokens_equal_reference": [r["token_ids"] == reference for r in runs if r["routing"] == "own"]
-        if reference else None,
-        "summary": summarize(runs), "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}))
+                    runs.append(
+                        {
+                            "repeat": repeat,
+                            "routing": routing,
+                            "cache": cache,
+                            "predict_next": predict,
+                            **one_run(config, cache, files),
+                        }
+                    )
+    print(
+        json.dumps(
+            {
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "memory_bytes": psutil.virtual_memory().total,
+                    "kernel": platform.release(),
+                    "python": platform.python_version(),
+                    "load_avg_at_end": os.getloadavg(),
+                },
+                "command": " ".join(sys.argv),
+                "date": time.strftime("%Y-%m-%d"),
+                "wall_s": time.time() - start,
+                "model": args.model,
+                "model_bytes": model_bytes,
+                "trace": args.trace,
+                "prompts": len(prompts),
+                "new_tokens": args.tokens,
+                "io_threads": args.io_threads,
+                "reference": "transformers in memory" if reference else "none (not enough free memory)",
+                "own_routing_tokens_equal_reference": [
+                    r["token_ids"] == reference for r in runs if r["routing"] == "own"
+                ]
+                if reference
+                else None,
+                "summary": summarize(runs),
+                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

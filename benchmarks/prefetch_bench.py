@@ -22,10 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefetch_checkpoint import build  # noqa: E402
-from prefetch_measure import (Outcome, buffered_read_bandwidth, direct_read_bandwidth, global_drop_note,  # noqa: E402
-                              loader_argv, make_cold, mem_available, still_cached, timed, weight_files)
+
 from weightstream.bench.cgroup import MemoryCgroup  # noqa: E402
 from weightstream.prefetch.template import LoadTemplate  # noqa: E402
+
+from prefetch_measure import (
+    Outcome,
+    buffered_read_bandwidth,
+    direct_read_bandwidth,
+    global_drop_note,  # noqa: E402
+    loader_argv,
+    make_cold,
+    mem_available,
+    still_cached,
+    timed,
+    weight_files,
+)
 
 GIB = 1 << 30
 LOADERS = ("safetensors", "transformers", "runai", "fastsafetensors")
@@ -38,8 +50,15 @@ def say(msg: str) -> None:
 
 def bench_env(home: Path) -> dict:
     src = str(Path(__file__).resolve().parents[1] / "src")
-    return dict(os.environ, WEIGHTSTREAM_HOME=str(home), PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    return dict(
+        os.environ,
+        WEIGHTSTREAM_HOME=str(home),
+        PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONWARNINGS="ignore",
+        TOKENIZERS_PARALLELISM="false",
+    )
 
 
 class LoaderBench:
@@ -56,8 +75,19 @@ class LoaderBench:
         left = make_cold(self.model)
         argv = loader_argv(self.loader, self.model)
         if prefetch:
-            argv = [sys.executable, "-m", "weightstream.cli", "prefetch", "run", *self.spec, *extra,
-                    "--json-report", str(self.report), "--", *argv]
+            argv = [
+                sys.executable,
+                "-m",
+                "weightstream.cli",
+                "prefetch",
+                "run",
+                *self.spec,
+                *extra,
+                "--json-report",
+                str(self.report),
+                "--",
+                *argv,
+            ]
         out = timed(argv, self.env, self.report if prefetch else None, cgroup)
         self.runs.append({"kind": kind, "prefetch": prefetch, "left_cached": left, **out.__dict__})
         say(f"{self.loader} {kind} {'prefetch' if prefetch else 'plain'}: {out.wall_s:.2f} s (rc {out.returncode})")
@@ -65,15 +95,31 @@ class LoaderBench:
 
     def record(self) -> dict:
         make_cold(self.model)
-        argv = [sys.executable, "-m", "weightstream.cli", "prefetch", "record", *self.spec, "--model-dir",
-                str(self.model), "--", *loader_argv(self.loader, self.model)]
+        argv = [
+            sys.executable,
+            "-m",
+            "weightstream.cli",
+            "prefetch",
+            "record",
+            *self.spec,
+            "--model-dir",
+            str(self.model),
+            "--",
+            *loader_argv(self.loader, self.model),
+        ]
         out = timed(argv, self.env)
         template = self._template()
         size = template.stat().st_size if template else None
         read = LoadTemplate.from_json(template.read_text()).bytes if template else 0
         say(f"{self.loader} record: {out.wall_s:.2f} s, rc {out.returncode}, template {size} bytes")
-        return {"wall_s": out.wall_s, "returncode": out.returncode, "template_bytes": size, "template_read_bytes": read,
-                "template_bytes_per_gib": size / (self.bytes / GIB) if size else None, "stderr": out.stderr_tail}
+        return {
+            "wall_s": out.wall_s,
+            "returncode": out.returncode,
+            "template_bytes": size,
+            "template_read_bytes": read,
+            "template_bytes_per_gib": size / (self.bytes / GIB) if size else None,
+            "stderr": out.stderr_tail,
+        }
 
     def _template(self) -> Path | None:
         for p in (Path(self.env["WEIGHTSTREAM_HOME"]) / "templates").glob("*.json"):
@@ -87,7 +133,7 @@ class LoaderBench:
         out: dict[str, list[Outcome]] = {name: [] for name in variants}
         names = list(variants)
         for r in range(self.reps):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 cg = MemoryCgroup.create(cgroup_limit, name="ws-bench") if cgroup_limit else None
                 try:
                     extra = variants[name]
@@ -115,8 +161,11 @@ def _profile(outs: list[Outcome]) -> dict:
     prof = {k: o.loader.get(k) for k in ("import_s", "load_s", "cpu_s", "peak_anon")}
     prof.update(wall_s=round(o.wall_s, 3), tree_cpu_s=round(o.cpu_s, 3), cgroup_peak=o.cgroup_peak)
     if o.report:
-        prof["prefetch"] = {k: v for k, v in o.report.items() if k.startswith("bytes_") or k in
-                            ("template_used", "source", "memory_budget", "peak_ahead", "load_seconds")}
+        prof["prefetch"] = {
+            k: v
+            for k, v in o.report.items()
+            if k.startswith("bytes_") or k in ("template_used", "source", "memory_budget", "peak_ahead", "load_seconds")
+        }
     return prof
 
 
@@ -140,49 +189,82 @@ def run_loader(lb: LoaderBench, bandwidth: float) -> dict:
     if rec["returncode"] != 0 or (rec["template_read_bytes"] or 0) < lb.bytes // 100:
         ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
         outs = ample["plain"] + ample["prefetch"]
-        return {"record": rec, "bypasses_page_cache": True, "plain_s": _median(ample["plain"]),
-                "prefetch_s": _median(ample["prefetch"]), "checksum": sorted({o.loader.get("checksum") for o in outs}),
-                "spread_s": {k: sorted(round(o.wall_s, 2) for o in v) for k, v in ample.items()},
-                "profile": {k: _profile(v) for k, v in ample.items()},
-                "note": "the loader reads the weights with O_DIRECT: nothing for page-cache prefetch to do",
-                "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs]}
+        return {
+            "record": rec,
+            "bypasses_page_cache": True,
+            "plain_s": _median(ample["plain"]),
+            "prefetch_s": _median(ample["prefetch"]),
+            "checksum": sorted({o.loader.get("checksum") for o in outs}),
+            "spread_s": {k: sorted(round(o.wall_s, 2) for o in v) for k, v in ample.items()},
+            "profile": {k: _profile(v) for k, v in ample.items()},
+            "note": "the loader reads the weights with O_DIRECT: nothing for page-cache prefetch to do",
+            "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs],
+        }
     ample = lb.rounds("ample", {"plain": None, "prefetch": ()})
     timed(loader_argv(lb.loader, lb.model), lb.env)  # warm the cache
     warm = [timed(loader_argv(lb.loader, lb.model), lb.env) for _ in range(max(1, lb.reps))]
     anon = max(o.loader.get("peak_anon", 0) for o in ample["plain"] + warm if o.returncode == 0)
     limit = int(anon + LIMIT_SHARE * lb.bytes)
     gap = str(min(GIB, lb.bytes // 4))  # must exceed what the loader holds between read and use (a MoE layer)
-    limited = lb.rounds("limited", {"plain": None, "prefetch": ("--reclaim-gap", gap),
-                                    "prefetch-no-reclaim": ("--reclaim-gap", "none")}, limit)
+    limited = lb.rounds(
+        "limited",
+        {"plain": None, "prefetch": ("--reclaim-gap", gap), "prefetch-no-reclaim": ("--reclaim-gap", "none")},
+        limit,
+    )
     return summarise(lb, bandwidth, rec, ample, warm, limit, limited)
 
 
 def summarise(lb, bandwidth, rec, ample, warm, limit, limited) -> dict:
     plain, pf = ample["plain"], ample["prefetch"]
     lim_plain, lim_pf, lim_nobar = limited["plain"], limited["prefetch"], limited["prefetch-no-reclaim"]
-    checks = {o.loader.get("checksum") for o in plain + pf + warm + lim_plain + lim_pf + lim_nobar
-              if o.returncode == 0}
+    checks = {o.loader.get("checksum") for o in plain + pf + warm + lim_plain + lim_pf + lim_nobar if o.returncode == 0}
     t_plain, t_pf, t_warm = _median(plain), _median(pf), _median(warm)
     bound = max(lb.bytes / bandwidth, t_warm or 0)
     load = lambda o: o.loader.get("load_s", 0)  # noqa: E731
     return {
-        "bytes": lb.bytes, "record": rec, "checksums_identical": len(checks) == 1, "checksum": sorted(checks),
-        "ample": {"plain_s": t_plain, "prefetch_s": t_pf, "reduction": _reduction(t_plain, t_pf),
-                  "plain_load_phase_s": _median(plain, load), "prefetch_load_phase_s": _median(pf, load),
-                  "load_phase_reduction": _reduction(_median(plain, load), _median(pf, load))},
-        "warm_s": t_warm, "bound_s": round(bound, 3), "best_possible_reduction": _reduction(t_plain, bound),
-        "limited": {"limit_bytes": limit, "plain_s": _median(lim_plain), "prefetch_s": _median(lim_pf),
-                    "reduction": _reduction(_median(lim_plain), _median(lim_pf)),
-                    "prefetch_no_reclaim_s": _median(lim_nobar),
-                    "no_reclaim_reduction": _reduction(_median(lim_plain), _median(lim_nobar)),
-                    "failures": [(o.returncode, o.stderr_tail) for o in lim_plain + lim_pf + lim_nobar
-                                 if o.returncode]},
-        "spread_s": {name: sorted(round(o.wall_s, 2) for o in outs) for name, outs in
-                     (("plain", plain), ("prefetch", pf), ("warm", warm), ("limited plain", lim_plain),
-                      ("limited prefetch", lim_pf), ("limited prefetch no reclaim", lim_nobar))},
-        "profile": {"plain": _profile(plain), "prefetch": _profile(pf), "warm": _profile(warm),
-                    "limited_plain": _profile(lim_plain), "limited_prefetch": _profile(lim_pf),
-                    "limited_prefetch_no_reclaim": _profile(lim_nobar)},
+        "bytes": lb.bytes,
+        "record": rec,
+        "checksums_identical": len(checks) == 1,
+        "checksum": sorted(checks),
+        "ample": {
+            "plain_s": t_plain,
+            "prefetch_s": t_pf,
+            "reduction": _reduction(t_plain, t_pf),
+            "plain_load_phase_s": _median(plain, load),
+            "prefetch_load_phase_s": _median(pf, load),
+            "load_phase_reduction": _reduction(_median(plain, load), _median(pf, load)),
+        },
+        "warm_s": t_warm,
+        "bound_s": round(bound, 3),
+        "best_possible_reduction": _reduction(t_plain, bound),
+        "limited": {
+            "limit_bytes": limit,
+            "plain_s": _median(lim_plain),
+            "prefetch_s": _median(lim_pf),
+            "reduction": _reduction(_median(lim_plain), _median(lim_pf)),
+            "prefetch_no_reclaim_s": _median(lim_nobar),
+            "no_reclaim_reduction": _reduction(_median(lim_plain), _median(lim_nobar)),
+            "failures": [(o.returncode, o.stderr_tail) for o in lim_plain + lim_pf + lim_nobar if o.returncode],
+        },
+        "spread_s": {
+            name: sorted(round(o.wall_s, 2) for o in outs)
+            for name, outs in (
+                ("plain", plain),
+                ("prefetch", pf),
+                ("warm", warm),
+                ("limited plain", lim_plain),
+                ("limited prefetch", lim_pf),
+                ("limited prefetch no reclaim", lim_nobar),
+            )
+        },
+        "profile": {
+            "plain": _profile(plain),
+            "prefetch": _profile(pf),
+            "warm": _profile(warm),
+            "limited_plain": _profile(lim_plain),
+            "limited_prefetch": _profile(lim_pf),
+            "limited_prefetch_no_reclaim": _profile(lim_nobar),
+        },
         "runs": [{k: v for k, v in r.items() if k != "stderr_tail"} for r in lb.runs],
     }
 
@@ -194,9 +276,13 @@ def device(model: Path) -> dict:
     make_cold(model)
     buffered = buffered_read_bandwidth(paths, limit)
     make_cold(model)
-    return {"direct_4x1MiB_Bps": round(direct), "buffered_sequential_Bps": round(buffered),
-            "bytes_measured": min(limit, sum(os.path.getsize(p) for p in paths)),
-            "left_cached_after_drop": still_cached(model), "global_drop_caches": global_drop_note()}
+    return {
+        "direct_4x1MiB_Bps": round(direct),
+        "buffered_sequential_Bps": round(buffered),
+        "bytes_measured": min(limit, sum(os.path.getsize(p) for p in paths)),
+        "left_cached_after_drop": still_cached(model),
+        "global_drop_caches": global_drop_note(),
+    }
 
 
 def main() -> int:
@@ -217,8 +303,12 @@ def bench(args) -> int:
     say(f"building a {args.gib:g} GiB synthetic qwen3_moe checkpoint in {model}")
     t0 = time.monotonic()
     build(model, int(args.gib * GIB))
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "command": " ".join(sys.argv),
-           "checkpoint": {"dir": str(model), "build_s": round(time.monotonic() - t0, 1)}}
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "checkpoint": {"dir": str(model), "build_s": round(time.monotonic() - t0, 1)},
+    }
     doc["device"] = device(model)
     bandwidth = max(doc["device"]["direct_4x1MiB_Bps"], doc["device"]["buffered_sequential_Bps"])
     env = bench_env(work / "home")
@@ -239,8 +329,13 @@ def bench(args) -> int:
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "mem_available": mem_available(), "kernel": platform.release(),
-            "python": platform.python_version(), "disk": "virtio /dev/vda, ext4"}
+    return {
+        "cpus": os.cpu_count(),
+        "mem_available": mem_available(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "disk": "virtio /dev/vda, ext4",
+    }
 
 
 if __name__ == "__main__":

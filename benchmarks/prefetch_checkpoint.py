@@ -28,10 +28,21 @@ def config_for(total_bytes: int):
     per_layer = EXPERTS * 3 * HIDDEN * MOE_INTER * 2 + 5 * MIB  # experts + attention, bf16
     fixed = 2 * VOCAB * HIDDEN * 2
     layers = max(1, math.ceil((total_bytes - fixed) / per_layer))
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2048, moe_intermediate_size=MOE_INTER,
-                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                          num_experts=EXPERTS, num_experts_per_tok=8, max_position_embeddings=4096,
-                          tie_word_embeddings=False, dtype="bfloat16")
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2048,
+        moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
 
 
 def saved_shapes(config) -> dict[str, tuple[int, ...]]:

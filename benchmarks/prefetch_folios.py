@@ -60,10 +60,20 @@ def main() -> None:
             m[off]
         m.close()
         r2, t2 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        print(json.dumps({"way": how, "bytes": size, "fill_s": round(t1 - t0, 3),
-                          "fill_cpu_s": round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 3),
-                          "touch_s": round(t2 - t1, 3), "touch_minor_faults": r2.ru_minflt - r1.ru_minflt,
-                          "touch_major_faults": r2.ru_majflt - r1.ru_majflt}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "way": how,
+                    "bytes": size,
+                    "fill_s": round(t1 - t0, 3),
+                    "fill_cpu_s": round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 3),
+                    "touch_s": round(t2 - t1, 3),
+                    "touch_minor_faults": r2.ru_minflt - r1.ru_minflt,
+                    "touch_major_faults": r2.ru_majflt - r1.ru_majflt,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

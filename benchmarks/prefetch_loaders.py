@@ -86,8 +86,12 @@ def load_fastsafetensors(model: Path, ck: Checksum) -> None:
     loader.close()
 
 
-LOADERS = {"safetensors": load_safetensors, "transformers": load_transformers, "runai": load_runai,
-           "fastsafetensors": load_fastsafetensors}
+LOADERS = {
+    "safetensors": load_safetensors,
+    "transformers": load_transformers,
+    "runai": load_runai,
+    "fastsafetensors": load_fastsafetensors,
+}
 
 
 class PeakAnon:
@@ -119,9 +123,20 @@ def main() -> None:
     LOADERS[name](model, ck)
     t2 = time.perf_counter()
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"loader": name, "import_s": round(t1 - T0, 3), "load_s": round(t2 - t1, 3),
-                      "checksum": ck.hexdigest(), "tensors": len(ck.sums), "bytes": ck.bytes,
-                      "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "peak_anon": anon.stop()}))
+    print(
+        json.dumps(
+            {
+                "loader": name,
+                "import_s": round(t1 - T0, 3),
+                "load_s": round(t2 - t1, 3),
+                "checksum": ck.hexdigest(),
+                "tensors": len(ck.sums),
+                "bytes": ck.bytes,
+                "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
+                "peak_anon": anon.stop(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -96,9 +96,14 @@ def timed(argv: list[str], env: dict, report: Path | None = None, cgroup: Memory
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-    out = Outcome(wall, done.returncode, cpu, json.loads(lines[-1]) if lines else {},
-                  stderr_tail="\n".join(done.stderr.splitlines()[-6:]))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    out = Outcome(
+        wall,
+        done.returncode,
+        cpu,
+        json.loads(lines[-1]) if lines else {},
+        stderr_tail="\n".join(done.stderr.splitlines()[-6:]),
+    )
     if report is not None and report.exists():
         out.report = json.loads(report.read_text())
     if cgroup is not None:

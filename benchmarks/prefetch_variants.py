@@ -3,7 +3,8 @@ memory or inside a memory cgroup limited to the loader's peak anonymous memory +
 prefetch_bench.py). For trying budgets and reclaim gaps; prefetch_bench.py is the benchmark of record.
 
     PYTHONPATH=src .venv/bin/python benchmarks/prefetch_variants.py --loader safetensors --gib 8 --cap --reps 2 \\
-        --variant plain= --variant gap1g=--reclaim-gap,1GiB --variant burn-only=--memory-budget,2MiB,--reclaim-gap,256MiB
+        --variant plain= --variant gap1g=--reclaim-gap,1GiB \
+        --variant burn-only=--memory-budget,2MiB,--reclaim-gap,256MiB
 
 A variant is NAME=ARGS (comma-separated `prefetch run` options); an empty ARGS after `plain` means no prefetch.
 A variant whose name ends in `-text` runs with WEIGHTSTREAM_TRACE_TEXT=1 (the kernel's text trace instead of
@@ -23,8 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefetch_bench import GIB, LIMIT_SHARE, LoaderBench, bench_env  # noqa: E402
 from prefetch_checkpoint import build  # noqa: E402
+
+from prefetch_bench import GIB, LIMIT_SHARE, LoaderBench, bench_env  # noqa: E402
 from prefetch_measure import loader_argv, timed  # noqa: E402
 
 
@@ -58,14 +60,37 @@ def main() -> int:
     warm = timed(loader_argv(lb.loader, lb.model), lb.env)
     limit = int(warm.loader.get("peak_anon", 0) + LIMIT_SHARE * lb.bytes) if args.cap else None
     out = lb.rounds("limited" if args.cap else "ample", variants, limit)
-    keep = ("bytes_prefetched", "bytes_used", "bytes_reclaimed", "bytes_reread_after_reclaim", "bytes_loader_missed",
-            "bytes_evicted_before_use", "memory_budget", "events")
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M"), "loader": args.loader, "bytes": lb.bytes, "cgroup_limit": limit,
-           "warm_s": warm.wall_s, "record": {k: rec[k] for k in ("wall_s", "template_bytes")},
-           "variants": {name: [{"wall_s": round(o.wall_s, 2), "tree_cpu_s": round(o.cpu_s, 2),
-                                "loader_load_s": o.loader.get("load_s"), "loader_cpu_s": o.loader.get("cpu_s"),
-                                "prefetch": {k: o.report.get(k) for k in keep} if o.report else None}
-                               for o in outs] for name, outs in out.items()}}
+    keep = (
+        "bytes_prefetched",
+        "bytes_used",
+        "bytes_reclaimed",
+        "bytes_reread_after_reclaim",
+        "bytes_loader_missed",
+        "bytes_evicted_before_use",
+        "memory_budget",
+        "events",
+    )
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "loader": args.loader,
+        "bytes": lb.bytes,
+        "cgroup_limit": limit,
+        "warm_s": warm.wall_s,
+        "record": {k: rec[k] for k in ("wall_s", "template_bytes")},
+        "variants": {
+            name: [
+                {
+                    "wall_s": round(o.wall_s, 2),
+                    "tree_cpu_s": round(o.cpu_s, 2),
+                    "loader_load_s": o.loader.get("load_s"),
+                    "loader_cpu_s": o.loader.get("cpu_s"),
+                    "prefetch": {k: o.report.get(k) for k in keep} if o.report else None,
+                }
+                for o in outs
+            ]
+            for name, outs in out.items()
+        },
+    }
     print(json.dumps(doc, indent=1))
     return 0
 

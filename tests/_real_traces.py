@@ -31,8 +31,10 @@ def deepseek_files() -> list[Path]:
 def need_traces() -> None:
     """Skip (with the reason) where the real traces are not on this machine."""
     if not all(p.is_file() for p in MIXTRAL_FILES) or not any((TRACES / "deepseek-v2-lite-chat").glob("prompt_*.csv")):
-        pytest.skip(f"real traces not found under {TRACES} (they belong in ../shared/traces beside the repository; "
-                    "set WEIGHTSTREAM_TRACES to read them elsewhere)")
+        pytest.skip(
+            f"real traces not found under {TRACES} (they belong in ../shared/traces beside the repository; "
+            "set WEIGHTSTREAM_TRACES to read them elsewhere)"
+        )
 
 
 @cache

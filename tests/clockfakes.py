@@ -19,8 +19,14 @@ JETSON_HZ = [306000000, 408000000, 510000000, 612000000, 714000000, 816000000, 9
 BURN = "import time\nend = time.time() + float(__import__('sys').argv[1])\nwhile time.time() < end: pass\n"
 
 
-def make_devfreq_tree(root: Path, name: str = "17000000.gpu", device: str = "17000000.ga10b",
-                      min_hz: int = 306000000, max_hz: int = 1020000000, others: bool = True) -> Path:
+def make_devfreq_tree(
+    root: Path,
+    name: str = "17000000.gpu",
+    device: str = "17000000.ga10b",
+    min_hz: int = 306000000,
+    max_hz: int = 1020000000,
+    others: bool = True,
+) -> Path:
     """A sysfs root laid out like a Jetson's: class/devfreq/<name>/... with `device` linking to platform."""
     platform = root / "devices" / "platform"
     node = root / "class" / "devfreq" / name
@@ -28,8 +34,14 @@ def make_devfreq_tree(root: Path, name: str = "17000000.gpu", device: str = "170
     (platform / device / "of_node").mkdir(parents=True)
     (platform / device / "of_node" / "compatible").write_bytes(b"nvidia," + device.split(".")[-1].encode() + b"\0")
     os.symlink(os.path.relpath(platform / device, node), node / "device")
-    files = {"min_freq": min_hz, "max_freq": max_hz, "cur_freq": min_hz, "governor": "nvhost_podgov",
-             "available_frequencies": " ".join(map(str, JETSON_HZ)), "polling_interval": 0}
+    files = {
+        "min_freq": min_hz,
+        "max_freq": max_hz,
+        "cur_freq": min_hz,
+        "governor": "nvhost_podgov",
+        "available_frequencies": " ".join(map(str, JETSON_HZ)),
+        "polling_interval": 0,
+    }
     for field, value in files.items():
         (node / field).write_text(f"{value}\n")
     if others:  # a non-GPU devfreq node the finder must skip
@@ -52,8 +64,11 @@ def read_hz(node: Path, field: str = "min_freq") -> int:
 
 def snapshot_files(node: Path) -> dict[str, tuple[str, int]]:
     """Text and mtime of every attribute except min_freq: proves nothing else was written."""
-    return {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in sorted(node.iterdir())
-            if p.is_file() and p.name != "min_freq"}
+    return {
+        p.name: (p.read_text(), p.stat().st_mtime_ns)
+        for p in sorted(node.iterdir())
+        if p.is_file() and p.name != "min_freq"
+    }
 
 
 def write_config(path: Path, **keys) -> Path:

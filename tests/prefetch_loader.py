@@ -38,7 +38,7 @@ def _mmap(path: str, sleep: float, hold: bool = False) -> str:
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     for offset in range(0, len(m), MIB):
-        digest.update(m[offset:offset + MIB])
+        digest.update(m[offset : offset + MIB])
         time.sleep(sleep)
     HELD.append(m) if hold else m.close()
     return digest.hexdigest()

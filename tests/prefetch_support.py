@@ -52,8 +52,13 @@ def env_with_home(home: Path) -> dict[str, str]:
 
 def cli(home: Path, *args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `weightstream ARGS` for real and capture its output as bytes."""
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], env=env_with_home(home),
-                          input=input, capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args],
+        env=env_with_home(home),
+        input=input,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def loader(mode: str, paths: list[str], *extra: str) -> list[str]:

@@ -12,15 +12,29 @@ ROOT = os.geteuid() == 0
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.skipif(not ROOT, reason="bench needs root for memory cgroups and the system-wide cache drop (CI is root)")
 def test_bench_every_mode_under_a_limit_with_overlap_and_long_prefill(tiny_model):
     model_dir = tiny_model("olmoe", dtype="bf16")
-    r = run_cli("bench", model_dir, "--memory-limit", "2GiB", "--expert-cache", "1x,2x", "--modes",
-                "expert-cache,page-cache,accelerate", "--max-new-tokens", "5", "--prefill-tokens", "40", "--json")
+    r = run_cli(
+        "bench",
+        model_dir,
+        "--memory-limit",
+        "2GiB",
+        "--expert-cache",
+        "1x,2x",
+        "--modes",
+        "expert-cache,page-cache,accelerate",
+        "--max-new-tokens",
+        "5",
+        "--prefill-tokens",
+        "40",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert "[bench] expert-cache 1x" in r.stderr  # progress goes to stderr, JSON alone to stdout
     report = json.loads(r.stdout)
@@ -51,9 +65,23 @@ def test_bench_table_and_replay_reason_for_accelerate(tiny_model, tmp_path):
     prompts.write_text("a tiny model routes these tokens\n")
     r = run_cli("trace", "record", model_dir, "--prompts", str(prompts), "--max-new-tokens", "4", "-o", str(trace))
     assert r.returncode == 0, r.stderr
-    r = run_cli("bench", model_dir, "--memory-limit", "2GiB", "--expert-cache", "1x", "--modes",
-                "direct,accelerate", "--routing-trace", str(trace), "--max-new-tokens", "3", "--prefill-tokens", "0",
-                "--no-overlap")
+    r = run_cli(
+        "bench",
+        model_dir,
+        "--memory-limit",
+        "2GiB",
+        "--expert-cache",
+        "1x",
+        "--modes",
+        "direct,accelerate",
+        "--routing-trace",
+        str(trace),
+        "--max-new-tokens",
+        "3",
+        "--prefill-tokens",
+        "0",
+        "--no-overlap",
+    )
     assert r.returncode == 0, r.stderr
     assert "routing: replay of" in r.stdout
     assert re.search(r"^accelerate +not run: routing replay is not available", r.stdout, re.M), r.stdout

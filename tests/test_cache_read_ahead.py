@@ -138,8 +138,9 @@ def test_a_wrong_guess_still_queued_is_cancelled_and_never_read(olmoe):
     assert_bytes_are(cache, ref, sorted(cache.slot_of))  # every resident expert, (1, 3) and (2, 5) among them
 
 
-@pytest.mark.parametrize("name, opts", [("lru", {}), ("slru", {}), ("lfu", {}), ("adaptive", {}),
-                                        ("pinned", {"pinned_keys": [(9, 9)]})])
+@pytest.mark.parametrize(
+    "name, opts", [("lru", {}), ("slru", {}), ("lfu", {}), ("adaptive", {}), ("pinned", {"pinned_keys": [(9, 9)]})]
+)
 def test_a_guess_is_the_next_victim_until_a_lookup_finds_it(name, opts):
     old, guess = [(0, 0), (0, 1)], (1, 5)
     for looked_up in (False, True):

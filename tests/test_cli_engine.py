@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 
 
 def ws(*args):
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_synth_then_generate_json(tmp_path):
@@ -17,15 +19,34 @@ def test_synth_then_generate_json(tmp_path):
     r = ws("synth", "--preset", "tiny", "--arch", "olmoe", "--dtype", "fp32", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["model_type"] == "olmoe"
-    r = ws("generate", str(out), "--prompt-ids", "4,8,15,16,23,42", "--max-new-tokens", "6", "--json",
-           "--expert-cache", "1x", "--io-threads", "2")
+    r = ws(
+        "generate",
+        str(out),
+        "--prompt-ids",
+        "4,8,15,16,23,42",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--expert-cache",
+        "1x",
+        "--io-threads",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, experts_implementation="eager")
     expected = ref.generate(torch.tensor([[4, 8, 15, 16, 23, 42]]), max_new_tokens=6, do_sample=False)[0, 6:].tolist()
     assert result["token_ids"] == expected
-    for key in ("prefill_s", "decode_tokens_per_s", "expert_hit_rate", "bytes_read", "bytes_read_per_token",
-                "io_wait_s", "expert_cache_bytes", "working_set_bytes"):
+    for key in (
+        "prefill_s",
+        "decode_tokens_per_s",
+        "expert_hit_rate",
+        "bytes_read",
+        "bytes_read_per_token",
+        "io_wait_s",
+        "expert_cache_bytes",
+        "working_set_bytes",
+    ):
         assert key in result["stats"], key
     assert isinstance(result["text"], str)
     r = ws("generate", str(out), "--prompt", "Hello there", "--max-new-tokens", "3")
@@ -47,3 +68,28 @@ def test_errors_are_one_clear_line(tmp_path):
         r = ws(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_generate_from_a_filesystem_that_refuses_o_direct(tiny_model, tmp_path):
+    """ramfs refuses O_DIRECT at open: generate says so once, reads buffered, and the tokens are unchanged."""
+    import os
+    import shutil
+
+    import pytest
+
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)]).returncode != 0:
+        pytest.skip("needs root to mount a ramfs (CI is root); tests/test_reader.py injects the refusal instead")
+    try:
+        model_dir = shutil.copytree(tiny_model("olmoe"), where / "m")
+        args = ("--prompt-ids", "4,8,15,16", "--max-new-tokens", "5", "--expert-cache", "1x", "--json")
+        r = ws("generate", str(model_dir), *args)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("O_DIRECT refused for") == 1 and "falling back to buffered reads" in r.stderr
+        result = json.loads(r.stdout)
+        assert result["stats"]["o_direct"] is False
+        direct = json.loads(ws("generate", tiny_model("olmoe"), *args).stdout)
+        assert direct["stats"]["o_direct"] is True and direct["token_ids"] == result["token_ids"]
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

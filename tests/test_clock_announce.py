@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import pytest
+
+from weightstream.clock.activity import AnnounceListener, Announcer, default_socket_path
+
 from clockfakes import (
     SRC,
     DaemonProcess,
@@ -16,8 +19,6 @@ from clockfakes import (
     wait_for,
     write_config,
 )
-
-from weightstream.clock.activity import AnnounceListener, Announcer, default_socket_path
 
 # An engine stand-in: a separate process that announces a decode step every 10 ms, carries no llama.cpp flag
 # and barely uses CPU, so only the announcement can explain a raised floor.
@@ -45,9 +46,14 @@ class Clock:
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "regular file", "unbound socket", "too long", "no dir"])
 def test_decode_step_never_raises_when_nobody_listens(tmp_path, kind):
-    path = {"missing": tmp_path / "absent.sock", "directory": tmp_path, "regular file": tmp_path / "file",
-            "unbound socket": tmp_path / "dead.sock", "too long": tmp_path / ("x" * 200),
-            "no dir": tmp_path / "nope" / "a.sock"}[kind]
+    path = {
+        "missing": tmp_path / "absent.sock",
+        "directory": tmp_path,
+        "regular file": tmp_path / "file",
+        "unbound socket": tmp_path / "dead.sock",
+        "too long": tmp_path / ("x" * 200),
+        "no dir": tmp_path / "nope" / "a.sock",
+    }[kind]
     (tmp_path / "file").write_text("x")
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     dead.bind(str(tmp_path / "dead.sock"))
@@ -109,8 +115,9 @@ def test_listener_sees_the_real_sender_pid_and_ignores_junk(tmp_path):
 def test_daemon_raises_for_an_announcing_engine_without_flags(tmp_path):
     node = make_devfreq_tree(tmp_path / "sys")
     socket_path = tmp_path / "activity.sock"
-    config = write_config(tmp_path / "c.conf", STATE_FILE=tmp_path / "state.json", SOCKET=socket_path,
-                          DETECT="announce poll", FLOOR=900)
+    config = write_config(
+        tmp_path / "c.conf", STATE_FILE=tmp_path / "state.json", SOCKET=socket_path, DETECT="announce poll", FLOOR=900
+    )
     daemon = DaemonProcess("--config", str(config), "--sysfs-root", str(tmp_path / "sys"))
     daemon.wait_line("detecting by announce poll")
     env = dict(os.environ, PYTHONPATH=SRC, WEIGHTSTREAM_CLOCKFLOOR_SOCKET=str(socket_path))

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from clockfakes import JETSON_HZ, make_devfreq_tree, snapshot_files
 
 from weightstream.cli import main
 from weightstream.clock.config import DEFAULT_FLAGS, build_config, read_config_file
@@ -11,6 +10,8 @@ from weightstream.clock.daemon import FloorController
 from weightstream.clock.devfreq import DevfreqBackend, find_gpu_node, read_node, snap_floor
 from weightstream.clock.state import StateFile
 from weightstream.errors import WeightstreamError
+
+from clockfakes import JETSON_HZ, make_devfreq_tree, snapshot_files
 
 
 def all_files(node):
@@ -20,8 +21,10 @@ def all_files(node):
 
 def test_config_file_then_command_line_override(tmp_path):
     path = tmp_path / "clockfloor"
-    path.write_text('# comment\nFLOOR=1020\nHOLD = 2.5\nFLAGS="--cpu-moe --x"  # trailing\nDETECT=poll,announce\n'
-                    "LIBRARIES='/opt/a/libllama.so /opt/b/libllama.so'\n\n")
+    path.write_text(
+        '# comment\nFLOOR=1020\nHOLD = 2.5\nFLAGS="--cpu-moe --x"  # trailing\nDETECT=poll,announce\n'
+        "LIBRARIES='/opt/a/libllama.so /opt/b/libllama.so'\n\n"
+    )
     config = build_config(str(path), {"FLOOR": "max", "HOLD": None})
     assert config.floor_mhz is None and config.hold_s == 2.5
     assert config.flags == ("--cpu-moe", "--x") and config.detect == ("poll", "announce")
@@ -30,16 +33,19 @@ def test_config_file_then_command_line_override(tmp_path):
     assert build_config(None, {"FLOOR": "918MHz"}).floor_mhz == 918
 
 
-@pytest.mark.parametrize("line, words", [
-    ("FLOOR=fast", ["FLOOR='fast'", "not a number", "MHz"]),
-    ("FLOOR=-5", ["FLOOR='-5'", "below 1"]),
-    ("HOLD=0.1", ["HOLD='0.1'", "below 0.5"]),
-    ("BACKEND=cuda", ["BACKEND='cuda'", "auto, devfreq, nvml"]),
-    ("DETECT=magic", ["DETECT='magic'", "uprobe, announce, poll"]),
-    ("FLAGS=cpu-moe", ["FLAGS='cpu-moe'", "--cpu-moe"]),
-    ("FLOR=1020", ["'FLOR=1020'", "known key"]),
-    ("FLOOR", ["not KEY=value"]),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("FLOOR=fast", ["FLOOR='fast'", "not a number", "MHz"]),
+        ("FLOOR=-5", ["FLOOR='-5'", "below 1"]),
+        ("HOLD=0.1", ["HOLD='0.1'", "below 0.5"]),
+        ("BACKEND=cuda", ["BACKEND='cuda'", "auto, devfreq, nvml"]),
+        ("DETECT=magic", ["DETECT='magic'", "uprobe, announce, poll"]),
+        ("FLAGS=cpu-moe", ["FLAGS='cpu-moe'", "--cpu-moe"]),
+        ("FLOR=1020", ["'FLOR=1020'", "known key"]),
+        ("FLOOR", ["not KEY=value"]),
+    ],
+)
 def test_bad_config_lines_name_file_key_and_fix(tmp_path, line, words):
     path = tmp_path / "clockfloor"
     path.write_text(f"HOLD=1\n{line}\n")
@@ -54,14 +60,17 @@ def test_missing_config_file_is_an_error(tmp_path):
         read_config_file(str(tmp_path / "absent"))
 
 
-@pytest.mark.parametrize("config_lines, cli, message", [
-    (["FLOOR=abc"], [], "FLOOR='abc' in "),
-    ([], ["--floor", "abc"], "FLOOR='abc' in the command line"),
-    (["BACKEND=opencl"], [], "is not a backend"),
-    (["DEVFREQ_NODE=17000000.gv11b"], ["--backend", "devfreq"], "devfreq node '17000000.gv11b' not found"),
-    ([], ["--backend", "devfreq", "--sysfs-root", "EMPTY"], "no GPU devfreq node"),
-    (["HOLD=soon"], [], "HOLD='soon'"),
-])
+@pytest.mark.parametrize(
+    "config_lines, cli, message",
+    [
+        (["FLOOR=abc"], [], "FLOOR='abc' in "),
+        ([], ["--floor", "abc"], "FLOOR='abc' in the command line"),
+        (["BACKEND=opencl"], [], "is not a backend"),
+        (["DEVFREQ_NODE=17000000.gv11b"], ["--backend", "devfreq"], "devfreq node '17000000.gv11b' not found"),
+        ([], ["--backend", "devfreq", "--sysfs-root", "EMPTY"], "no GPU devfreq node"),
+        (["HOLD=soon"], [], "HOLD='soon'"),
+    ],
+)
 def test_cli_bad_values_exit_2_and_change_nothing(tmp_path, capsys, config_lines, cli, message):
     node = make_devfreq_tree(tmp_path / "sys")
     stale = {"backend": "devfreq", "node": str(node), "original": 306000000, "raised": 1020000000, "pid": 1}
@@ -72,8 +81,12 @@ def test_cli_bad_values_exit_2_and_change_nothing(tmp_path, capsys, config_lines
     (tmp_path / "c.conf").write_text("\n".join(lines) + "\n")
     (tmp_path / "EMPTY").mkdir()
     args = [str(tmp_path / "EMPTY") if a == "EMPTY" else a for a in cli]
-    args = ["clockfloor", "--config", str(tmp_path / "c.conf"), *(args if "--sysfs-root" in args else
-                                                                  [*args, "--sysfs-root", str(tmp_path / "sys")])]
+    args = [
+        "clockfloor",
+        "--config",
+        str(tmp_path / "c.conf"),
+        *(args if "--sysfs-root" in args else [*args, "--sysfs-root", str(tmp_path / "sys")]),
+    ]
     assert main(args) == 2
     assert message in capsys.readouterr().err
     assert all_files(node) == before
@@ -87,12 +100,18 @@ def test_unknown_backend_on_command_line_is_refused_by_the_parser(capsys):
     assert stop.value.code == 2 and "invalid choice: 'cuda'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, device, found", [
-    ("17000000.gpu", "17000000.gpu", True), ("17000000.ga10b", "17000000.ga10b", True),
-    ("gpu-gpc-0", "gpu-gpc-0", True), ("57000000.gpu", "57000000.gpu", True),
-    ("devfreq0", "17000000.gv11b", True), ("13d00000.host1x", "13d00000.host1x", False),
-    ("15340000.vic", "15340000.vic", False),
-])
+@pytest.mark.parametrize(
+    "name, device, found",
+    [
+        ("17000000.gpu", "17000000.gpu", True),
+        ("17000000.ga10b", "17000000.ga10b", True),
+        ("gpu-gpc-0", "gpu-gpc-0", True),
+        ("57000000.gpu", "57000000.gpu", True),
+        ("devfreq0", "17000000.gv11b", True),
+        ("13d00000.host1x", "13d00000.host1x", False),
+        ("15340000.vic", "15340000.vic", False),
+    ],
+)
 def test_gpu_node_recognised_by_name_or_device(tmp_path, name, device, found):
     node = make_devfreq_tree(tmp_path, name=name, device=device, others=False)
     assert read_node(node).is_gpu() is found

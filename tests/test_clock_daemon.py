@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from clockfakes import (
     SRC,
     DaemonProcess,
@@ -28,8 +29,9 @@ IDLE_HZ, FLOOR_HZ, HOLD_S = 306000000, 1020000000, 1.0
 def jetson(tmp_path):
     """A fake sysfs root, its GPU node, and a config whose state and socket live in tmp_path."""
     node = make_devfreq_tree(tmp_path / "sys")
-    config = write_config(tmp_path / "clockfloor.conf", STATE_FILE=tmp_path / "state.json",
-                          SOCKET=tmp_path / "activity.sock", HOLD=HOLD_S)
+    config = write_config(
+        tmp_path / "clockfloor.conf", STATE_FILE=tmp_path / "state.json", SOCKET=tmp_path / "activity.sock", HOLD=HOLD_S
+    )
     return tmp_path, node, config
 
 
@@ -108,9 +110,22 @@ def test_a_second_daemon_is_refused_and_changes_nothing(jetson):
     root, _, config = jetson
     daemon = start_daemon(jetson)
     try:
-        second = subprocess.run([sys.executable, "-m", "weightstream.cli", "clockfloor", "--config", str(config),
-                                 "--sysfs-root", str(root / "sys")], capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=SRC), timeout=30)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "weightstream.cli",
+                "clockfloor",
+                "--config",
+                str(config),
+                "--sysfs-root",
+                str(root / "sys"),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=SRC),
+            timeout=30,
+        )
         assert second.returncode == 2
         assert f"another clockfloor daemon (pid {daemon.process.pid})" in second.stderr
         assert (root / "activity.sock").exists()  # the first daemon's socket was not taken over
@@ -122,9 +137,23 @@ def test_once_raises_during_inference_and_restores_before_exit(jetson):
     root, node, config = jetson
     child = burner(6, "--n-cpu-moe=20")
     try:
-        result = subprocess.run([sys.executable, "-m", "weightstream.cli", "clockfloor", "--once", "--config",
-                                 str(config), "--sysfs-root", str(root / "sys")], capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=SRC), timeout=30)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "weightstream.cli",
+                "clockfloor",
+                "--once",
+                "--config",
+                str(config),
+                "--sysfs-root",
+                str(root / "sys"),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=SRC),
+            timeout=30,
+        )
     finally:
         child.kill()
         child.wait()
@@ -139,8 +168,17 @@ def test_check_needs_no_privilege_and_changes_nothing(jetson):
     root, node, config = jetson
     (node / "min_freq").chmod(0o444)  # as real sysfs looks to a user who may not write it
     before = {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in node.iterdir() if p.is_file()}
-    command = [sys.executable, "-m", "weightstream.cli", "clockfloor", "--check", "--config", str(config),
-               "--sysfs-root", str(root / "sys")]
+    command = [
+        sys.executable,
+        "-m",
+        "weightstream.cli",
+        "clockfloor",
+        "--check",
+        "--config",
+        str(config),
+        "--sysfs-root",
+        str(root / "sys"),
+    ]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.skip("setpriv (util-linux) not found: cannot drop root's capabilities for this check")

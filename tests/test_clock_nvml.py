@@ -5,12 +5,6 @@ import json
 import threading
 
 import pytest
-from clockfakes import (
-    FakeNvml,
-    burner,
-    reap_children,  # noqa: F401  autouse fixture: ends every child a test started
-    wait_for,
-)
 
 from weightstream.clock.backends import open_backend
 from weightstream.clock.config import ClockConfig
@@ -18,10 +12,22 @@ from weightstream.clock.daemon import Daemon
 from weightstream.clock.nvml import NvmlBackend
 from weightstream.errors import WeightstreamError
 
+from clockfakes import (
+    FakeNvml,
+    burner,
+    reap_children,  # noqa: F401  autouse fixture: ends every child a test started
+    wait_for,
+)
+
 
 def nvml_config(tmp_path, **changes) -> ClockConfig:
-    config = ClockConfig(backend="nvml", state_file=str(tmp_path / "state.json"), socket=str(tmp_path / "a.sock"),
-                         detect=("poll",), sysfs_root=str(tmp_path / "no-sys"))
+    config = ClockConfig(
+        backend="nvml",
+        state_file=str(tmp_path / "state.json"),
+        socket=str(tmp_path / "a.sock"),
+        detect=("poll",),
+        sysfs_root=str(tmp_path / "no-sys"),
+    )
     for name, value in changes.items():
         setattr(config, name, value)
     return config

@@ -19,8 +19,9 @@ def test_shipped_config_parses_to_the_root_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     shipped = dataclasses.asdict(build_config(str(CONFIG), {}))
     defaults = dataclasses.asdict(ClockConfig())
-    assert {key: value for key, value in shipped.items() if key != "source"} == \
-        {key: value for key, value in defaults.items() if key != "source"}
+    assert {key: value for key, value in shipped.items() if key != "source"} == {
+        key: value for key, value in defaults.items() if key != "source"
+    }
 
 
 def test_unit_runs_the_daemon_with_the_default_config_and_keeps_its_state_directory(monkeypatch):

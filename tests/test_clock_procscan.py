@@ -4,6 +4,9 @@ import sys
 import time
 
 import pytest
+
+from weightstream.clock.procscan import FlagMatcher, ProcessPoller, read_argv, read_cpu_ticks
+
 from clockfakes import (
     BURN,
     burner,
@@ -13,20 +16,21 @@ from clockfakes import (
     wait_for,
 )
 
-from weightstream.clock.procscan import FlagMatcher, ProcessPoller, read_argv, read_cpu_ticks
-
 MATCHER = FlagMatcher(("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe"))
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["llama-server", "-m", "x.gguf", "--cpu-moe"], "--cpu-moe"),
-    (["llama-cli", "-ncmoe", "20"], "-ncmoe"),
-    (["llama-cli", "--n-cpu-moe=20"], "--n-cpu-moe"),
-    (["llama-cli", "--cpu-moes"], None),
-    (["llama-cli", "-cmoe-x"], None),
-    (["--cpu-moe"], None),  # argv[0] is the program, not a flag
-    (["llama-cli", "-p", "explain --cpu-moe please"], None),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["llama-server", "-m", "x.gguf", "--cpu-moe"], "--cpu-moe"),
+        (["llama-cli", "-ncmoe", "20"], "-ncmoe"),
+        (["llama-cli", "--n-cpu-moe=20"], "--n-cpu-moe"),
+        (["llama-cli", "--cpu-moes"], None),
+        (["llama-cli", "-cmoe-x"], None),
+        (["--cpu-moe"], None),  # argv[0] is the program, not a flag
+        (["llama-cli", "-p", "explain --cpu-moe please"], None),
+    ],
+)
 def test_flag_matching_is_by_whole_argument(argv, flag):
     assert MATCHER.match(argv) == flag
 
@@ -74,8 +78,10 @@ def test_poller_reports_busy_flagged_processes_only():
 
 def test_a_process_that_execs_into_a_flagged_program_is_caught():
     # Fork-then-exec: the first argv the poller sees is the parent's; young processes are re-read.
-    exec_later = ("import os, sys, time; time.sleep(0.4); "
-                  f"os.execv(sys.executable, [sys.executable, '-c', {BURN!r}, '3', '--cpu-moe'])")
+    exec_later = (
+        "import os, sys, time; time.sleep(0.4); "
+        f"os.execv(sys.executable, [sys.executable, '-c', {BURN!r}, '3', '--cpu-moe'])"
+    )
     poller = ProcessPoller(MATCHER, cpu_threshold=0.25, poll_s=0.1)
     child = spawn([sys.executable, "-c", exec_later])
     try:

@@ -10,6 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from weightstream.clock.uprobe import unavailable_reason
+
 from clockfakes import (
     DaemonProcess,
     make_devfreq_tree,
@@ -19,8 +22,6 @@ from clockfakes import (
     wait_for,
     write_config,
 )
-
-from weightstream.clock.uprobe import unavailable_reason
 
 SOURCES = Path(__file__).parent / "clock_uprobe"
 IDLE_HZ, FLOOR_HZ, HOLD_S, RESCAN_S = 306000000, 1020000000, 1.0, 1.0
@@ -42,13 +43,27 @@ def uprobe_skip_reason(directory: Path) -> str | None:
     if reason:
         return f"{reason}; scripts/install-bpftrace.sh sets the tests up"
     library = build_library(directory)
-    subprocess.run(["gcc", "-O1", "-o", str(directory / "decode_loop"), str(SOURCES / "decode_loop.c"),
-                    f"-L{directory}", "-lllama", f"-Wl,-rpath,{directory}"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O1",
+            "-o",
+            str(directory / "decode_loop"),
+            str(SOURCES / "decode_loop.c"),
+            f"-L{directory}",
+            "-lllama",
+            f"-Wl,-rpath,{directory}",
+        ],
+        check=True,
+    )
     loop = subprocess.Popen([str(directory / "decode_loop"), "0", "5000"])
     try:
-        trial = subprocess.run(["bpftrace", "-B", "none", "-e",
-                                f'uprobe:{library}:llama_decode {{ printf("hit\\n"); exit(); }}'],
-                               capture_output=True, text=True, timeout=30)
+        trial = subprocess.run(
+            ["bpftrace", "-B", "none", "-e", f'uprobe:{library}:llama_decode {{ printf("hit\\n"); exit(); }}'],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except subprocess.TimeoutExpired:
         return "bpftrace attached no uprobe within 30 s"
     finally:
@@ -77,8 +92,15 @@ def jetson(tmp_path):
 
 def start(jetson, lab, wait_for_line, **keys):
     root, _ = jetson
-    config = write_config(root / "c.conf", STATE_FILE=root / "state.json", SOCKET=root / "a.sock", DETECT="uprobe",
-                          HOLD=HOLD_S, RESCAN=RESCAN_S, **keys)
+    config = write_config(
+        root / "c.conf",
+        STATE_FILE=root / "state.json",
+        SOCKET=root / "a.sock",
+        DETECT="uprobe",
+        HOLD=HOLD_S,
+        RESCAN=RESCAN_S,
+        **keys,
+    )
     daemon = DaemonProcess("--config", str(config), "--sysfs-root", str(root / "sys"))
     daemon.wait_line(wait_for_line)
     return daemon
@@ -122,9 +144,15 @@ def test_libraries_are_found_in_flagged_processes_and_bpftrace_stops_with_the_da
     try:
         assert wait_for(lambda: read_hz(node) == FLOOR_HZ, RESCAN_S + 1.5) is not None, daemon.output()
         daemon.wait_line(f"uprobes: attaching to {lab / 'libllama.so'} (llama_decode, llama_synchronize)", timeout=5)
-        bpftrace_pids = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                         if (Path(f"/proc/{pid}/stat").read_text().split()[3:4] or [""])[0] == str(daemon.process.pid)
-                         ] if Path(f"/proc/{daemon.process.pid}").exists() else []
+        bpftrace_pids = (
+            [
+                pid
+                for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if (Path(f"/proc/{pid}/stat").read_text().split()[3:4] or [""])[0] == str(daemon.process.pid)
+            ]
+            if Path(f"/proc/{daemon.process.pid}").exists()
+            else []
+        )
         assert bpftrace_pids, "bpftrace should run as the daemon's child"
         assert daemon.stop() == 0
         assert read_hz(node) == IDLE_HZ
@@ -138,8 +166,9 @@ def test_a_rebuilt_library_is_attached_again(jetson, lab):
     daemon = start(jetson, lab, "uprobes: attached", LIBRARIES=lab / "libllama.so")
     try:
         build_library(lab)  # new inode at the same path; the old probes watch the old file
-        assert wait_for(lambda: daemon.output().count("uprobes: attached") == 2, RESCAN_S + 3.0) is not None, \
+        assert wait_for(lambda: daemon.output().count("uprobes: attached") == 2, RESCAN_S + 3.0) is not None, (
             daemon.output()
+        )
         flagged = decode_loop(lab, 0, 20000, "--cpu-moe")
         try:
             assert wait_for(lambda: read_hz(node) == FLOOR_HZ, 1.5) is not None, daemon.output()

@@ -20,9 +20,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def greedy_logits(model) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits of every step (prefill's last position, then each decode step)."""
     with torch.inference_mode():
-        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    return out.sequences[0, PROMPT.shape[1]:].tolist(), list(out.logits)
+        out = model.generate(
+            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    return out.sequences[0, PROMPT.shape[1] :].tolist(), list(out.logits)
 
 
 def reference(model_dir, dtype="fp32"):

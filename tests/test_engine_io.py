@@ -17,15 +17,26 @@ HELPER = os.path.join(os.path.dirname(__file__), "helpers", "measure_engine.py")
 @pytest.fixture(scope="module")
 def big_experts_model(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mem") / "model")
-    fields = {**preset_config("tiny", "qwen3_moe"), "hidden_size": 1024, "moe_intermediate_size": 512,
-              "num_experts": 32, "num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": 64}
+    fields = {
+        **preset_config("tiny", "qwen3_moe"),
+        "hidden_size": 1024,
+        "moe_intermediate_size": 512,
+        "num_experts": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "head_dim": 64,
+    }
     synthesize(out, fields, dtype="fp32", seed=3)
     return out
 
 
 def measure(model_dir, cache, threads=4, tokens=12, *extra):
-    out = subprocess.run([sys.executable, HELPER, model_dir, cache, str(threads), str(tokens), *extra],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, HELPER, model_dir, cache, str(threads), str(tokens), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -73,8 +84,10 @@ def _split_experts_from_dense(src: str, dst: str) -> str:
             tensors |= load_file(os.path.join(src, name))
         elif not name.endswith(".index.json"):
             shutil.copy(os.path.join(src, name), dst)
-    parts = {"experts.safetensors": {k: v for k, v in tensors.items() if ".experts." in k},
-             "dense.safetensors": {k: v for k, v in tensors.items() if ".experts." not in k}}
+    parts = {
+        "experts.safetensors": {k: v for k, v in tensors.items() if ".experts." in k},
+        "dense.safetensors": {k: v for k, v in tensors.items() if ".experts." not in k},
+    }
     for file, part in parts.items():
         save_file(part, os.path.join(dst, file))
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:

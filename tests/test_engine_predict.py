@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-from test_engine_exact import NEW_TOKENS, PROMPT, reference_tokens
 
 from weightstream.bench.runner import BenchConfig, child_config, run_child
 from weightstream.engine.generate import generate
@@ -13,11 +12,19 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.presets import TINY
 
+from test_engine_exact import NEW_TOKENS, PROMPT, reference_tokens
+
 ARCHS = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe")  # dense first layer + fp32 router; router bias; w1/w3 apart
 SIZES = ("1x", "4x")
 THREADS = (1, 2, 8)
-COUNTERS = ("expert_hits", "expert_misses", "readahead_issued", "readahead_used", "readahead_wasted",
-            "prediction_accuracy")  # bytes read are not here: how much of a cancelled read-ahead was read is timing
+COUNTERS = (
+    "expert_hits",
+    "expert_misses",
+    "readahead_issued",
+    "readahead_used",
+    "readahead_wasted",
+    "prediction_accuracy",
+)  # bytes read are not here: how much of a cancelled read-ahead was read is timing
 
 
 def run(model_dir, size, threads, predict_next=True, prompt=PROMPT):
@@ -40,7 +47,7 @@ def test_tokens_equal_eager_and_counters_do_not_depend_on_timing(tiny_model, arc
             assert tokens == expected, (arch, size, threads)
             assert stats.predict_next and stats.readahead_issued > 0
             assert stats.readahead_used + stats.readahead_wasted <= stats.readahead_issued
-            # every byte read was a demand miss or a read-ahead (a cancelled one reads less), each its 4 KiB-aligned span
+            # every byte read was a demand miss or a read-ahead (a cancelled one reads less), each its aligned span
             s = cache.stats
             assert s.aligned_bytes_missed <= stats.bytes_read <= s.aligned_bytes_missed + s.readahead_aligned_bytes
             seen[threads] = tuple(getattr(stats, c) for c in COUNTERS)
@@ -66,9 +73,27 @@ def test_page_cache_source_refuses_prediction(tiny_model):
 
 def test_generate_flag_and_bench_passthrough(tiny_model):
     model_dir = tiny_model("gpt_oss")  # its router has a bias
-    r = subprocess.run([sys.executable, "-m", "weightstream.cli", "generate", model_dir, "--prompt-ids", "4,8,15,16",
-                        "--max-new-tokens", "6", "--expert-cache", "1x", "--predict-next", "--json"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightstream.cli",
+            "generate",
+            model_dir,
+            "--prompt-ids",
+            "4,8,15,16",
+            "--max-new-tokens",
+            "6",
+            "--expert-cache",
+            "1x",
+            "--predict-next",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)["stats"]
     assert stats["predict_next"] and stats["readahead_issued"] > 0 and 0 < stats["prediction_accuracy"] <= 1

@@ -28,7 +28,7 @@ def test_engine_counts_what_simulate_predicts(tiny_model, mixtral_trace, policy,
     runtime.close()
     recorded = recorder.finish()
     # replay is faithful: each token's choices are the trace's, layer by layer
-    source = per_token_choices(mixtral_trace)[:recorded.n_tokens, :3]
+    source = per_token_choices(mixtral_trace)[: recorded.n_tokens, :3]
     assert (per_token_choices(recorded) == source).all()
     sim = sim_replay(recorded, policy, int(float(size[:-1]) * recorded.shape.working_set_bytes))
     assert (sim.hits, sim.misses) == (stats.expert_hits, stats.expert_misses)

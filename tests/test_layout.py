@@ -28,7 +28,11 @@ def test_expert_pieces_rebuild_the_model_parameters(tiny_model, arch):
         for param in ex.params:
             raw = b"".join(_read(p) for p in param.pieces)
             got = torch.frombuffer(bytearray(raw), dtype=param.dtype).view(param.shape)
-            assert torch.equal(got, params[f"{paths[layer]}.{param.name}"][expert].detach()), (layer, expert, param.name)
+            assert torch.equal(got, params[f"{paths[layer]}.{param.name}"][expert].detach()), (
+                layer,
+                expert,
+                param.name,
+            )
 
 
 def _read(piece):
@@ -38,8 +42,15 @@ def _read(piece):
 
 
 def test_dense_architecture_is_refused_with_supported_list(tmp_path):
-    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(WeightstreamError, match="'llama'.*supported.*qwen3_moe.*mixtral"):
         load_streaming_model(str(tmp_path))
@@ -51,8 +62,9 @@ def test_mixtral_keys_are_per_expert_and_gpt_oss_fused(tiny_model):
         assert any(k.endswith(sample) for k in keys), arch
 
 
-@pytest.mark.parametrize("arch, in_place", [("olmoe", True), ("qwen3_moe", True), ("mixtral", False),
-                                            ("gpt_oss", True)])
+@pytest.mark.parametrize(
+    "arch, in_place", [("olmoe", True), ("qwen3_moe", True), ("mixtral", False), ("gpt_oss", True)]
+)
 def test_slot_plans_read_stretches_whole_and_give_each_parameter(tiny_model, arch, in_place):
     """OLMoE/Qwen store down|gate|up adjacent: one read, used in place. Mixtral's w1|w2|w3 puts down between the
     two halves of gate_up: one read per piece, then a pack. Either way the views are the model's parameters."""

@@ -4,7 +4,6 @@ agreement on the real traces where the semantics are the same."""
 import libcachesim as lcs
 import numpy as np
 import pytest
-from _real_traces import deepseek, mixtral
 from libcachesim import libcachesim_python as lcs_c
 from libcachesim.cache import CacheBase, _create_common_params
 
@@ -14,6 +13,8 @@ from weightstream.errors import WeightstreamError
 from weightstream.sim import Workload, kernels
 from weightstream.sim.belady import BeladyPolicy
 from weightstream.sim.kernels_heap import belady_hits, lfu_hits, next_use
+
+from _real_traces import deepseek, mixtral
 
 
 def random_groups(seed=0, n=400, layers=4, experts=6, top_k=2):
@@ -85,9 +86,9 @@ class TestSLRU(PolicyContract):
         return SLRUPolicy(capacity)
 
     def test_promotion_demotion_and_eviction_order(self):
-        p, (a, b, c, d) = self.fill(4)          # probation a b c d; protected holds at most 2
+        p, (a, b, c, d) = self.fill(4)  # probation a b c d; protected holds at most 2
         for k in (a, b, c):
-            p.on_hit(k)                         # c's promotion demotes a to the newest probation entry
+            p.on_hit(k)  # c's promotion demotes a to the newest probation entry
         assert [p.evict(set()) for _ in range(4)] == [d, a, b, c]
 
     def test_protected_share_is_configurable(self):
@@ -177,9 +178,14 @@ def test_make_policy_builds_every_runtime_policy_and_refuses_the_rest():
     assert isinstance(make_policy("lfu", 4), LFUPolicy)
     assert make_policy("pinned", 4, pinned_keys=[(1, 2)]).static == {(1, 2)}
     assert make_policy("adaptive", 40, working_set_slots=10).chosen == "slru"
-    for name, kwargs, message in [("belady", {}, "simulator"), ("arc", {}, "unknown cache policy"),
-                                  ("lru", {"protected_share": 0.5}, "does not take"), ("pinned", {}, "pinned_keys"),
-                                  ("adaptive", {}, "working_set_slots"), ("slru", {"protected_share": 2}, "0..1")]:
+    for name, kwargs, message in [
+        ("belady", {}, "simulator"),
+        ("arc", {}, "unknown cache policy"),
+        ("lru", {"protected_share": 0.5}, "does not take"),
+        ("pinned", {}, "pinned_keys"),
+        ("adaptive", {}, "working_set_slots"),
+        ("slru", {"protected_share": 2}, "0..1"),
+    ]:
         with pytest.raises(WeightstreamError, match=message):
             make_policy(name, 4, **kwargs)
 
@@ -235,8 +241,11 @@ def test_fast_flat_replays_match_libcachesim_on_the_whole_deepseek_trace(tmp_pat
     write_oracle_general(w.keys, w.next_use, tmp_path / "ds.oracleGeneral")
     distances = kernels.lru_distances(w.keys, flat, w.n_keys)
     for capacity in (64, 156, 312, 1248):
-        ours = {"lru": int((distances < capacity).sum()), "lfu": int(lfu_hits(w.keys, flat, w.n_keys, capacity).sum()),
-                "belady": int(belady_hits(w.keys, flat, w.n_keys, capacity, w.next_use).sum())}
+        ours = {
+            "lru": int((distances < capacity).sum()),
+            "lfu": int(lfu_hits(w.keys, flat, w.n_keys, capacity).sum()),
+            "belady": int(belady_hits(w.keys, flat, w.n_keys, capacity, w.next_use).sum()),
+        }
         for name, cls in (("lru", lcs.LRU), ("lfu", lcs.LFU), ("belady", lcs.Belady)):
             reader = lcs.TraceReader(str(tmp_path / "ds.oracleGeneral"), lcs.TraceType.ORACLE_GENERAL_TRACE)
             miss_ratio, _ = cls(capacity).process_trace(reader)
@@ -251,4 +260,4 @@ def test_libcachesim_slru_differs_while_probation_fills():
     policy = SLRUPolicy(4)
     ours = [bool(access_layer(policy, 0, [int(k)]).hits) for k in keys]
     assert theirs.tolist() == [False] * 7 + [True, True]  # 3 and 4 sat in its protected segment untouched
-    assert ours == [False] * 9                            # plain LRU order until something is hit
+    assert ours == [False] * 9  # plain LRU order until something is hit

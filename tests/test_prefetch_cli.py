@@ -75,7 +75,7 @@ def test_changed_file_invalidates_template(tmp_path, ckpt):
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     run = _run(home, paths)
     assert run.returncode == 0
-    lines = [l for l in run.stderr.decode().splitlines() if "template ignored" in l]
+    lines = [line for line in run.stderr.decode().splitlines() if "template ignored" in line]
     assert len(lines) == 1 and "content fingerprint differs" in lines[0]
     assert b"no prefetch" in run.stderr
 
@@ -118,12 +118,14 @@ def test_corrupt_and_past_end_templates_are_ignored(tmp_path, ckpt):
 def test_exit_code_stdin_stdout_stderr_pass_through(tmp_path, ckpt):
     paths, home = files(ckpt), tmp_path / "home"
     assert _record(home, paths, "read", "--model-dir", str(ckpt)).returncode == 0
-    prog = ("import sys; d = sys.stdin.buffer.read(); sys.stdout.buffer.write(d[::-1]); "
-            "sys.stderr.write('to stderr\\n'); sys.exit(7)")
+    prog = (
+        "import sys; d = sys.stdin.buffer.read(); sys.stdout.buffer.write(d[::-1]); "
+        "sys.stderr.write('to stderr\\n'); sys.exit(7)"
+    )
     run = cli(home, "prefetch", "run", *SPEC, "--", sys.executable, "-c", prog, input=b"\x00abc\xff")
     assert run.returncode == 7 and run.stdout == b"\xffcba\x00"
     assert run.stderr.startswith(b"to stderr\n") or b"\nto stderr\n" in run.stderr
-    assert all(l.startswith(b"weightstream prefetch: ") for l in run.stderr.splitlines() if l != b"to stderr")
+    assert all(line.startswith(b"weightstream prefetch: ") for line in run.stderr.splitlines() if line != b"to stderr")
 
 
 def test_failed_record_saves_nothing_and_passes_exit_code(tmp_path, ckpt):
@@ -135,12 +137,14 @@ def test_failed_record_saves_nothing_and_passes_exit_code(tmp_path, ckpt):
 
 def test_bad_input_is_refused_before_running(tmp_path):
     home = tmp_path / "home"
-    for args, words in ((["prefetch", "run", *SPEC], b"no command given"),
-                        (["prefetch", "run", *SPEC, "--memory-budget", "1MiB", "--", "true"], b"below one 2 MiB"),
-                        (["prefetch", "run", *SPEC, "--numa-node", "7", "--", "true"], b"--numa-node 7 does not exist"),
-                        (["prefetch", "run", "--spec", "oops", "--", "true"], b"is not KEY=VALUE"),
-                        (["prefetch", "run", *SPEC, "--", "/no/such/program"], b"not found"),
-                        (["prefetch", "record", *SPEC, "--model-dir", "/no/dir", "--", "true"], b"not a directory")):
+    for args, words in (
+        (["prefetch", "run", *SPEC], b"no command given"),
+        (["prefetch", "run", *SPEC, "--memory-budget", "1MiB", "--", "true"], b"below one 2 MiB"),
+        (["prefetch", "run", *SPEC, "--numa-node", "7", "--", "true"], b"--numa-node 7 does not exist"),
+        (["prefetch", "run", "--spec", "oops", "--", "true"], b"is not KEY=VALUE"),
+        (["prefetch", "run", *SPEC, "--", "/no/such/program"], b"not found"),
+        (["prefetch", "record", *SPEC, "--model-dir", "/no/dir", "--", "true"], b"not a directory"),
+    ):
         out = cli(home, *args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
 
@@ -150,8 +154,16 @@ def test_record_tells_a_two_pass_loader_from_a_one_pass_one(tmp_path, ckpt):
 
     paths = files(ckpt)
     for passes, home in ((1, tmp_path / "one"), (2, tmp_path / "two")):
-        rec = cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--",
-                  *loader("read", paths, "--passes", str(passes)))
+        rec = cli(
+            home,
+            "prefetch",
+            "record",
+            *SPEC,
+            "--model-dir",
+            str(ckpt),
+            "--",
+            *loader("read", paths, "--passes", str(passes)),
+        )
         assert rec.returncode == 0, rec.stderr.decode()
         (path,) = (home / "templates").glob("*.json")
         (worker,) = LoadTemplate.from_json(path.read_text()).workers

@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from prefetch_support import drop, make_checkpoint
+from weightstream.io.pagecache import cached_bytes
 from weightstream.prefetch.events import ACCESS, MISS, PageEvent
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.prefetcher import Prefetcher
-from weightstream.io.pagecache import cached_bytes
 from weightstream.prefetch.settings import Settings
 from weightstream.prefetch.template import LoadTemplate, WorkerTemplate
+
+from prefetch_support import drop, make_checkpoint
 
 MIB = 1 << 20
 
@@ -93,7 +94,9 @@ def test_a_stray_read_far_ahead_abandons_one_chunk_not_the_template(one_file):
         p.on_events(_reads(ident, 0, 1, 2, 3, 4, 5, 6, 7))  # the loader outruns us: 2..7 are its own
         _settle(p, 8 * MIB)
         assert p.counters.abandoned == 2 * MIB + 7 * 2 * MIB  # 2..8: nine chunks read put it at chunk 8
-        assert p.counters.prefetched == 8 * MIB and _cached(path, 18 * MIB, 4 * MIB, want=4 * MIB) == 4 * MIB  # chunks 9, 10
+        assert (
+            p.counters.prefetched == 8 * MIB and _cached(path, 18 * MIB, 4 * MIB, want=4 * MIB) == 4 * MIB
+        )  # chunks 9, 10
     finally:
         p.stop()
 

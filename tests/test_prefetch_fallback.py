@@ -10,11 +10,12 @@ import threading
 
 import pytest
 
-from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
+from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import numa
-from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.prefetch.memory import CgroupMemory
+
+from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
 
 SPEC = ["--spec", "model=fallback"]
 
@@ -24,14 +25,22 @@ def test_residency_sampling_record_and_run(tmp_path):
     paths, home = files(ckpt), tmp_path / "home"
     drop(paths)
     want = subprocess.run(loader("read", paths, "--sleep-per-mib", "0.002"), capture_output=True).stdout
-    rec = cli(home, "prefetch", "record", *SPEC, "--sampling", "--model-dir", str(ckpt), "--",
-              *loader("read", paths, "--sleep-per-mib", "0.002"))
+    rec = cli(
+        home,
+        "prefetch",
+        "record",
+        *SPEC,
+        "--sampling",
+        "--model-dir",
+        str(ckpt),
+        "--",
+        *loader("read", paths, "--sleep-per-mib", "0.002"),
+    )
     assert rec.returncode == 0 and rec.stdout == want, rec.stderr.decode()
     assert b"recording with residency events" in rec.stderr and b"cannot tell processes apart" in rec.stderr
     report = tmp_path / "r.json"
     drop(paths)
-    run = cli(home, "prefetch", "run", *SPEC, "--sampling", "--json-report", str(report), "--",
-              *loader("mmap", paths))
+    run = cli(home, "prefetch", "run", *SPEC, "--sampling", "--json-report", str(report), "--", *loader("mmap", paths))
     assert run.returncode == 0 and run.stdout == want
     doc = json.loads(report.read_text())
     assert doc["template_used"] and doc["source"] == "residency" and doc["bytes_used"] is None
@@ -72,6 +81,7 @@ def test_single_node_machine_says_so_and_carries_on(tmp_path):
 
 def test_bind_sets_the_threads_memory_policy():
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     got = {}
@@ -101,13 +111,24 @@ def test_run_inside_a_memory_limited_cgroup(tmp_path):
     ckpt = make_checkpoint(tmp_path / "model", {"a.safetensors": 48 << 20, "b.safetensors": 48 << 20})
     paths, home = files(ckpt), tmp_path / "home"
     want = subprocess.run(loader("read", paths), capture_output=True).stdout
-    assert cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--",
-               *loader("read", paths)).returncode == 0
+    assert (
+        cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--", *loader("read", paths)).returncode == 0
+    )
     cg = _cgroup_or_skip(400 << 20)
     try:
         drop(paths)
-        argv = cg.enter_argv([sys.executable, "-m", "weightstream.cli", "prefetch", "run", *SPEC, "--",
-                              *loader("read", paths, "--sleep-per-mib", "0.002")])
+        argv = cg.enter_argv(
+            [
+                sys.executable,
+                "-m",
+                "weightstream.cli",
+                "prefetch",
+                "run",
+                *SPEC,
+                "--",
+                *loader("read", paths, "--sleep-per-mib", "0.002"),
+            ]
+        )
         out = subprocess.run(argv, env=env_with_home(home), capture_output=True, timeout=120)
         assert out.returncode == 0 and out.stdout == want, out.stderr.decode()
         assert b"memory cgroup limit 400.0 MiB: prefetch budget" in out.stderr

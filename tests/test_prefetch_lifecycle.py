@@ -28,8 +28,12 @@ def recorded(tmp_path):
 
 
 def _harness(home: Path, *command: str) -> dict:
-    out = subprocess.run([sys.executable, HARNESS, "model=life", "--", *command], env=env_with_home(home),
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, HARNESS, "model=life", "--", *command],
+        env=env_with_home(home),
+        capture_output=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr.decode()
     return json.loads(out.stdout.decode().splitlines()[-1])
 
@@ -55,9 +59,12 @@ def test_command_killed_by_signal_passes_the_signal_through(recorded):
 
 def _start_sleeper(home: Path) -> tuple[subprocess.Popen, int]:
     prog = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
-    wrapper = subprocess.Popen([sys.executable, "-m", "weightstream.cli", "prefetch", "run", *SPEC, "--",
-                                sys.executable, "-c", prog], env=env_with_home(home), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "weightstream.cli", "prefetch", "run", *SPEC, "--", sys.executable, "-c", prog],
+        env=env_with_home(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     return wrapper, int(wrapper.stdout.readline())
 
 

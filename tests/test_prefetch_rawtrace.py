@@ -9,13 +9,16 @@ import threading
 
 import pytest
 
-from prefetch_support import drop, loader, make_checkpoint, tracefs_ok
 from weightstream.prefetch import rawtrace
 from weightstream.prefetch.events import ACCESS, MISS, READ
 
+from prefetch_support import drop, loader, make_checkpoint, tracefs_ok
+
 MIB = 1 << 20
-FORMATS = {600: rawtrace.EventFormat(MISS, ino=16, dev=32, index=24, order=36),
-           598: rawtrace.EventFormat(ACCESS, ino=8, dev=16, index=24, last_index=32)}
+FORMATS = {
+    600: rawtrace.EventFormat(MISS, ino=16, dev=32, index=24, order=36),
+    598: rawtrace.EventFormat(ACCESS, ino=8, dev=16, index=24, last_index=32),
+}
 
 
 def _record(event_id: int, pid: int, ino: int, s_dev: int, index: int, extra: int) -> bytes:
@@ -40,8 +43,11 @@ def test_parse_page_reads_every_kind_of_record():
     page += b"\xff" * (4096 - len(page))  # garbage past the commit size is never read
     records, lost = rawtrace.parse_page(page, FORMATS)
     assert lost
-    assert [r[1:] for r in records] == [(MISS, 42, dev, 7, 3 * 4096, 16384), (ACCESS, 42, dev, 7, 10 * 4096, 4 * 4096),
-                                         (ACCESS, 43, dev, 7, 20 * 4096, 4096)]
+    assert [r[1:] for r in records] == [
+        (MISS, 42, dev, 7, 3 * 4096, 16384),
+        (ACCESS, 42, dev, 7, 10 * 4096, 4 * 4096),
+        (ACCESS, 43, dev, 7, 20 * 4096, 4096),
+    ]
     assert [r[0] for r in records] == [1005, 1005 + (1 << 27) + 5, 1005 + (1 << 27) + 5 + 3]  # deltas add up
     events = rawtrace.to_page_events(records, lambda tid: 40)
     assert events[0].dev == os.makedev(8, 1) and events[0].tgid == 40
@@ -58,7 +64,9 @@ def _covered(events, kinds) -> dict:
     out: dict = {}
     for e in events:
         if e.kind in kinds:
-            out.setdefault((e.kind, e.tgid, e.ino), set()).update(range(e.offset // 4096, (e.offset + e.length) // 4096))
+            out.setdefault((e.kind, e.tgid, e.ino), set()).update(
+                range(e.offset // 4096, (e.offset + e.length) // 4096)
+            )
     return out
 
 

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from prefetch_support import cli, drop, loader, tracefs_ok
 from weightstream.prefetch.template import FileIdentity, LoadTemplate, TemplateError, WorkerTemplate
+
+from prefetch_support import cli, drop, loader, tracefs_ok
 
 GIB = 1 << 30
 
@@ -33,8 +34,9 @@ def test_identity_detects_each_kind_of_change(tmp_path):
 def test_template_json_roundtrip_and_corruption(tmp_path):
     path = tmp_path / "w.bin"
     path.write_bytes(b"x" * 10000)
-    t = LoadTemplate({"model": "m"}, "k", [FileIdentity.of(str(path))], [WorkerTemplate("p", [(0, 0, 8192)])],
-                     "tracefs", 1.5)
+    t = LoadTemplate(
+        {"model": "m"}, "k", [FileIdentity.of(str(path))], [WorkerTemplate("p", [(0, 0, 8192)])], "tracefs", 1.5
+    )
     back = LoadTemplate.from_json(t.to_json())
     assert back == t and back.check_ranges() is None
     for bad in ("", "{", '{"format": "other"}', t.to_json().replace('"ranges":"', '"ranges":"!!')):
@@ -54,8 +56,18 @@ def test_recorded_template_is_under_1_kib_per_gib(tmp_path):
         f.truncate(GIB)
     drop([str(path)])
     try:
-        rec = cli(tmp_path / "home", "prefetch", "record", "--spec", "model=big", "--model-dir", str(model), "--",
-                  *loader("read", [str(path)]), timeout=300)
+        rec = cli(
+            tmp_path / "home",
+            "prefetch",
+            "record",
+            "--spec",
+            "model=big",
+            "--model-dir",
+            str(model),
+            "--",
+            *loader("read", [str(path)]),
+            timeout=300,
+        )
         assert rec.returncode == 0, rec.stderr.decode()
         (template,) = (tmp_path / "home" / "templates").glob("*.json")
         assert LoadTemplate.from_json(template.read_text()).bytes >= GIB - (1 << 20)

@@ -8,8 +8,8 @@ import pytest
 
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch.events import parse_trace_text
-from weightstream.prefetch.pages import ISSUED, TOUCHED, PageCounter, PageFlags
 from weightstream.prefetch.merge import RangeMerger
+from weightstream.prefetch.pages import ISSUED, TOUCHED, PageCounter, PageFlags
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.template import LoadTemplate, WorkerTemplate, pack_ranges, unpack_ranges
@@ -88,8 +88,14 @@ def test_pack_ranges_roundtrip_and_size():
 
 
 def test_plan_lookup_matches_brute_force():
-    t = LoadTemplate({}, "k", [], [WorkerTemplate("a", [(0, 0, 5 * MIB), (1, 3 * MIB, 3 * MIB)]),
-                                   WorkerTemplate("b", [(0, 4 * MIB, 4 * MIB)])], "tracefs", 0.0)
+    t = LoadTemplate(
+        {},
+        "k",
+        [],
+        [WorkerTemplate("a", [(0, 0, 5 * MIB), (1, 3 * MIB, 3 * MIB)]), WorkerTemplate("b", [(0, 4 * MIB, 4 * MIB)])],
+        "tracefs",
+        0.0,
+    )
     plan = Plan.from_template(t)
     chunks = [c for w in plan.workers for c in w]
     rng = random.Random(3)
@@ -103,13 +109,17 @@ def test_plan_lookup_matches_brute_force():
 
 
 def test_parse_trace_text_joins_consecutive_pages():
-    text = (b"  python-41 (   40) [001] ..... 1.0: mm_filemap_add_to_page_cache: dev 254:0 ino 1f pfn=0x1 ofs=0 "
-            b"order=0\n"
-            b"  python-41 (   40) [001] ..... 1.0: mm_filemap_add_to_page_cache: dev 254:0 ino 1f pfn=0x2 ofs=4096 "
-            b"order=2\n"
-            b"  my-prog-42 (   40) [000] ..... 1.1: mm_filemap_map_pages: dev=254:0 ino=1f ofs=65536-131071\n"
-            b"  <...>-43 (-----) [000] ..... 1.2: mm_filemap_fault: dev=254:0 ino=1f ofs=8192\n")
+    text = (
+        b"  python-41 (   40) [001] ..... 1.0: mm_filemap_add_to_page_cache: dev 254:0 ino 1f pfn=0x1 ofs=0 "
+        b"order=0\n"
+        b"  python-41 (   40) [001] ..... 1.0: mm_filemap_add_to_page_cache: dev 254:0 ino 1f pfn=0x2 ofs=4096 "
+        b"order=2\n"
+        b"  my-prog-42 (   40) [000] ..... 1.1: mm_filemap_map_pages: dev=254:0 ino=1f ofs=65536-131071\n"
+        b"  <...>-43 (-----) [000] ..... 1.2: mm_filemap_fault: dev=254:0 ino=1f ofs=8192\n"
+    )
     ev = parse_trace_text(text)
     assert [(e.kind, e.tid, e.tgid, e.ino, e.offset, e.length) for e in ev] == [
-        ("miss", 41, 40, 0x1F, 0, 4096 + 16384), ("access", 42, 40, 0x1F, 65536, 65536),
-        ("access", 43, 43, 0x1F, 8192, 4096)]
+        ("miss", 41, 40, 0x1F, 0, 4096 + 16384),
+        ("access", 42, 40, 0x1F, 65536, 65536),
+        ("access", 43, 43, 0x1F, 8192, 4096),
+    ]

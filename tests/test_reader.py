@@ -10,8 +10,18 @@ from weightstream.io.aligned import AlignedArena, region_bytes, round_up
 from weightstream.io.reader import DirectReader, ReadRequest
 
 PRIME_NEAR_4_4MB = 4_400_009
-CASES = [(0, 1), (0, 4095), (0, 4096), (0, 4097), (1, 4095), (4095, 2), (4097, 4096), (123, PRIME_NEAR_4_4MB),
-         (8192, 3 * 128 * 1024 + 17), (4_406_400, 4_406_400)]  # gpt-oss-20b's expert tensor size
+CASES = [
+    (0, 1),
+    (0, 4095),
+    (0, 4096),
+    (0, 4097),
+    (1, 4095),
+    (4095, 2),
+    (4097, 4096),
+    (123, PRIME_NEAR_4_4MB),
+    (8192, 3 * 128 * 1024 + 17),
+    (4_406_400, 4_406_400),
+]  # gpt-oss-20b's expert tensor size
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +44,7 @@ def read_all(path, requests, threads, o_direct=True, chunk=128 * 1024):
     assert done.wait(30)
     reader.close()
     assert errors == [None]
-    return [bytes(arena.view[p:p + n]) for p, (_, n) in zip(placed, requests)], reader
+    return [bytes(arena.view[p : p + n]) for p, (_, n) in zip(placed, requests)], reader
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
@@ -106,3 +116,49 @@ def test_a_file_truncated_after_opening_is_an_error_not_stale_bytes(tmp_path, o_
     assert isinstance(errors[0], WeightstreamError), errors
     message = str(errors[0])
     assert str(path) in message and "short read at byte" in message and "needs" in message
+
+
+@pytest.fixture
+def no_o_direct_dir(tmp_path, monkeypatch):
+    """A directory whose files refuse O_DIRECT: a ramfs mount (root), else an EINVAL injected at open."""
+    import errno
+    import subprocess
+
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True).returncode == 0
+    )
+    if not mounted:
+        real_open = os.open
+
+        def refusing_open(path, flags, *args, **kwargs):
+            if flags & os.O_DIRECT and str(path).startswith(str(where)):
+                raise OSError(errno.EINVAL, "Invalid argument", str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refusing_open)
+    yield where, "ramfs" if mounted else "injected EINVAL"
+    if mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_buffered_fallback_where_o_direct_is_refused(no_o_direct_dir):
+    where, how = no_o_direct_dir
+    data = os.urandom(300_001)
+    path = where / "blob.bin"
+    path.write_bytes(data)
+    warnings = []
+    arena = AlignedArena(round_up(region_bytes(len(data))))
+    reader = DirectReader(arena, threads=2, chunk_bytes=64 * 1024, warn=warnings.append)
+    done, errors = threading.Event(), []
+    reader.submit([ReadRequest(str(path), 5, len(data) - 5, 0)], lambda e: (errors.append(e), done.set()))
+    assert done.wait(10)
+    reader.submit([ReadRequest(str(path), 0, 10, 0)], lambda e: None)  # a second read: no second warning
+    reader.close()
+    assert errors == [None], how
+    assert bytes(arena.view[5 : len(data)]) == data[5:]
+    assert reader.buffered_fallback is True
+    assert len(warnings) == 1 and "O_DIRECT refused for" in warnings[0] and str(path) in warnings[0]
+    assert "falling back to buffered reads" in warnings[0]

@@ -9,12 +9,13 @@ import sys
 
 import numpy as np
 import pytest
-from _real_traces import deepseek, mixtral
 
 from weightstream.errors import WeightstreamError
 from weightstream.sim import Workload, replay
 from weightstream.sim.replay import Options, run_one
 from weightstream.trace import ModelShape, TraceWriter, save
+
+from _real_traces import deepseek, mixtral
 
 POLICIES = ("lru", "slru", "lfu", "pinned", "adaptive", "belady")
 
@@ -31,8 +32,11 @@ def naive_waves(experts, slots):
 
 def naive_hits(trace, name, slots, static=(), share=0.5, count_from=0):
     """Straight from docs/cache-policies.md, with lists: hits over accesses >= count_from."""
-    groups = [(int(trace.group_layer[g]), wave) for g in range(len(trace.group_layer))
-              for wave in naive_waves(trace.experts[trace.group_offsets[g]:trace.group_offsets[g + 1]].tolist(), slots)]
+    groups = [
+        (int(trace.group_layer[g]), wave)
+        for g in range(len(trace.group_layer))
+        for wave in naive_waves(trace.experts[trace.group_offsets[g] : trace.group_offsets[g + 1]].tolist(), slots)
+    ]
     flat = [(layer, e) for layer, es in groups for e in es]
     where = {}
     for i, k in enumerate(flat):
@@ -60,8 +64,12 @@ def naive_hits(trace, name, slots, static=(), share=0.5, count_from=0):
                     if name == "lfu":
                         victim = min(candidates, key=lambda c: (count[c], last[c]))
                     elif name == "belady":
-                        victim = max(candidates, key=lambda c, i=i: where[c][bisect.bisect_right(where[c], i)]
-                                     if where[c][-1] > i else len(flat))
+                        victim = max(
+                            candidates,
+                            key=lambda c, i=i: (
+                                where[c][bisect.bisect_right(where[c], i)] if where[c][-1] > i else len(flat)
+                            ),
+                        )
                     else:
                         victim = candidates[0]
                     (lists[0] if victim in lists[0] else lists[1]).remove(victim)
@@ -118,9 +126,13 @@ def batched(trace):
         steps = np.flatnonzero(trace.step_request == r)
         writer.begin_step(trace.requests[r], "prefill", len(steps))
         for layer in trace.shape.layers:
-            experts = [e for s in steps for g in range(trace.step_groups[s], trace.step_groups[s + 1])
-                       if trace.group_layer[g] == layer
-                       for e in trace.experts[trace.group_offsets[g]:trace.group_offsets[g + 1]]]
+            experts = [
+                e
+                for s in steps
+                for g in range(trace.step_groups[s], trace.step_groups[s + 1])
+                if trace.group_layer[g] == layer
+                for e in trace.experts[trace.group_offsets[g] : trace.group_offsets[g + 1]]
+            ]
             writer.add(layer, experts)
     return writer.finish()
 
@@ -158,7 +170,7 @@ def naive_byte_lru(trace, budget):
     size = dict(zip(trace.shape.layers, trace.shape.expert_bytes))
     order, hits = [], 0
     for g, layer in enumerate(trace.group_layer.tolist()):
-        keys = [(layer, e) for e in trace.experts[trace.group_offsets[g]:trace.group_offsets[g + 1]].tolist()]
+        keys = [(layer, e) for e in trace.experts[trace.group_offsets[g] : trace.group_offsets[g + 1]].tolist()]
         for k in keys:
             if k in order:
                 hits += 1
@@ -177,8 +189,16 @@ def test_replay_api_counts_judged_part_and_accepts_options():
     half = replay(t, "lru", t.shape.working_set_bytes, train_share=0.5)
     assert half.accesses == t.n_accesses - t.access_range(0, t.first_step_of_request(2))[1]
     pinned = replay(t, "pinned", 10 * t.shape.expert_bytes[0], pinned_keys=[(0, 0), (0, 1)])
-    assert pinned.hits >= sum(1 for g in np.flatnonzero(t.group_layer == 0)
-                              for e in t.experts[t.group_offsets[g]:t.group_offsets[g + 1]] if e < 2) - 2
+    assert (
+        pinned.hits
+        >= sum(
+            1
+            for g in np.flatnonzero(t.group_layer == 0)
+            for e in t.experts[t.group_offsets[g] : t.group_offsets[g + 1]]
+            if e < 2
+        )
+        - 2
+    )
     two_x = 2 * t.shape.working_set_bytes
     assert replay(t, "slru", two_x, protected_share=0.9).hits != replay(t, "slru", two_x).hits
     with pytest.raises(WeightstreamError, match="holds no expert slot"):
@@ -189,13 +209,17 @@ def test_replay_api_counts_judged_part_and_accepts_options():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, check=False
+    )
 
 
 def test_simulate_cli_json_table_and_plot(tmp_path):
     t = mixtral()
     save(t, tmp_path / "m.npz")
-    res = _cli("simulate", str(tmp_path / "m.npz"), "--json", "--sizes", "1x,2x,40GiB", "--plot", str(tmp_path / "p.png"))
+    res = _cli(
+        "simulate", str(tmp_path / "m.npz"), "--json", "--sizes", "1x,2x,40GiB", "--plot", str(tmp_path / "p.png")
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert set(out) == {"tokens", "accesses", "working_set_bytes", "results"} and len(out["results"]) == 18
@@ -217,7 +241,14 @@ def test_simulate_cli_json_table_and_plot(tmp_path):
 def test_sizes_in_bytes_multiples_and_ranges():
     from weightstream.sim.sizes import parse_sizes
 
-    assert parse_sizes("1x, 0.5x,4500MiB,2GiB,1.5GB,123", 1000) == [1000, 500, 4500 * 2**20, 2 * 2**30, 1_500_000_000, 123]
+    assert parse_sizes("1x, 0.5x,4500MiB,2GiB,1.5GB,123", 1000) == [
+        1000,
+        500,
+        4500 * 2**20,
+        2 * 2**30,
+        1_500_000_000,
+        123,
+    ]
     assert parse_sizes("0.5x:8x:0.5x", 2574)[1::2] == [2574 * m for m in range(1, 9)]  # lands exactly on 1x, 2x...
     assert parse_sizes("1GiB:3GiB:1GiB", 1) == [2**30, 2 * 2**30, 3 * 2**30]
     for bad in ("", "foo", "2 parsecs", "-1x", "4x:1x:1x", "0x"):

@@ -21,13 +21,18 @@ def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = No
 
 
 def snapshot(directory):
-    return {p: (os.path.getsize(os.path.join(directory, p)), os.path.getmtime(os.path.join(directory, p)))
-            for p in sorted(os.listdir(directory))}
+    return {
+        p: (os.path.getsize(os.path.join(directory, p)), os.path.getmtime(os.path.join(directory, p)))
+        for p in sorted(os.listdir(directory))
+    }
 
 
 def test_offsets_match_safetensors(tmp_path):
-    tensors = {"a": torch.arange(7, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
-               "c": torch.zeros(0, dtype=torch.int64)}
+    tensors = {
+        "a": torch.arange(7, dtype=torch.float32),
+        "b": torch.ones(3, 5, dtype=torch.bfloat16),
+        "c": torch.zeros(0, dtype=torch.int64),
+    }
     path = str(tmp_path / "x.safetensors")
     save_file(tensors, path)
     infos = read_safetensors_header(path)
@@ -40,16 +45,19 @@ def test_offsets_match_safetensors(tmp_path):
             assert raw == expected.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("case, pattern", [
-    ("truncated_length", "truncated safetensors file"),
-    ("truncated_header", "truncated safetensors header"),
-    ("oversized_header", "exceeds the format's"),
-    ("past_eof", "past the end of the file"),
-    ("overlap", "overlap"),
-    ("unknown_dtype", "unknown dtype"),
-    ("not_json", "not valid JSON"),
-    ("wrong_length", "needs 16"),
-])
+@pytest.mark.parametrize(
+    "case, pattern",
+    [
+        ("truncated_length", "truncated safetensors file"),
+        ("truncated_header", "truncated safetensors header"),
+        ("oversized_header", "exceeds the format's"),
+        ("past_eof", "past the end of the file"),
+        ("overlap", "overlap"),
+        ("unknown_dtype", "unknown dtype"),
+        ("not_json", "not valid JSON"),
+        ("wrong_length", "needs 16"),
+    ],
+)
 def test_malformed_files_rejected(tmp_path, case, pattern):
     path = str(tmp_path / "bad.safetensors")
     good = {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
@@ -62,8 +70,14 @@ def test_malformed_files_rejected(tmp_path, case, pattern):
     elif case == "past_eof":
         write_raw(path, good, b"\0" * 8)
     elif case == "overlap":
-        write_raw(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, b"\0" * 24)
+        write_raw(
+            path,
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            b"\0" * 24,
+        )
     elif case == "unknown_dtype":
         write_raw(path, {"t": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4)
     elif case == "not_json":
@@ -81,8 +95,9 @@ def test_malformed_files_rejected(tmp_path, case, pattern):
 def test_missing_shard_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})
+    )
     before = snapshot(tmp_path)
     with pytest.raises(WeightstreamError, match="model-2.safetensors"):
         open_checkpoint(str(tmp_path))
@@ -104,8 +119,9 @@ def test_sharded_checkpoint_indexes_every_tensor(tiny_model):
         assert set(json.load(f)["weight_map"]) == set(ckpt.tensors)
 
 
-@pytest.mark.parametrize("arch, cls", [("mixtral", "MixtralForCausalLM"), ("olmoe", "OlmoeForCausalLM"),
-                                       ("gpt_oss", "GptOssForCausalLM")])
+@pytest.mark.parametrize(
+    "arch, cls", [("mixtral", "MixtralForCausalLM"), ("olmoe", "OlmoeForCausalLM"), ("gpt_oss", "GptOssForCausalLM")]
+)
 def test_synth_config_names_its_architecture(tiny_model, arch, cls):
     """Hub checkpoints name their class; converters (llama.cpp's convert_hf_to_gguf) refuse a config without it."""
     with open(os.path.join(tiny_model(arch), "config.json")) as f:
@@ -119,10 +135,14 @@ def test_aligned_writer_round_trips_through_safetensors_and_aligns(tmp_path):
     from weightstream.store.safetensors_writer import save_aligned
 
     gen = torch.Generator().manual_seed(0)
-    tensors = {"bias": torch.randn(10, generator=gen),  # 40 bytes: placed after the aligned ones
-               "w.bf16": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
-               "w.f32": torch.randn(3, 64, generator=gen), "q": torch.randint(-128, 127, (128,), dtype=torch.int8),
-               "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+    tensors = {
+        "bias": torch.randn(10, generator=gen),  # 40 bytes: placed after the aligned ones
+        "w.bf16": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
+        "w.f32": torch.randn(3, 64, generator=gen),
+        "q": torch.randint(-128, 127, (128,), dtype=torch.int8),
+        "flag": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4),
+    }
     path = tmp_path / "x.safetensors"
     save_aligned(tensors, str(path), metadata={"format": "pt"})
     with safe_open(str(path), framework="pt") as f:

@@ -20,7 +20,7 @@ def tiny_shape(**kw):
 
 def tiny_trace(weights=True):
     w = TraceWriter(tiny_shape())
-    w.begin_step("a", "prefill")                       # batched prefill of 2 tokens
+    w.begin_step("a", "prefill")  # batched prefill of 2 tokens
     w.add(1, [0, 1], [0.6, 0.4] if weights else None)  # token 0
     w.add(1, [1, 2], [0.5, 0.5] if weights else None)  # token 1, same layer: same group
     w.add(2, [3, 0, 0, 1], [0.7, 0.3, 0.9, 0.1] if weights else None)
@@ -70,15 +70,18 @@ def test_slice_keeps_only_the_requests_it_covers():
     only_b.validate()
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda w: w.add(1, [0, 1]), "before begin_step"),
-    (lambda w: (w.begin_step("r", "decode"), w.add(5, [0, 1])), "not a routed layer"),
-    (lambda w: (w.begin_step("r", "decode"), w.add(1, [0, 4])), "0..3"),
-    (lambda w: (w.begin_step("r", "decode"), w.add(2, [0, 1]), w.add(1, [0, 1])), "must ascend"),
-    (lambda w: w.begin_step("r", "generate"), "phase"),
-    (lambda w: (w.begin_step("r", "decode"), w.add(1, [0, 1], [0.5])), "1 weights for 2 experts"),
-    (lambda w: (w.begin_step("r", "decode"), w.begin_step("r", "decode")), "recorded no layer"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda w: w.add(1, [0, 1]), "before begin_step"),
+        (lambda w: (w.begin_step("r", "decode"), w.add(5, [0, 1])), "not a routed layer"),
+        (lambda w: (w.begin_step("r", "decode"), w.add(1, [0, 4])), "0..3"),
+        (lambda w: (w.begin_step("r", "decode"), w.add(2, [0, 1]), w.add(1, [0, 1])), "must ascend"),
+        (lambda w: w.begin_step("r", "generate"), "phase"),
+        (lambda w: (w.begin_step("r", "decode"), w.add(1, [0, 1], [0.5])), "1 weights for 2 experts"),
+        (lambda w: (w.begin_step("r", "decode"), w.begin_step("r", "decode")), "recorded no layer"),
+    ],
+)
 def test_writer_rejects_bad_input(bad, message):
     with pytest.raises(WeightstreamError, match=message):
         bad(TraceWriter(tiny_shape()))
@@ -120,8 +123,11 @@ def test_load_refuses_layer_groups_that_are_not_tokens_times_top_k(tmp_path):
     save(tiny_trace(), tmp_path / "t.npz")
     # move one choice from the prefill's layer-1 group (2 tokens x top-2 = 4) to its layer-2 group
     _rewrite(tmp_path / "t.npz", tmp_path / "bad.npz", group_offsets=np.array([0, 3, 8, 10, 12, 14], np.int64))
-    with pytest.raises(WeightstreamError, match=r"bad\.npz: step 0 layer 1 lists 3 expert choices; its 2 token\(s\) "
-                                                r"x top-2 of shape 'tiny' make 4"):
+    with pytest.raises(
+        WeightstreamError,
+        match=r"bad\.npz: step 0 layer 1 lists 3 expert choices; its 2 token\(s\) "
+        r"x top-2 of shape 'tiny' make 4",
+    ):
         load(tmp_path / "bad.npz")
     _rewrite(tmp_path / "t.npz", tmp_path / "tokens.npz", step_tokens=np.array([2, 2, 1], np.int32))
     with pytest.raises(WeightstreamError, match=r"tokens\.npz: step 1 layer 1 lists 2 expert choices; its 2 token"):
@@ -163,7 +169,7 @@ def test_save_is_atomic_and_leaves_no_temporary(tmp_path):
 
 
 def test_named_shapes_match_the_published_expert_sizes():
-    assert resolve_shape("mixtral-8x7b").expert_bytes[0] == 336 * MIB           # 3 x 4096 x 14336 x 2
+    assert resolve_shape("mixtral-8x7b").expert_bytes[0] == 336 * MIB  # 3 x 4096 x 14336 x 2
     ds = resolve_shape("deepseek-v2-lite")
     assert ds.layers == list(range(1, 27)) and ds.expert_bytes[0] == 3 * 2048 * 1408 * 2
     assert ds.working_set_slots == 156
@@ -176,9 +182,17 @@ def test_named_shapes_match_the_published_expert_sizes():
 
 
 def test_config_json_shapes(tmp_path):
-    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
-           "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3],
-           "torch_dtype": "float32"}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "torch_dtype": "float32",
+    }
     (tmp_path / "config.json").write_text(json.dumps({"text_config": cfg}))
     shape = resolve_shape(str(tmp_path))
     assert shape.layers == [1] and shape.expert_bytes == [3 * 64 * 32 * 4]

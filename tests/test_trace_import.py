@@ -7,11 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-from _real_traces import MIXTRAL_FILES, deepseek, deepseek_files, mixtral
 
 from weightstream.errors import WeightstreamError
 from weightstream.trace import load, resolve_shape
 from weightstream.trace.importers import import_moe_beyond_csv, import_vllm_jsonl
+
+from _real_traces import MIXTRAL_FILES, deepseek, deepseek_files, mixtral
 
 
 def _choices(trace):
@@ -32,8 +33,12 @@ def test_mixtral_import_holds_every_record_in_decode_order():
     for path in MIXTRAL_FILES:
         records += [(path.name, json.loads(line)) for line in path.read_text().splitlines()]
     assert t.n_accesses == 2 * len(records) == 37336
-    assert t.requests == ["humaneval_2_routing.jsonl:problem-0", "humaneval_2_routing.jsonl:problem-1",
-                          "gsm8k_2_routing.jsonl:problem-0", "gsm8k_2_routing.jsonl:problem-1"]
+    assert t.requests == [
+        "humaneval_2_routing.jsonl:problem-0",
+        "humaneval_2_routing.jsonl:problem-1",
+        "gsm8k_2_routing.jsonl:problem-0",
+        "gsm8k_2_routing.jsonl:problem-1",
+    ]
     assert t.n_tokens == 83 + 255 + 168 + 79 and set(t.step_phase.tolist()) == {1}
     got = _choices(t)
     for name, r in records:
@@ -72,15 +77,21 @@ def _jsonl(tmp_path, lines, name="r.jsonl"):
 REC = {"dataset": "x", "problem_id": 0, "layer": 0, "experts": [1, 2], "gating_probs": [0.6, 0.4], "token_idx": 0}
 
 
-@pytest.mark.parametrize("lines, message", [
-    ([json.dumps(REC), json.dumps(REC)[:40]], r"r\.jsonl:2: not a JSON object.*truncated"),
-    ([json.dumps(REC), json.dumps({**REC, "token_idx": 1, "experts": [1, 8]})], r"r\.jsonl:2: expert 8 is outside 0\.\.7"),
-    ([json.dumps({**REC, "layer": 32})], r"r\.jsonl:1: layer 32 is not a routed layer.*0\.\.31"),
-    ([json.dumps({**REC, "experts": [1, 2, 3]})], r"r\.jsonl:1: 3 experts chosen.*top-k 2"),
-    ([json.dumps(REC), json.dumps(REC)], r"r\.jsonl:2: problem 0 token 0 layer 0 already given on line 1"),
-    ([json.dumps({"layer": 0})], r"r\.jsonl:1: record lacks one of"),
-    ([], r"r\.jsonl: no routing records \(empty file\)"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([json.dumps(REC), json.dumps(REC)[:40]], r"r\.jsonl:2: not a JSON object.*truncated"),
+        (
+            [json.dumps(REC), json.dumps({**REC, "token_idx": 1, "experts": [1, 8]})],
+            r"r\.jsonl:2: expert 8 is outside 0\.\.7",
+        ),
+        ([json.dumps({**REC, "layer": 32})], r"r\.jsonl:1: layer 32 is not a routed layer.*0\.\.31"),
+        ([json.dumps({**REC, "experts": [1, 2, 3]})], r"r\.jsonl:1: 3 experts chosen.*top-k 2"),
+        ([json.dumps(REC), json.dumps(REC)], r"r\.jsonl:2: problem 0 token 0 layer 0 already given on line 1"),
+        ([json.dumps({"layer": 0})], r"r\.jsonl:1: record lacks one of"),
+        ([], r"r\.jsonl: no routing records \(empty file\)"),
+    ],
+)
 def test_bad_jsonl_names_file_and_line(tmp_path, lines, message):
     with pytest.raises(WeightstreamError, match=message):
         import_vllm_jsonl([_jsonl(tmp_path, lines)], resolve_shape("mixtral-8x7b"))
@@ -95,17 +106,20 @@ def _csv(tmp_path, rows, header="Layer ID,Batch Number,Token,Activated Expert ID
 GOOD = [f'{layer},0,tok{t},"[{t}, 1, 2, 3, 4, 5]"' for layer in range(1, 27) for t in range(2)]
 
 
-@pytest.mark.parametrize("rows, header, message", [
-    (GOOD[:-1], None, r"p\.csv: batch 0: layer 26 has 1 tokens but layer 1 has 2; the file is truncated"),
-    (GOOD[:3] + ['2,0,x,"[1, 2, 3, 4, 5, 64]"'] + GOOD[4:], None, r"p\.csv:5: expert 64 is outside 0\.\.63"),
-    (['27,0,x,"[0, 1, 2, 3, 4, 5]"'], None, r"p\.csv:2: layer 27 is not a routed layer.*1\.\.26"),
-    (['1,0,x,"[0, 1, 2]"'], None, r"p\.csv:2: 3 experts chosen.*top-k 6"),
-    (['1,0,x,"[0, 1, 2, 3, 4, five]"'], None, r"p\.csv:2: expert list .* non-integer"),
-    (['1,0,x'], None, r"p\.csv:2: 3 fields, expected 4"),
-    ([], "Layer,Batch,Token,Experts", r"p\.csv:1: header"),
-    ([], None, r"p\.csv: header but no rows"),
-    ([], "", r"p\.csv: empty file"),
-])
+@pytest.mark.parametrize(
+    "rows, header, message",
+    [
+        (GOOD[:-1], None, r"p\.csv: batch 0: layer 26 has 1 tokens but layer 1 has 2; the file is truncated"),
+        (GOOD[:3] + ['2,0,x,"[1, 2, 3, 4, 5, 64]"'] + GOOD[4:], None, r"p\.csv:5: expert 64 is outside 0\.\.63"),
+        (['27,0,x,"[0, 1, 2, 3, 4, 5]"'], None, r"p\.csv:2: layer 27 is not a routed layer.*1\.\.26"),
+        (['1,0,x,"[0, 1, 2]"'], None, r"p\.csv:2: 3 experts chosen.*top-k 6"),
+        (['1,0,x,"[0, 1, 2, 3, 4, five]"'], None, r"p\.csv:2: expert list .* non-integer"),
+        (["1,0,x"], None, r"p\.csv:2: 3 fields, expected 4"),
+        ([], "Layer,Batch,Token,Experts", r"p\.csv:1: header"),
+        ([], None, r"p\.csv: header but no rows"),
+        ([], "", r"p\.csv: empty file"),
+    ],
+)
 def test_bad_csv_names_file_and_line(tmp_path, rows, header, message):
     kwargs = {} if header is None else {"header": header}
     with pytest.raises(WeightstreamError, match=message):
@@ -113,20 +127,32 @@ def test_bad_csv_names_file_and_line(tmp_path, rows, header, message):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, check=False
+    )
 
 
 def test_cli_import_writes_a_loadable_trace_and_reports_bad_input(tmp_path):
     out = tmp_path / "ds.npz"
     files = [str(p) for p in deepseek_files()[:3]]
-    res = _cli("trace", "import", *files, "--format", "moe-beyond-csv", "--model-shape", "deepseek-v2-lite",
-               "-o", str(out))
+    res = _cli(
+        "trace", "import", *files, "--format", "moe-beyond-csv", "--model-shape", "deepseek-v2-lite", "-o", str(out)
+    )
     assert res.returncode == 0, res.stderr
     assert load(out).requests == [p.split("/")[-1] for p in files]
     info = json.loads(_cli("trace", "info", str(out), "--json").stdout)
     assert info["requests"] == 3 and info["working_set_slots"] == 156
-    res = _cli("trace", "import", files[0], "--format", "vllm-jsonl", "--model-shape", "deepseek-v2-lite",
-               "-o", str(tmp_path / "x.npz"))
+    res = _cli(
+        "trace",
+        "import",
+        files[0],
+        "--format",
+        "vllm-jsonl",
+        "--model-shape",
+        "deepseek-v2-lite",
+        "-o",
+        str(tmp_path / "x.npz"),
+    )
     assert res.returncode == 2 and f"{files[0]}:1: not a JSON object" in res.stderr
     assert not (tmp_path / "x.npz").exists()
 
@@ -152,8 +178,9 @@ def test_cli_record_with_the_engine_then_simulate(tiny_model, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The cache holds experts\nRouting decides which\n")
     out = tmp_path / "rec.npz"
-    res = _cli("trace", "record", tiny_model("qwen3_moe"), "--prompts", str(prompts), "--max-new-tokens", "4",
-               "-o", str(out))
+    res = _cli(
+        "trace", "record", tiny_model("qwen3_moe"), "--prompts", str(prompts), "--max-new-tokens", "4", "-o", str(out)
+    )
     assert res.returncode == 0, res.stderr
     t = load(out)
     assert t.requests == ["prompt-0", "prompt-1"]

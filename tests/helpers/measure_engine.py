@@ -43,16 +43,24 @@ def main(model_dir: str, cache: str, threads: int, tokens: int, predict_next: bo
     model.weightstream.close()  # joins the I/O threads: a read-ahead issued in the last step has landed too
     after = io_read_bytes()
     layout = model.weightstream.layout
-    print(json.dumps({
-        "baseline_rss": baseline, "peak_rss": peak_rss(),
-        "dense_bytes": sum(t.nbytes for t in layout.dense.values()), "expert_total": layout.expert_bytes_total(),
-        "cache_bytes": model.weightstream.cache.memory_bytes, "budget": model.weightstream.cache.budget_bytes,
-        "proc_read_bytes": after - before, "reader_bytes_read": model.weightstream.cache.bytes_read - reader_before,
-        "stats": stats.to_dict(),
-        "aligned_bytes_missed": model.weightstream.cache.stats.aligned_bytes_missed,
-        "readahead_aligned_bytes": model.weightstream.cache.stats.readahead_aligned_bytes,
-        "expert_nbytes": sorted({e.nbytes for e in layout.experts.values()}),
-    }))
+    print(
+        json.dumps(
+            {
+                "baseline_rss": baseline,
+                "peak_rss": peak_rss(),
+                "dense_bytes": sum(t.nbytes for t in layout.dense.values()),
+                "expert_total": layout.expert_bytes_total(),
+                "cache_bytes": model.weightstream.cache.memory_bytes,
+                "budget": model.weightstream.cache.budget_bytes,
+                "proc_read_bytes": after - before,
+                "reader_bytes_read": model.weightstream.cache.bytes_read - reader_before,
+                "stats": stats.to_dict(),
+                "aligned_bytes_missed": model.weightstream.cache.stats.aligned_bytes_missed,
+                "readahead_aligned_bytes": model.weightstream.cache.stats.readahead_aligned_bytes,
+                "expert_nbytes": sorted({e.nbytes for e in layout.experts.values()}),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

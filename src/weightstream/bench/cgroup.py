@@ -28,8 +28,10 @@ class MemoryCgroup:
         """A new cgroup `name-<random>` under this process's own memory cgroup, limited to `limit_bytes`."""
         parent = CgroupMemory.of()
         if parent is None:
-            raise WeightstreamError("no cgroup memory controller on this machine; runs under a memory limit need "
-                                    "one (cgroup v2 with memory delegated, or v1 mounted at /sys/fs/cgroup/memory)")
+            raise WeightstreamError(
+                "no cgroup memory controller on this machine; runs under a memory limit need "
+                "one (cgroup v2 with memory delegated, or v1 mounted at /sys/fs/cgroup/memory)"
+            )
         group = cls(parent.path / f"{name}-{uuid.uuid4().hex[:8]}", parent.v2, limit_bytes)
         try:
             if parent.v2:
@@ -38,8 +40,10 @@ class MemoryCgroup:
             group._set_limit()
         except OSError as exc:
             group.remove()
-            raise WeightstreamError(f"cannot create memory cgroup {group.path} ({exc.strerror}); runs under a "
-                                    "memory limit need root and a cgroup v1 or v2 memory controller") from None
+            raise WeightstreamError(
+                f"cannot create memory cgroup {group.path} ({exc.strerror}); runs under a "
+                "memory limit need root and a cgroup v1 or v2 memory controller"
+            ) from None
         return group
 
     def popen(self, args: list[str], **kwargs) -> subprocess.Popen:

@@ -21,10 +21,15 @@ def run_streaming(cfg: dict) -> dict:
     from weightstream.engine.loader import load_streaming_model
 
     start = time.perf_counter()
-    model = load_streaming_model(cfg["model_dir"], expert_cache=cfg["expert_cache"], io_threads=cfg["io_threads"],
-                                 chunk_bytes=cfg.get("chunk_bytes"), policy=cfg.get("policy", "lru"),
-                                 expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
-                                 predict_next=cfg.get("predict_next", False))
+    model = load_streaming_model(
+        cfg["model_dir"],
+        expert_cache=cfg["expert_cache"],
+        io_threads=cfg["io_threads"],
+        chunk_bytes=cfg.get("chunk_bytes"),
+        policy=cfg.get("policy", "lru"),
+        expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
+        predict_next=cfg.get("predict_next", False),
+    )
     load_s = time.perf_counter() - start
     runtime = model.weightstream
     if cfg.get("routing_trace"):
@@ -39,23 +44,35 @@ def run_streaming(cfg: dict) -> dict:
         prompts = []
         for ids in cfg["prompts"]:
             new, stats = generate(model, torch.tensor([ids]), cfg["max_new_tokens"])
-            prompts.append({"token_ids": new[0].tolist(), **{k: v for k, v in stats.to_dict().items()
-                                                              if k != "layer_misses"}})
+            prompts.append(
+                {"token_ids": new[0].tolist(), **{k: v for k, v in stats.to_dict().items() if k != "layer_misses"}}
+            )
     long_prefill = None
     if cfg.get("long_prompt"):  # a long prompt's prefill: every expert of every layer, read in parallel
         _, stats = generate(model, torch.tensor([cfg["long_prompt"]]), 1)
-        long_prefill = {"tokens": len(cfg["long_prompt"]), "prefill_s": stats.prefill_s,
-                        "bytes_read": stats.prefill_bytes_read, "io_wait_s": stats.io_wait_s}
+        long_prefill = {
+            "tokens": len(cfg["long_prompt"]),
+            "prefill_s": stats.prefill_s,
+            "bytes_read": stats.prefill_bytes_read,
+            "io_wait_s": stats.io_wait_s,
+        }
     runtime.close()
-    return {"load_s": load_s, "prompts": prompts, "expert_cache_bytes": prompts[0]["expert_cache_bytes"],
-            "working_set_bytes": prompts[0]["working_set_bytes"], "long_prefill": long_prefill}
+    return {
+        "load_s": load_s,
+        "prompts": prompts,
+        "expert_cache_bytes": prompts[0]["expert_cache_bytes"],
+        "working_set_bytes": prompts[0]["working_set_bytes"],
+        "long_prefill": long_prefill,
+    }
 
 
 def warm_every_expert(cache) -> None:
     """Read every expert of every layer into the cache (which must hold them all), as demand reads."""
     if cache.n_slots < len(cache.layout.experts):
-        raise SystemExit(f"compute-only needs every expert resident: {len(cache.layout.experts)} slots, "
-                         f"the cache has {cache.n_slots}")
+        raise SystemExit(
+            f"compute-only needs every expert resident: {len(cache.layout.experts)} slots, "
+            f"the cache has {cache.n_slots}"
+        )
     for layer, n in cache.layout.num_experts.items():
         fetch = cache.fetch_layer(layer, list(range(n)))
         for _ in fetch.missing:
@@ -78,8 +95,15 @@ def run_transformers(cfg: dict) -> dict:
     prompts = []
     for ids in cfg["prompts"]:
         new, prefill_s, decode_s, steps = timed_generate(model, torch.tensor([ids]), cfg["max_new_tokens"])
-        prompts.append({"token_ids": new, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
-                        "decode_tokens_per_s": steps / decode_s if decode_s else 0.0})
+        prompts.append(
+            {
+                "token_ids": new,
+                "prefill_s": prefill_s,
+                "decode_s": decode_s,
+                "decode_steps": steps,
+                "decode_tokens_per_s": steps / decode_s if decode_s else 0.0,
+            }
+        )
     return {"load_s": load_s, "prompts": prompts}
 
 

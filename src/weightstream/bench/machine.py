@@ -30,5 +30,11 @@ def machine_info(device: str) -> dict:
     if os.path.exists(model_path):
         with open(model_path) as f:
             disk = f.read().strip()
-    return {"cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total, "kernel": platform.release(),
-            "python": platform.python_version(), "block_device": os.path.realpath(device), "disk_model": disk}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "block_device": os.path.realpath(device),
+        "disk_model": disk,
+    }

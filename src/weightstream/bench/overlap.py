@@ -28,9 +28,17 @@ def judge_overlap(runs: list[dict], compute_s: float, bandwidth: dict) -> list[d
         io_s = r["decode_bytes_read_per_token"] / MIB / bandwidth["mib_per_s"]
         per_token = 1 / r["decode_tokens_per_s"]
         bound = max(compute_s, io_s)
-        out.append({"expert_cache": r["expert_cache"], "time_per_token_s": per_token, "compute_only_s": compute_s,
-                    "read_s": io_s, "bound_s": bound, "ratio": per_token / bound,
-                    "within_target": per_token / bound <= OVERLAP_TARGET})
+        out.append(
+            {
+                "expert_cache": r["expert_cache"],
+                "time_per_token_s": per_token,
+                "compute_only_s": compute_s,
+                "read_s": io_s,
+                "bound_s": bound,
+                "ratio": per_token / bound,
+                "within_target": per_token / bound <= OVERLAP_TARGET,
+            }
+        )
     return out
 
 
@@ -40,7 +48,9 @@ def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, l
     Pieces go in batches of 64 into two halves of a buffer, the next batch queued while the last is read, so
     the I/O threads never run dry (as during a layer's misses), but no more is queued than decode ever queues.
     """
-    pieces = [Piece(t.path, t.offset, t.nbytes) for t in open_checkpoint(model_dir).tensors.values() if ".experts." in t.name]
+    pieces = [
+        Piece(t.path, t.offset, t.nbytes) for t in open_checkpoint(model_dir).tensors.values() if ".experts." in t.name
+    ]
     pieces = sorted(pieces, key=lambda p: (p.path, p.offset))
     group = 64
     half = round_up(max(region_bytes(p.nbytes) for p in pieces) * group)
@@ -58,15 +68,20 @@ def reader_bandwidth(model_dir: str, io_threads: int, chunk_bytes: int | None, l
         free[which].wait()  # the batch that last used this half has landed
         free[which].clear()
         requests, dest = [], which * half
-        for p in pieces[i:i + group]:
+        for p in pieces[i : i + group]:
             requests.append(ReadRequest(p.path, p.offset, p.nbytes, dest))
             dest += region_bytes(p.nbytes)
         reader.submit(requests, lambda err, e=free[which]: e.set())
-        total += sum(p.nbytes for p in pieces[i:i + group])
+        total += sum(p.nbytes for p in pieces[i : i + group])
     for event in free:
         event.wait()
     elapsed = time.perf_counter() - start
     read = reader.bytes_read
     reader.close()
-    return {"bytes": read, "seconds": elapsed, "mib_per_s": read / MIB / elapsed, "io_threads": io_threads,
-            "chunk_bytes": reader.chunk_bytes}
+    return {
+        "bytes": read,
+        "seconds": elapsed,
+        "mib_per_s": read / MIB / elapsed,
+        "io_threads": io_threads,
+        "chunk_bytes": reader.chunk_bytes,
+    }

@@ -67,8 +67,11 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
     """One configuration: cold cache, own cgroup, device bytes before and after."""
     cfg = child_config(config, mode, cache)
     if mode == "accelerate" and config.routing_trace:
-        return {"mode": mode, "error": "routing replay is not available for accelerate's offload (its experts "
-                                        "run transformers' own code with the model's router); run without --routing-trace"}
+        return {
+            "mode": mode,
+            "error": "routing replay is not available for accelerate's offload (its experts "
+            "run transformers' own code with the model's router); run without --routing-trace",
+        }
     dropped_globally = drop_page_cache(files)
     before = device_bytes_read(device)
     group = MemoryCgroup.create(config.memory_limit, name=f"ws-bench-{mode}")
@@ -80,8 +83,13 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
         group.remove()
         shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
     after = device_bytes_read(device)
-    run = {"mode": mode, "expert_cache": cache if mode == "expert-cache" else None, "wall_s": time.perf_counter() - start,
-           "cgroup_peak_bytes": peak, "page_cache_dropped_globally": dropped_globally}
+    run = {
+        "mode": mode,
+        "expert_cache": cache if mode == "expert-cache" else None,
+        "wall_s": time.perf_counter() - start,
+        "cgroup_peak_bytes": peak,
+        "page_cache_dropped_globally": dropped_globally,
+    }
     if result is None:
         reason = "killed by the memory limit (out of memory)" if rc in (-9, 137) else f"exit {rc}"
         return {**run, "error": f"{reason}: {err.strip().splitlines()[-1] if err.strip() else ''}"}
@@ -93,15 +101,23 @@ ACCELERATE_TOKENS = 8  # accelerate's offload reads every expert of every layer 
 
 def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
     short = mode == "accelerate"
-    return {"mode": mode, "model_dir": config.model_dir, "expert_cache": cache, "io_threads": config.io_threads,
-            "compute_threads": config.compute_threads, "chunk_bytes": config.chunk_bytes,
-            "routing_trace": config.routing_trace, "prompts": config.prompts[:1] if short else config.prompts,
-            "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
-            "predict_next": config.predict_next and mode == "expert-cache",
-            "long_prompt": config.long_prompt if mode in ("expert-cache", "page-cache") else None,
-            "warm_all": mode == "compute-only",
-            "offload_dir": os.path.join(os.path.dirname(os.path.abspath(config.model_dir)),
-                                        f".ws-offload-{os.getpid()}-{mode}")}
+    return {
+        "mode": mode,
+        "model_dir": config.model_dir,
+        "expert_cache": cache,
+        "io_threads": config.io_threads,
+        "compute_threads": config.compute_threads,
+        "chunk_bytes": config.chunk_bytes,
+        "routing_trace": config.routing_trace,
+        "prompts": config.prompts[:1] if short else config.prompts,
+        "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
+        "predict_next": config.predict_next and mode == "expert-cache",
+        "long_prompt": config.long_prompt if mode in ("expert-cache", "page-cache") else None,
+        "warm_all": mode == "compute-only",
+        "offload_dir": os.path.join(
+            os.path.dirname(os.path.abspath(config.model_dir)), f".ws-offload-{os.getpid()}-{mode}"
+        ),
+    }
 
 
 def summarize(result: dict, device_bytes: int | None) -> dict:
@@ -110,22 +126,39 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
     steps = sum(p.get("decode_steps", p.get("generated_tokens", 1) - 1) for p in prompts)
     tokens = sum(len(p["token_ids"]) for p in prompts)
     long = result.get("long_prefill")
-    out = {"decode_tokens_per_s": steps / decode_s if decode_s else 0.0,
-           "long_prefill": long,
-           "prefill_s": sum(p["prefill_s"] for p in prompts) / len(prompts),
-           "device_bytes_read": device_bytes,
-           "bytes_read_per_token": device_bytes / tokens if device_bytes is not None else None,
-           "peak_rss_bytes": result["peak_rss_bytes"], "load_s": result["load_s"],
-           "token_ids": [p["token_ids"] for p in prompts]}
-    if "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]:  # expert-cache: the page cache has no hit count
+    out = {
+        "decode_tokens_per_s": steps / decode_s if decode_s else 0.0,
+        "long_prefill": long,
+        "prefill_s": sum(p["prefill_s"] for p in prompts) / len(prompts),
+        "device_bytes_read": device_bytes,
+        "bytes_read_per_token": device_bytes / tokens if device_bytes is not None else None,
+        "peak_rss_bytes": result["peak_rss_bytes"],
+        "load_s": result["load_s"],
+        "token_ids": [p["token_ids"] for p in prompts],
+    }
+    if (
+        "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]
+    ):  # expert-cache: the page cache has no hit count
         hits, misses = sum(p["expert_hits"] for p in prompts), sum(p["expert_misses"] for p in prompts)
-        out.update(expert_hit_rate=hits / (hits + misses) if hits + misses else None,
-                   decode_bytes_read_per_token=sum(p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0)
-                                                   for p in prompts) / steps if steps else 0.0,
-                   engine_bytes_read=sum(p["bytes_read"] for p in prompts),
-                   io_wait_s=sum(p["io_wait_s"] for p in prompts), expert_cache_bytes=result["expert_cache_bytes"],
-                   per_prompt=[{"decode_s_per_token": p["decode_s"] / max(p["generated_tokens"] - 1, 1),
-                                "mib_read_per_token": p["bytes_read_per_token"] / MIB} for p in prompts])
+        out.update(
+            expert_hit_rate=hits / (hits + misses) if hits + misses else None,
+            decode_bytes_read_per_token=sum(
+                p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0) for p in prompts
+            )
+            / steps
+            if steps
+            else 0.0,
+            engine_bytes_read=sum(p["bytes_read"] for p in prompts),
+            io_wait_s=sum(p["io_wait_s"] for p in prompts),
+            expert_cache_bytes=result["expert_cache_bytes"],
+            per_prompt=[
+                {
+                    "decode_s_per_token": p["decode_s"] / max(p["generated_tokens"] - 1, 1),
+                    "mib_read_per_token": p["bytes_read_per_token"] / MIB,
+                }
+                for p in prompts
+            ],
+        )
     else:
         out["expert_hit_rate"] = None
     return out
@@ -151,14 +184,24 @@ def run_bench(config: BenchConfig, progress=lambda msg: None) -> dict:
     reference, reference_kind = reference_tokens(config, ckpt.total_bytes())
     runs = []
     for mode in config.modes:
-        for cache in (config.expert_caches if mode == "expert-cache" else [None]):
+        for cache in config.expert_caches if mode == "expert-cache" else [None]:
             progress(f"{mode}{' ' + cache if cache else ''}")
             runs.append(measure(config, mode, cache or config.expert_caches[0], ckpt.files, device))
     compare_tokens(runs, reference, reference_kind)
-    overlap = measure_overlap(config, ckpt, runs, progress) if config.overlap and "expert-cache" in config.modes else None
-    return {"machine": machine_info(device), "model": config.model_dir, "model_bytes": ckpt.total_bytes(),
-            "memory_limit_bytes": config.memory_limit, "routing": routing_label(config),
-            "reference": reference_kind, "runs": runs, "cost_model": cost_model(runs), "overlap": overlap}
+    overlap = (
+        measure_overlap(config, ckpt, runs, progress) if config.overlap and "expert-cache" in config.modes else None
+    )
+    return {
+        "machine": machine_info(device),
+        "model": config.model_dir,
+        "model_bytes": ckpt.total_bytes(),
+        "memory_limit_bytes": config.memory_limit,
+        "routing": routing_label(config),
+        "reference": reference_kind,
+        "runs": runs,
+        "cost_model": cost_model(runs),
+        "overlap": overlap,
+    }
 
 
 def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> dict:
@@ -172,8 +215,10 @@ def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> di
     out = {"reader_bandwidth": bandwidth, "target_ratio": OVERLAP_TARGET}
     experts = sum(t.nbytes for t in ckpt.tensors.values() if ".experts." in t.name)
     if psutil.virtual_memory().available < 1.2 * ckpt.total_bytes():
-        out["error"] = (f"compute-only needs every expert in memory ({experts / GIB:.1f} GiB of experts); "
-                        f"this machine has {psutil.virtual_memory().available / GIB:.1f} GiB available")
+        out["error"] = (
+            f"compute-only needs every expert in memory ({experts / GIB:.1f} GiB of experts); "
+            f"this machine has {psutil.virtual_memory().available / GIB:.1f} GiB available"
+        )
         return out
     progress("compute-only: every expert resident, no limit")
     result, err, rc = run_child(child_config(config, "compute-only", "1000x"), None)
@@ -181,8 +226,9 @@ def measure_overlap(config: BenchConfig, ckpt, runs: list[dict], progress) -> di
         out["error"] = f"compute-only run failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
         return out
     compute_s = 1 / summarize(result, None)["decode_tokens_per_s"]  # the same decode speed as every run's
-    out.update(compute_only_s_per_token=compute_s,
-               compute_only_misses=sum(p["expert_misses"] for p in result["prompts"]))  # 0: all resident
+    out.update(
+        compute_only_s_per_token=compute_s, compute_only_misses=sum(p["expert_misses"] for p in result["prompts"])
+    )  # 0: all resident
     out["runs"] = judge_overlap(runs, compute_s, bandwidth)
     return out
 
@@ -194,8 +240,9 @@ def compare_tokens(runs: list[dict], reference, kind: str) -> None:
     for r in runs:
         got = r.get("token_ids")
         # accelerate runs a prefix of the work (first prompt, fewer tokens): compare that prefix
-        r["token_ids_equal_to_reference"] = (all(g == ref[:len(g)] for g, ref in zip(got, reference))
-                                             if reference and got else None)
+        r["token_ids_equal_to_reference"] = (
+            all(g == ref[: len(g)] for g, ref in zip(got, reference)) if reference and got else None
+        )
 
 
 def cost_model(runs: list[dict]) -> dict:
@@ -205,8 +252,10 @@ def cost_model(runs: list[dict]) -> dict:
         return {"error": "needs expert-cache runs with different read volumes: pass several --expert-cache sizes"}
     out = model.to_dict()
     if model.per_mib_s <= 0 or model.r2 < 0.5:  # the line is noise, not a cost: say so rather than let it be used
-        out["warning"] = (f"poor fit (R^2 {model.r2:.2f}, {model.per_mib_s * 1000:.3f} ms per MiB): the runs' read "
-                          "volumes barely differ; pass several --expert-cache sizes (e.g. 1x,1.5x,2x,3x)")
+        out["warning"] = (
+            f"poor fit (R^2 {model.r2:.2f}, {model.per_mib_s * 1000:.3f} ms per MiB): the runs' read "
+            "volumes barely differ; pass several --expert-cache sizes (e.g. 1x,1.5x,2x,3x)"
+        )
     return out
 
 

@@ -14,12 +14,12 @@ import torch
 from weightstream.cache.inflight import InFlightReadAheads
 from weightstream.cache.policies import make_policy
 from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_read_ahead
-from weightstream.units import format_bytes
 from weightstream.cache.slot_plan import SlotPlan, plan_slot
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import AlignedArena
 from weightstream.io.reader import DEMAND, READ_AHEAD, DirectReader, ReadBatch, ReadRequest
 from weightstream.store.layout import ModelLayout
+from weightstream.units import format_bytes
 
 
 @dataclass(slots=True)
@@ -84,19 +84,30 @@ class ExpertCache:
     all awaited before the next layer; a read-ahead may still be landing, and `inflight` tracks those.
     """
 
-    def __init__(self, layout: ModelLayout, budget_bytes: int, policy: str = "lru", io_threads: int = 4,
-                 chunk_bytes: int | None = None, o_direct: bool = True, policy_options: dict | None = None):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        budget_bytes: int,
+        policy: str = "lru",
+        io_threads: int = 4,
+        chunk_bytes: int | None = None,
+        o_direct: bool = True,
+        policy_options: dict | None = None,
+    ):
         self.layout, self.slot_bytes = layout, layout.slot_bytes
         working_set = layout.working_set_bytes
         if budget_bytes < working_set:
             raise WeightstreamError(
                 f"expert cache of {format_bytes(budget_bytes)} is below one token's working set of "
-                f"{format_bytes(working_set)} for this model ({len(layout.num_experts)} MoE layers x top-{layout.top_k} "
-                f"x {format_bytes(self.slot_bytes)} per expert slot); use --expert-cache {working_set} (1x) or more")
+                f"{format_bytes(working_set)} for this model ({len(layout.num_experts)} MoE layers "
+                f"x top-{layout.top_k} "
+                f"x {format_bytes(self.slot_bytes)} per expert slot); use --expert-cache {working_set} (1x) or more"
+            )
         self.n_slots = min(budget_bytes // self.slot_bytes, len(layout.experts))
         self.budget_bytes = budget_bytes
-        self.policy = make_policy(policy, self.n_slots, working_set_slots=working_set // self.slot_bytes,
-                                  **(policy_options or {}))
+        self.policy = make_policy(
+            policy, self.n_slots, working_set_slots=working_set // self.slot_bytes, **(policy_options or {})
+        )
         self.arena = AlignedArena(self.n_slots * self.slot_bytes)
         kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         self.reader = DirectReader(self.arena, threads=io_threads, o_direct=o_direct, **kwargs)
@@ -167,8 +178,9 @@ class ExpertCache:
             insert_read_ahead(self.policy, key)
             self._assign(key, slot)
             self.inflight.start(key)
-            self.unused_read_aheads[key] = self._load(key, slot, lambda error, k=key: self._read_ahead_landed(k, error),
-                                                     READ_AHEAD)
+            self.unused_read_aheads[key] = self._load(
+                key, slot, lambda error, k=key: self._read_ahead_landed(k, error), READ_AHEAD
+            )
             issued += 1
         self.stats.readahead_issued += issued
         return issued
@@ -178,7 +190,7 @@ class ExpertCache:
         base = self.slot_of[(layer, expert)] * self.slot_bytes
         out = {}
         for name, offset, nbytes, shape, dtype in self.plans[(layer, expert)].views:
-            out[name] = self.arena.tensor[base + offset:base + offset + nbytes].view(dtype).view(shape)
+            out[name] = self.arena.tensor[base + offset : base + offset + nbytes].view(dtype).view(shape)
         return out
 
     def wait(self, fetch: LayerFetch) -> int:
@@ -255,4 +267,3 @@ class ExpertCache:
             notify(error)
 
         return self.reader.submit(requests, done, priority)
-

@@ -227,16 +227,23 @@ class ByteBudget:
         return victim
 
 
-POLICY_OPTIONS = {"lru": set(), "slru": {"protected_share"}, "lfu": set(), "pinned": {"pinned_keys"},
-                  "adaptive": {"threshold", "protected_share"}}
+POLICY_OPTIONS = {
+    "lru": set(),
+    "slru": {"protected_share"},
+    "lfu": set(),
+    "pinned": {"pinned_keys"},
+    "adaptive": {"threshold", "protected_share"},
+}
 POLICY_NAMES = tuple(POLICY_OPTIONS)
 
 
 def make_policy(name: str, capacity_slots: int, working_set_slots: int | None = None, **opts) -> CachePolicy:
     """Build a runtime policy by name: lru, slru (protected_share), lfu, pinned (pinned_keys), adaptive (threshold)."""
     if name == "belady":
-        raise WeightstreamError("policy 'belady' needs the future and exists only in the simulator "
-                                "(weightstream simulate / weightstream.sim.replay)")
+        raise WeightstreamError(
+            "policy 'belady' needs the future and exists only in the simulator "
+            "(weightstream simulate / weightstream.sim.replay)"
+        )
     if name not in POLICY_OPTIONS:
         raise WeightstreamError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     if set(opts) - POLICY_OPTIONS[name]:
@@ -248,8 +255,10 @@ def make_policy(name: str, capacity_slots: int, working_set_slots: int | None = 
         raise WeightstreamError(f"protected_share must be within 0..1, got {share}")
     if name == "pinned":
         if "pinned_keys" not in opts:
-            raise WeightstreamError("policy 'pinned' needs pinned_keys (the experts to keep); the simulator picks "
-                                    "them from the most frequent experts of a training share of a trace")
+            raise WeightstreamError(
+                "policy 'pinned' needs pinned_keys (the experts to keep); the simulator picks "
+                "them from the most frequent experts of a training share of a trace"
+            )
         return PinnedPolicy(capacity_slots, opts["pinned_keys"])
     if name == "adaptive":
         if not working_set_slots:

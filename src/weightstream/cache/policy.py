@@ -94,7 +94,9 @@ def _needs_room(policy: CachePolicy, key: Key) -> bool:
     return hook(key) if hook is not None else len(policy) >= policy.capacity
 
 
-def access_layer(policy: CachePolicy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None) -> LayerAccess:
+def access_layer(
+    policy: CachePolicy, layer: int, experts: Iterable[int], pinned: set[Key] | None = None
+) -> LayerAccess:
     """Look up one layer's chosen experts in order; the layer's own experts are never evicted for each other."""
     keys = [(layer, int(e)) for e in experts]
     pin = set(keys) if pinned is None else pinned | set(keys)

@@ -26,6 +26,8 @@ def parse_cache_size(text: str | int, working_set_bytes: int | None = None, what
         except WeightstreamError:
             raise WeightstreamError(f"{what} {text!r}: not a size; write {CACHE_SIZE_HELP}") from None
     if working_set_bytes is None:
-        raise WeightstreamError(f"{what} {text!r}: a multiple of the working set needs a model or trace to "
-                                "measure it against; give bytes instead, e.g. 2GiB")
+        raise WeightstreamError(
+            f"{what} {text!r}: a multiple of the working set needs a model or trace to "
+            "measure it against; give bytes instead, e.g. 2GiB"
+        )
     return int(multiple * working_set_bytes)

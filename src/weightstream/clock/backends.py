@@ -20,6 +20,4 @@ def open_backend(config: ClockConfig, nvml=None):
         try:
             return NvmlBackend(nvml or load_pynvml(), config.nvml_device, config.floor_mhz)
         except WeightstreamError as nvml_error:
-            raise WeightstreamError(
-                f"no GPU clock to floor: devfreq: {devfreq_error}; nvml: {nvml_error}"
-            ) from None
+            raise WeightstreamError(f"no GPU clock to floor: devfreq: {devfreq_error}; nvml: {nvml_error}") from None

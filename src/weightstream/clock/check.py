@@ -35,8 +35,10 @@ def devfreq_lines(config: ClockConfig) -> list[str]:
             lines.append(f"    unreadable: {exc}")
             continue
         low, high, now = snapshot["original"], node.read_hz("max_freq"), node.read_hz("cur_freq")
-        lines.append(f"    min {backend.mhz(low)} MHz, max {backend.mhz(high)} MHz, cur {backend.mhz(now)} MHz, "
-                     f"governor {node.read('governor')}")
+        lines.append(
+            f"    min {backend.mhz(low)} MHz, max {backend.mhz(high)} MHz, cur {backend.mhz(now)} MHz, "
+            f"governor {node.read('governor')}"
+        )
         lines.append(f"    available MHz: {_mhz_list(backend)}")
         lines.append(f"    floor during inference: {backend.raised_mhz(snapshot)} MHz (FLOOR={config.floor_label()})")
         writable = os.access(node.path / "min_freq", os.W_OK)
@@ -54,8 +56,10 @@ def backend_lines(config: ClockConfig, nvml=None) -> tuple[list[str], bool]:
     if backend.kind == "nvml":
         snapshot = backend.snapshot()
         lines.append(f"    supported graphics MHz: {' '.join(map(str, backend.supported_mhz))}")
-        lines.append(f"    lock during inference: [{snapshot['raised']}, {snapshot['max']}] MHz "
-                     f"(FLOOR={config.floor_label()}); root needed to set it")
+        lines.append(
+            f"    lock during inference: [{snapshot['raised']}, {snapshot['max']}] MHz "
+            f"(FLOOR={config.floor_label()}); root needed to set it"
+        )
     backend.close()
     return lines, True
 

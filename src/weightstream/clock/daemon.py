@@ -137,9 +137,11 @@ class Daemon:
 
     def _banner(self) -> None:
         snapshot, methods = self.backend.snapshot(), " ".join(detector.name for detector in self.detectors)
-        self.log(f"clockfloor: {self.backend.label()}: floor {self.backend.raised_mhz(snapshot)} MHz during "
-                 f"inference, {self.backend.idle_mhz(snapshot)} MHz otherwise; hold {self.config.hold_s:g} s; "
-                 f"detecting by {methods}; settings from {self.config.source}")
+        self.log(
+            f"clockfloor: {self.backend.label()}: floor {self.backend.raised_mhz(snapshot)} MHz during "
+            f"inference, {self.backend.idle_mhz(snapshot)} MHz otherwise; hold {self.config.hold_s:g} s; "
+            f"detecting by {methods}; settings from {self.config.source}"
+        )
 
     def _open_detectors(self) -> list:
         config, matcher, detectors = self.config, FlagMatcher(self.config.flags), []

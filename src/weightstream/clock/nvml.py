@@ -82,8 +82,13 @@ class NvmlBackend:
             target = supported[-1]
         else:
             target = next((mhz for mhz in supported if mhz >= self.floor_mhz), supported[-1])
-        return {"backend": self.kind, "device": self.index, "original": supported[0], "raised": target,
-                "max": self.max_mhz}
+        return {
+            "backend": self.kind,
+            "device": self.index,
+            "original": supported[0],
+            "raised": target,
+            "max": self.max_mhz,
+        }
 
     def apply(self, snapshot: dict) -> None:
         """Lock graphics clocks to [raised, max]: only the minimum moves."""

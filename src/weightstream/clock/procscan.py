@@ -73,8 +73,14 @@ class _Seen:
 class ProcessPoller:
     """Every `poll_s`, the matching processes whose CPU use reached `cpu_threshold` cores."""
 
-    def __init__(self, matcher: FlagMatcher, cpu_threshold: float, poll_s: float, proc_root: str = "/proc",
-                 exclude: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        matcher: FlagMatcher,
+        cpu_threshold: float,
+        poll_s: float,
+        proc_root: str = "/proc",
+        exclude: frozenset[int] = frozenset(),
+    ):
         self.matcher = matcher
         self.cpu_threshold = cpu_threshold
         self.poll_s = poll_s

@@ -85,8 +85,9 @@ def mapped_libraries(pid: int, proc_root: str = "/proc") -> set[Library]:
 def probe_symbols(library: Library, bpftrace: str = "bpftrace") -> list[str]:
     """Which of the probed functions the library exports (bpftrace refuses to attach to missing ones)."""
     try:
-        result = subprocess.run([bpftrace, "-l", f"uprobe:{library.path}:llama_*"], capture_output=True, text=True,
-                                timeout=30)
+        result = subprocess.run(
+            [bpftrace, "-l", f"uprobe:{library.path}:llama_*"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     names = {line.rsplit(":", 1)[-1].strip() for line in result.stdout.splitlines()}
@@ -99,7 +100,7 @@ def bpftrace_script(probes: dict[str, list[str]]) -> str:
     returns = entries.replace("uprobe:", "uretprobe:")
     return (
         'BEGIN { printf("READY\\n"); }\n'
-        f"{entries} {{ @depth[pid] = @depth[pid] + 1; if (@depth[pid] == 1) {{ printf(\"E %d\\n\", pid); }} }}\n"
+        f'{entries} {{ @depth[pid] = @depth[pid] + 1; if (@depth[pid] == 1) {{ printf("E %d\\n", pid); }} }}\n'
         f"{returns} {{ if (@depth[pid] > 0) {{ @depth[pid] = @depth[pid] - 1; }}"
         ' if (@depth[pid] == 0) { printf("R %d\\n", pid); } }\n'
         "END { clear(@depth); }\n"
@@ -111,8 +112,15 @@ class UprobeWatcher:
 
     name = "uprobe"
 
-    def __init__(self, matcher: FlagMatcher, libraries: tuple[str, ...], rescan_s: float, log,
-                 proc_root: str = "/proc", bpftrace: str = "bpftrace"):
+    def __init__(
+        self,
+        matcher: FlagMatcher,
+        libraries: tuple[str, ...],
+        rescan_s: float,
+        log,
+        proc_root: str = "/proc",
+        bpftrace: str = "bpftrace",
+    ):
         self.matcher, self.libraries, self.rescan_s = matcher, libraries, rescan_s
         self.log, self.proc_root, self.bpftrace = log, proc_root, bpftrace
         self.process: subprocess.Popen | None = None

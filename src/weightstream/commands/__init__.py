@@ -1,1 +1,4 @@
+"""One module per `weightstream` subcommand: argument parsing and printing only; the work is in the packages.
 
+Each defines `register(subparsers)`; cli.py lists them. progress: the shared progress bar on stderr.
+"""

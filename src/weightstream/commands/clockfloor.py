@@ -38,20 +38,41 @@ ONCE_WINDOW_S = 1.5
 
 def register(sub) -> None:
     """Add the clockfloor subcommand."""
-    p = sub.add_parser("clockfloor", help="hold the GPU minimum clock up during CPU-expert decode (Jetson, NVIDIA)",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "clockfloor",
+        help="hold the GPU minimum clock up during CPU-expert decode (Jetson, NVIDIA)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", choices=("auto", "devfreq", "nvml"), help="clock backend (default auto)")
-    p.add_argument("--floor", metavar="MHZ|max", help="minimum GPU clock during inference, snapped to a supported "
-                   "frequency at or above it (default max: the highest available)")
-    p.add_argument("--hold", metavar="SECONDS", help="restore the original floor after this long without "
-                   "activity (default 1.0, at least 0.5)")
-    p.add_argument("--config", metavar="FILE", help="KEY=value settings file (default "
-                   "/etc/default/weightstream-clockfloor when it exists)")
+    p.add_argument(
+        "--floor",
+        metavar="MHZ|max",
+        help="minimum GPU clock during inference, snapped to a supported "
+        "frequency at or above it (default max: the highest available)",
+    )
+    p.add_argument(
+        "--hold",
+        metavar="SECONDS",
+        help="restore the original floor after this long without activity (default 1.0, at least 0.5)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="KEY=value settings file (default /etc/default/weightstream-clockfloor when it exists)",
+    )
     p.add_argument("--sysfs-root", metavar="DIR", help="where sysfs is mounted (default /sys; tests use a fake tree)")
-    p.add_argument("--check", action="store_true", help="print nodes, frequencies, libraries, detection methods "
-                   "and permissions, change nothing, and exit")
-    p.add_argument("--once", action="store_true", help=f"watch for {ONCE_WINDOW_S:g} s, raise the floor if "
-                   "inference runs, then restore it and exit (a self-test)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="print nodes, frequencies, libraries, detection methods and permissions, change nothing, and exit",
+    )
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help=f"watch for {ONCE_WINDOW_S:g} s, raise the floor if "
+        "inference runs, then restore it and exit (a self-test)",
+    )
     p.set_defaults(func=run)
 
 

@@ -13,11 +13,13 @@ PROMPT = "Streaming experts from a drive means deciding what to read"
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "demo", help="end-to-end demo on a built-in synthetic model (no download)",
+        "demo",
+        help="end-to-end demo on a built-in synthetic model (no download)",
         description="Writes an OLMoE-shaped synthetic checkpoint (real layer shapes, 2 layers, bf16, about 2 GB) "
         "unless --out already holds it, generates with transformers fully in memory as the reference, then "
         "streams the experts from disk at cache sizes of 1x, 2x and 4x one token's working set and shows that "
-        "the tokens are identical, with speed, hit rate and bytes read for each.")
+        "the tokens are identical, with speed, hit rate and bytes read for each.",
+    )
     p.add_argument("--out", default=".work/demo-model", metavar="DIR", help="where the demo model lives")
     p.add_argument("--layers", type=int, default=DEMO_FIELDS_LAYERS, help="decoder layers (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
@@ -57,7 +59,7 @@ def run(args) -> int:
     print("reference: transformers, every weight in memory ...", file=sys.stderr)
     ref = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.bfloat16, experts_implementation="eager")
     with torch.inference_mode():
-        expected = ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+        expected = ref.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
     del ref
     results = []
     for size in ("1x", "2x", "4x"):

@@ -12,8 +12,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 def byte_progress(label: str):
     """Yields update(done_bytes, total_bytes)."""
     console = Console(stderr=True)
-    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(label, total=None)
         yield lambda done, total: progress.update(task, completed=done, total=total)

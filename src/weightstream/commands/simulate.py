@@ -25,25 +25,46 @@ examples:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "simulate", help="replay a routing trace through cache policies and sizes: hits, bytes read per token",
+        "simulate",
+        help="replay a routing trace through cache policies and sizes: hits, bytes read per token",
         description="Replay a routing trace (from `weightstream trace import/record`) through expert-cache policies "
         "at several cache sizes and report hits, misses and expert bytes read per token.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("trace", help="trace file (.npz) written by `weightstream trace`")
-    p.add_argument("--policies", default="lru,slru,lfu,pinned,adaptive,belady",
-                   help="comma-separated: lru, slru, lfu, pinned, adaptive, belady (default: all)")
-    p.add_argument("--sizes", default="0.5x,1x,1.5x,2x,4x,8x",
-                   help="comma-separated cache sizes: bytes with a unit (4500MiB, 2GiB) or multiples of one "
-                   "token's working set (1x = top-k experts in every routed layer), or START:STOP:STEP ranges "
-                   "such as 1x:4x:0.25x; default 0.5x,1x,1.5x,2x,4x,8x")
-    p.add_argument("--train-share", type=float, default=0.5,
-                   help="first share of the requests that picks the pinned experts and warms every cache; all "
-                   "figures count only the remaining requests (default 0.5; 0 counts everything, pinned in-sample)")
+    p.add_argument(
+        "--policies",
+        default="lru,slru,lfu,pinned,adaptive,belady",
+        help="comma-separated: lru, slru, lfu, pinned, adaptive, belady (default: all)",
+    )
+    p.add_argument(
+        "--sizes",
+        default="0.5x,1x,1.5x,2x,4x,8x",
+        help="comma-separated cache sizes: bytes with a unit (4500MiB, 2GiB) or multiples of one "
+        "token's working set (1x = top-k experts in every routed layer), or START:STOP:STEP ranges "
+        "such as 1x:4x:0.25x; default 0.5x,1x,1.5x,2x,4x,8x",
+    )
+    p.add_argument(
+        "--train-share",
+        type=float,
+        default=0.5,
+        help="first share of the requests that picks the pinned experts and warms every cache; all "
+        "figures count only the remaining requests (default 0.5; 0 counts everything, pinned in-sample)",
+    )
     p.add_argument("--protected-share", type=float, default=0.5, help="SLRU protected segment share (default 0.5)")
-    p.add_argument("--adaptive-threshold", type=float, default=1.8,
-                   help="adaptive: LRU below this multiple of the working set, SLRU at or above (default 1.8)")
-    p.add_argument("--method", choices=("auto", "fast", "reference"), default="auto",
-                   help="fast: compiled replays; reference: the runtime's own policy objects (slow, identical)")
+    p.add_argument(
+        "--adaptive-threshold",
+        type=float,
+        default=1.8,
+        help="adaptive: LRU below this multiple of the working set, SLRU at or above (default 1.8)",
+    )
+    p.add_argument(
+        "--method",
+        choices=("auto", "fast", "reference"),
+        default="auto",
+        help="fast: compiled replays; reference: the runtime's own policy objects (slow, identical)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
     p.set_defaults(func=run)
@@ -64,23 +85,38 @@ def _table(trace, results, w) -> None:
     from rich.table import Table
 
     ws = trace.shape.working_set_bytes
-    table = Table(title=f"{trace.shape.name}: {w.judged_tokens} tokens judged (requests {w.train_requests + 1}.."
-                  f"{len(trace.requests)} of {len(trace.requests)}), working set {ws / MIB:.0f} MiB")
+    table = Table(
+        title=f"{trace.shape.name}: {w.judged_tokens} tokens judged (requests {w.train_requests + 1}.."
+        f"{len(trace.requests)} of {len(trace.requests)}), working set {ws / MIB:.0f} MiB"
+    )
     for col in ("policy", "cache MiB", "x WS", "slots", "hits", "misses", "hit rate", "MiB/token"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in sorted(results, key=lambda r: (r.cache_bytes, r.policy)):
-        table.add_row(r.policy, f"{r.cache_bytes / MIB:.0f}", f"{r.cache_bytes / ws:.2f}",
-                      "-" if r.slots is None else str(r.slots), str(r.hits), str(r.misses),
-                      f"{r.hit_rate:.2%}", f"{r.bytes_per_token / MIB:.1f}")
+        table.add_row(
+            r.policy,
+            f"{r.cache_bytes / MIB:.0f}",
+            f"{r.cache_bytes / ws:.2f}",
+            "-" if r.slots is None else str(r.slots),
+            str(r.hits),
+            str(r.misses),
+            f"{r.hit_rate:.2%}",
+            f"{r.bytes_per_token / MIB:.1f}",
+        )
     console = Console()
     console.width = max(console.width, 100)  # keep every column readable in pipes and narrow terminals
     console.print(table)
 
 
 def _print_json(trace, results, w) -> None:
-    json.dump({"tokens": w.judged_tokens, "accesses": trace.n_accesses - w.count_from,
-               "working_set_bytes": trace.shape.working_set_bytes,
-               "results": [r.to_json() for r in results]}, sys.stdout)
+    json.dump(
+        {
+            "tokens": w.judged_tokens,
+            "accesses": trace.n_accesses - w.count_from,
+            "working_set_bytes": trace.shape.working_set_bytes,
+            "results": [r.to_json() for r in results],
+        },
+        sys.stdout,
+    )
     print()
 
 
@@ -108,8 +144,12 @@ def run(args) -> int:
                 results.append(run_one(w, name, size, opts, args.method))
                 progress.advance(task)
     if args.plot:
-        plot_results(results, trace.shape.working_set_bytes, args.plot,
-                     title=f"{trace.shape.name}, {w.judged_tokens} judged tokens")
+        plot_results(
+            results,
+            trace.shape.working_set_bytes,
+            args.plot,
+            title=f"{trace.shape.name}, {w.judged_tokens} judged tokens",
+        )
     if args.json:
         _print_json(trace, results, w)
     else:

@@ -9,11 +9,13 @@ def register(sub) -> None:
     from weightstream.store.presets import PRESETS, TINY
 
     p = sub.add_parser(
-        "synth", help="write a synthetic MoE checkpoint with random weights and a tokenizer (no download)",
+        "synth",
+        help="write a synthetic MoE checkpoint with random weights and a tokenizer (no download)",
         description="Write a transformers-loadable checkpoint with random weights, in the architecture's own "
         "on-disk form (sharded safetensors + index, config.json, tokenizer). Presets: `tiny` (tests; pick "
         "--arch) or real models' shapes: olmoe-1b-7b, qwen3-30b-a3b, deepseek-v2-lite. --layers shrinks them.",
-        epilog="example: weightstream synth --preset olmoe-1b-7b --layers 4 --out models/olmoe-4l")
+        epilog="example: weightstream synth --preset olmoe-1b-7b --layers 4 --out models/olmoe-4l",
+    )
     p.add_argument("--preset", required=True, choices=PRESETS, help="model shape")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must be empty unless --force)")
     p.add_argument("--arch", default="qwen3_moe", choices=sorted(TINY), help="architecture of the tiny preset")
@@ -33,9 +35,18 @@ def run(args) -> int:
     fields = preset_config(args.preset, args.arch, args.layers)
     with byte_progress(f"writing {args.out}") as progress:
         result = synthesize(args.out, fields, args.dtype, args.seed, args.force, progress)
-    summary = {"out": result.out_dir, "model_type": result.model_type, "bytes": result.total_bytes,
-               "shards": result.shards, "layers": fields["num_hidden_layers"], "dtype": args.dtype}
-    print(json.dumps(summary) if args.json else
-          f"wrote {result.out_dir}: {result.model_type}, {fields['num_hidden_layers']} layers, "
-          f"{result.total_bytes / 2**20:.1f} MiB in {result.shards} shards ({args.dtype})")
+    summary = {
+        "out": result.out_dir,
+        "model_type": result.model_type,
+        "bytes": result.total_bytes,
+        "shards": result.shards,
+        "layers": fields["num_hidden_layers"],
+        "dtype": args.dtype,
+    }
+    print(
+        json.dumps(summary)
+        if args.json
+        else f"wrote {result.out_dir}: {result.model_type}, {fields['num_hidden_layers']} layers, "
+        f"{result.total_bytes / 2**20:.1f} MiB in {result.shards} shards ({args.dtype})"
+    )
     return 0

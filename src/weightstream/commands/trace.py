@@ -27,22 +27,31 @@ example:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("trace", help="import, record or inspect expert-routing traces (input of `simulate`)",
-                       description="Routing traces: which experts each token chose in each MoE layer.")
+    p = sub.add_parser(
+        "trace",
+        help="import, record or inspect expert-routing traces (input of `simulate`)",
+        description="Routing traces: which experts each token chose in each MoE layer.",
+    )
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
-    imp = tsub.add_parser("import", help="convert third-party routing dumps into a trace file",
-                          description="Convert routing dumps into a weightstream trace; files are requests, "
-                          "replayed in the order given.", epilog=IMPORT_EPILOG,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    imp = tsub.add_parser(
+        "import",
+        help="convert third-party routing dumps into a trace file",
+        description="Convert routing dumps into a weightstream trace; files are requests, replayed in the order given.",
+        epilog=IMPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     imp.add_argument("files", nargs="+", help="input files, in replay order")
     imp.add_argument("--format", required=True, choices=("vllm-jsonl", "moe-beyond-csv"), help="input format")
     imp.add_argument("--model-shape", required=True, help="known model name or path to a transformers config.json")
     imp.add_argument("--expert-bytes", type=int, help="override bytes of one expert (e.g. a quantized checkpoint)")
     imp.add_argument("-o", "--out", required=True, help="output trace file (.npz)")
     imp.set_defaults(func=run_import)
-    rec = tsub.add_parser("record", help="generate greedily with the streaming engine and record its routing",
-                          description="Greedy generation over real prompts with weightstream's engine, recording "
-                          "the experts chosen at prefill and at every decode step.")
+    rec = tsub.add_parser(
+        "record",
+        help="generate greedily with the streaming engine and record its routing",
+        description="Greedy generation over real prompts with weightstream's engine, recording "
+        "the experts chosen at prefill and at every decode step.",
+    )
     rec.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
     rec.add_argument("--prompts", required=True, help="prompts file: one prompt per line, or .jsonl with 'prompt'")
     rec.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
@@ -72,8 +81,10 @@ def run_import(args) -> int:
         task = progress.add_task(f"importing {len(args.files)} file(s)", total=len(args.files))
         trace = IMPORTERS[args.format](args.files, shape, on_file=lambda path: progress.advance(task))
     save(trace, args.out)
-    print(f"{args.out}: {len(trace.requests)} requests, {trace.n_tokens} tokens, {trace.n_accesses} expert lookups "
-          f"({shape.name}: {len(shape.layers)} routed layers x top-{shape.top_k} of {shape.n_experts})")
+    print(
+        f"{args.out}: {len(trace.requests)} requests, {trace.n_tokens} tokens, {trace.n_accesses} expert lookups "
+        f"({shape.name}: {len(shape.layers)} routed layers x top-{shape.top_k} of {shape.n_experts})"
+    )
     return 0
 
 
@@ -94,17 +105,29 @@ def run_info(args) -> int:
 
     t = load(args.trace)
     decode = int(t.step_tokens[t.step_phase == 1].sum())
-    info = {"shape": t.shape.to_dict(), "requests": len(t.requests), "steps": t.n_steps, "tokens": t.n_tokens,
-            "decode_tokens": decode, "prefill_tokens": t.n_tokens - decode, "accesses": t.n_accesses,
-            "working_set_slots": t.shape.working_set_slots, "working_set_bytes": t.shape.working_set_bytes,
-            "router_weights": t.weights is not None}
+    info = {
+        "shape": t.shape.to_dict(),
+        "requests": len(t.requests),
+        "steps": t.n_steps,
+        "tokens": t.n_tokens,
+        "decode_tokens": decode,
+        "prefill_tokens": t.n_tokens - decode,
+        "accesses": t.n_accesses,
+        "working_set_slots": t.shape.working_set_slots,
+        "working_set_bytes": t.shape.working_set_bytes,
+        "router_weights": t.weights is not None,
+    }
     if args.json:
         print(json.dumps(info))
         return 0
     s = t.shape
-    print(f"{args.trace}: {s.name}, routed layers {s.layers[0]}..{s.layers[-1]} ({len(s.layers)}), top-{s.top_k} "
-          f"of {s.n_experts} experts, {s.expert_bytes[0] / MIB:.2f} MiB per expert")
-    print(f"  {info['requests']} requests, {t.n_steps} steps, {t.n_tokens} tokens ({decode} decode), "
-          f"{t.n_accesses} expert lookups, router weights {'yes' if info['router_weights'] else 'no'}")
+    print(
+        f"{args.trace}: {s.name}, routed layers {s.layers[0]}..{s.layers[-1]} ({len(s.layers)}), top-{s.top_k} "
+        f"of {s.n_experts} experts, {s.expert_bytes[0] / MIB:.2f} MiB per expert"
+    )
+    print(
+        f"  {info['requests']} requests, {t.n_steps} steps, {t.n_tokens} tokens ({decode} decode), "
+        f"{t.n_accesses} expert lookups, router weights {'yes' if info['router_weights'] else 'no'}"
+    )
     print(f"  one token's working set: {s.working_set_slots} experts = {s.working_set_bytes / MIB:.0f} MiB")
     return 0

@@ -46,7 +46,9 @@ def one_expert_view(module: torch.nn.Module, params: dict[str, torch.Tensor]) ->
     return view
 
 
-def expert_contribution(module, params, hidden_states, top_k_index, top_k_weights, expert) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_contribution(
+    module, params, hidden_states, top_k_index, top_k_weights, expert
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token rows, weighted output rows) of one expert, computed by the eager forward on a one-expert view."""
     top_k_pos, token_idx = routed_rows(top_k_index, expert)
     rows = hidden_states[token_idx]  # (n, D)

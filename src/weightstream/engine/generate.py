@@ -68,16 +68,23 @@ class _StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> tuple[torch.Tensor, GenerationStats]:
+def generate(
+    model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs
+) -> tuple[torch.Tensor, GenerationStats]:
     """Greedy by default; returns (generated ids only, stats of this call)."""
     runtime = model.weightstream
     snap = lambda: _snapshot(runtime)  # noqa: E731
     clock = _StepClock(snap)
     start = snap()
     with torch.inference_mode():
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=kwargs.pop("do_sample", False),
-                             stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-    new = out[:, input_ids.shape[1]:]
+        out = model.generate(
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=kwargs.pop("do_sample", False),
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **kwargs,
+        )
+    new = out[:, input_ids.shape[1] :]
     return new, _stats(runtime, input_ids.shape[1], new.shape[1], start, clock.marks)
 
 
@@ -86,20 +93,27 @@ def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple
     clock = _StepClock(time.perf_counter)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             stopping_criteria=StoppingCriteriaList([clock]))
+        out = model.generate(
+            input_ids, max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock])
+        )
     marks = clock.marks
-    return out[0, input_ids.shape[1]:].tolist(), marks[0] - start, marks[-1] - marks[0], len(marks) - 1
+    return out[0, input_ids.shape[1] :].tolist(), marks[0] - start, marks[-1] - marks[0], len(marks) - 1
 
 
 def _snapshot(runtime) -> _Snapshot:
     s = runtime.cache.stats
     p = runtime.predictor.counters if runtime.predictor is not None else None
     # waiting for an in-flight read-ahead before reusing its slot is I/O wait too
-    return _Snapshot(time.perf_counter(), s.hits, s.misses, runtime.cache.bytes_read,
-                     runtime.counters.io_wait_s + s.eviction_wait_s, s.expert_bytes_missed,
-                     (s.readahead_issued, s.readahead_used, s.readahead_wasted),
-                     (p.predicted, p.checked) if p is not None else (0, 0))
+    return _Snapshot(
+        time.perf_counter(),
+        s.hits,
+        s.misses,
+        runtime.cache.bytes_read,
+        runtime.counters.io_wait_s + s.eviction_wait_s,
+        s.expert_bytes_missed,
+        (s.readahead_issued, s.readahead_used, s.readahead_wasted),
+        (p.predicted, p.checked) if p is not None else (0, 0),
+    )
 
 
 def _ratio(end: tuple[int, int], start: tuple[int, int]) -> float:
@@ -109,9 +123,14 @@ def _ratio(end: tuple[int, int], start: tuple[int, int]) -> float:
 
 def _prediction_stats(runtime, start: _Snapshot, first: _Snapshot, last: _Snapshot) -> dict:
     issued, used, wasted = (b - a for a, b in zip(start.read_ahead, last.read_ahead))
-    return {"predict_next": runtime.predictor is not None, "readahead_issued": issued, "readahead_used": used,
-            "readahead_wasted": wasted, "prediction_accuracy": _ratio(last.predicted, start.predicted),
-            "decode_prediction_accuracy": _ratio(last.predicted, first.predicted)}
+    return {
+        "predict_next": runtime.predictor is not None,
+        "readahead_issued": issued,
+        "readahead_used": used,
+        "readahead_wasted": wasted,
+        "prediction_accuracy": _ratio(last.predicted, start.predicted),
+        "decode_prediction_accuracy": _ratio(last.predicted, first.predicted),
+    }
 
 
 def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks: list[_Snapshot]) -> GenerationStats:
@@ -121,17 +140,26 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
     decode_lookups = (last.hits - first.hits) + (last.misses - first.misses)
     hits, misses = last.hits - start.hits, last.misses - start.misses
     return GenerationStats(
-        prompt_tokens=prompt_tokens, generated_tokens=generated,
-        prefill_s=first.t - start.t, decode_s=last.t - first.t,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=generated,
+        prefill_s=first.t - start.t,
+        decode_s=last.t - first.t,
         decode_tokens_per_s=decode_tokens / (last.t - first.t) if decode_tokens else 0.0,
         expert_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         decode_expert_hit_rate=(last.hits - first.hits) / decode_lookups if decode_lookups else 0.0,
-        expert_hits=hits, expert_misses=misses,
+        expert_hits=hits,
+        expert_misses=misses,
         bytes_read=last.bytes_read - start.bytes_read,
-        expert_bytes_missed=last.expert_bytes_missed - start.expert_bytes_missed, prefill_bytes_read=first.bytes_read - start.bytes_read,
+        expert_bytes_missed=last.expert_bytes_missed - start.expert_bytes_missed,
+        prefill_bytes_read=first.bytes_read - start.bytes_read,
         bytes_read_per_token=(last.bytes_read - first.bytes_read) / decode_tokens if decode_tokens else 0.0,
-        io_wait_s=last.io_wait_s - start.io_wait_s, decode_io_wait_s=last.io_wait_s - first.io_wait_s,
-        expert_cache_bytes=cache.memory_bytes, expert_cache_slots=cache.n_slots,
-        working_set_bytes=cache.layout.working_set_bytes, io_threads=cache.io_threads,
-        o_direct=cache.o_direct, layer_misses=dict(cache.stats.layer_misses),
-        **_prediction_stats(runtime, start, first, last))
+        io_wait_s=last.io_wait_s - start.io_wait_s,
+        decode_io_wait_s=last.io_wait_s - first.io_wait_s,
+        expert_cache_bytes=cache.memory_bytes,
+        expert_cache_slots=cache.n_slots,
+        working_set_bytes=cache.layout.working_set_bytes,
+        io_threads=cache.io_threads,
+        o_direct=cache.o_direct,
+        layer_misses=dict(cache.stats.layer_misses),
+        **_prediction_stats(runtime, start, first, last),
+    )

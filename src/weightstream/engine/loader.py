@@ -25,10 +25,17 @@ _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.floa
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 
 
-def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_threads: int = 4,
-                         policy: str = "lru", chunk_bytes: int | None = None, o_direct: bool = True,
-                         policy_options: dict | None = None, expert_source: str = "expert-cache",
-                         predict_next: bool = False):
+def load_streaming_model(
+    model_dir: str,
+    expert_cache: str | int = "1.5x",
+    io_threads: int = 4,
+    policy: str = "lru",
+    chunk_bytes: int | None = None,
+    o_direct: bool = True,
+    policy_options: dict | None = None,
+    expert_source: str = "expert-cache",
+    predict_next: bool = False,
+):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
@@ -39,14 +46,17 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
     if expert_source not in EXPERT_SOURCES:
         raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
     if predict_next and expert_source != "expert-cache":
-        raise WeightstreamError("--predict-next needs --expert-source expert-cache: through the page cache there are "
-                                "no slots of our own to read ahead into")
+        raise WeightstreamError(
+            "--predict-next needs --expert-source expert-cache: through the page cache there are "
+            "no slots of our own to read ahead into"
+        )
     ckpt = open_checkpoint(model_dir)
     config = _load_config(model_dir)
     ws_experts.register()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(ckpt),
-                                                 experts_implementation=ws_experts.IMPLEMENTATION)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=checkpoint_dtype(ckpt), experts_implementation=ws_experts.IMPLEMENTATION
+        )
     streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir))
     _load_dense(model, layout.dense, model_dir)
@@ -54,8 +64,15 @@ def load_streaming_model(model_dir: str, expert_cache: str | int = "1.5x", io_th
         cache = PageCacheSource(layout)
     else:
         budget = parse_cache_size(expert_cache, layout.working_set_bytes)
-        cache = ExpertCache(layout, budget, policy=policy, io_threads=io_threads, chunk_bytes=chunk_bytes,
-                            o_direct=o_direct, policy_options=policy_options)
+        cache = ExpertCache(
+            layout,
+            budget,
+            policy=policy,
+            io_threads=io_threads,
+            chunk_bytes=chunk_bytes,
+            o_direct=o_direct,
+            policy_options=policy_options,
+        )
     runtime = StreamingRuntime(cache, layout)
     if predict_next:
         runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
@@ -74,8 +91,10 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
         counts[t.dtype] += t.nbytes
     dtype = counts.most_common(1)[0][0]
     if dtype not in _TORCH_DTYPES:
-        raise WeightstreamError(f"{ckpt.model_dir}: weights are mostly {dtype}; weightstream streams "
-                                f"{', '.join(_TORCH_DTYPES)} checkpoints (quantized formats are not supported yet)")
+        raise WeightstreamError(
+            f"{ckpt.model_dir}: weights are mostly {dtype}; weightstream streams "
+            f"{', '.join(_TORCH_DTYPES)} checkpoints (quantized formats are not supported yet)"
+        )
     return _TORCH_DTYPES[dtype]
 
 
@@ -84,8 +103,10 @@ def top_k_of(config, model_dir: str) -> int:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    raise WeightstreamError(f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
-                            "is this a Mixture-of-Experts model?")
+    raise WeightstreamError(
+        f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
+        "is this a Mixture-of-Experts model?"
+    )
 
 
 def _load_config(model_dir: str):
@@ -108,11 +129,15 @@ def _load_dense(model, dense: dict, model_dir: str) -> None:
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     _init_buffers(model)
-    expert_params = {f"{p}.{n}" for p, m in experts_modules(model).items() for n, _ in m.named_parameters(recurse=False)}
+    expert_params = {
+        f"{p}.{n}" for p, m in experts_modules(model).items() for n, _ in m.named_parameters(recurse=False)
+    }
     missing = [n for n, p in model.named_parameters() if p.is_meta and n not in expert_params]
     if missing:
-        raise WeightstreamError(f"{model_dir}: checkpoint lacks dense tensor(s) {', '.join(missing[:5])}"
-                                f"{' ...' if len(missing) > 5 else ''}; the files do not match config.json")
+        raise WeightstreamError(
+            f"{model_dir}: checkpoint lacks dense tensor(s) {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; the files do not match config.json"
+        )
 
 
 def _init_buffers(model) -> None:
@@ -142,15 +167,19 @@ def resolve_model(name: str) -> str:
     if os.path.isdir(name):
         return name
     if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
-        raise WeightstreamError(f"{name}: not a model directory; pass a directory with config.json and "
-                                "*.safetensors (make one with `weightstream synth`) or a Hugging Face id org/name")
+        raise WeightstreamError(
+            f"{name}: not a model directory; pass a directory with config.json and "
+            "*.safetensors (make one with `weightstream synth`) or a Hugging Face id org/name"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
     except Exception as exc:  # offline, unknown id, gated model: one clear line
-        raise WeightstreamError(f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
-                                f"{exc}); pass a local model directory instead") from exc
+        raise WeightstreamError(
+            f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
+            f"{exc}); pass a local model directory instead"
+        ) from exc
 
 
 def load_tokenizer(model_dir: str, required: bool):
@@ -161,6 +190,7 @@ def load_tokenizer(model_dir: str, required: bool):
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as exc:
         if required:
-            raise WeightstreamError(f"{model_dir}: no usable tokenizer ({exc}); pass --prompt-ids instead of "
-                                    "--prompt") from exc
+            raise WeightstreamError(
+                f"{model_dir}: no usable tokenizer ({exc}); pass --prompt-ids instead of --prompt"
+            ) from exc
         return None

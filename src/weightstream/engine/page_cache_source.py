@@ -49,12 +49,14 @@ class PageCacheSource:
 
     def _tensor(self, param: ExpertParam) -> torch.Tensor:
         first = param.pieces[0]
-        contiguous = all(p.path == first.path and p.offset == first.offset + sum(q.nbytes for q in param.pieces[:i])
-                         for i, p in enumerate(param.pieces))
+        contiguous = all(
+            p.path == first.path and p.offset == first.offset + sum(q.nbytes for q in param.pieces[:i])
+            for i, p in enumerate(param.pieces)
+        )
         if contiguous:
-            raw = self._maps[first.path][1][first.offset:first.offset + param.nbytes]
+            raw = self._maps[first.path][1][first.offset : first.offset + param.nbytes]
         else:  # e.g. Mixtral's w1 and w3 are apart on disk: the model's gate_up layout needs one copy
-            raw = torch.cat([self._maps[p.path][1][p.offset:p.offset + p.nbytes] for p in param.pieces])
+            raw = torch.cat([self._maps[p.path][1][p.offset : p.offset + p.nbytes] for p in param.pieces])
         if raw.data_ptr() % MEMORY_ALIGN != param.residue:  # where eager's copy sits, or kernels may round otherwise
             raw = _at_residue(raw, param.residue)
         return raw.view(param.dtype).view(param.shape)
@@ -64,7 +66,6 @@ def _at_residue(raw: torch.Tensor, residue: int) -> torch.Tensor:
     """A copy of the bytes `raw` whose address is `residue` modulo MEMORY_ALIGN."""
     buf = torch.empty(raw.numel() + MEMORY_ALIGN, dtype=torch.uint8)
     start = (residue - buf.data_ptr()) % MEMORY_ALIGN
-    out = buf[start:start + raw.numel()]
+    out = buf[start : start + raw.numel()]
     out.copy_(raw)
     return out
-

@@ -49,8 +49,10 @@ def find_router(model: torch.nn.Module, experts_path: str, num_experts: int, hid
             bias = getattr(child, "bias", None)
             bias = bias if isinstance(bias, torch.Tensor) and tuple(bias.shape) == (num_experts,) else None
             return Router(weight.detach(), None if bias is None else bias.detach())
-    raise WeightstreamError(f"--predict-next: no router next to {experts_path} (a sibling module with a weight of "
-                            f"shape ({num_experts}, {hidden})); run this model without --predict-next")
+    raise WeightstreamError(
+        f"--predict-next: no router next to {experts_path} (a sibling module with a weight of "
+        f"shape ({num_experts}, {hidden})); run this model without --predict-next"
+    )
 
 
 class NextLayerPredictor:
@@ -61,8 +63,9 @@ class NextLayerPredictor:
         path_of = {layer: path for path, layer in layout.module_layers.items()}
         layers = layout.layers
         self.next_layer = dict(pairwise(layers))  # the last MoE layer predicts nothing
-        self.routers = {layer: find_router(model, path_of[layer], layout.num_experts[layer], hidden)
-                        for layer in layers[1:]}
+        self.routers = {
+            layer: find_router(model, path_of[layer], layout.num_experts[layer], hidden) for layer in layers[1:]
+        }
         self.top_k = layout.top_k
         # a prefill step's tokens predict many experts: read ahead at most the layer's fair share of the cache
         self.limit = max(self.top_k, n_slots // len(layers))
@@ -89,4 +92,4 @@ class NextLayerPredictor:
         self.pending[nxt] = chosen
         votes = Counter(chosen.reshape(-1).tolist())
         ranked = sorted(votes, key=lambda e: (-votes[e], e))
-        return nxt, ranked[:self.limit]
+        return nxt, ranked[: self.limit]

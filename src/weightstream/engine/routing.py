@@ -48,8 +48,8 @@ def per_token_choices(trace: Trace) -> np.ndarray:
     for step in range(trace.n_steps):
         n = int(trace.step_tokens[step])
         for g in range(int(trace.step_groups[step]), int(trace.step_groups[step + 1])):
-            chosen = trace.experts[trace.group_offsets[g]:trace.group_offsets[g + 1]]
-            out[token:token + n, layers.index(int(trace.group_layer[g]))] = chosen.reshape(n, k)
+            chosen = trace.experts[trace.group_offsets[g] : trace.group_offsets[g + 1]]
+            out[token : token + n, layers.index(int(trace.group_layer[g]))] = chosen.reshape(n, k)
         token += n
     return out
 
@@ -65,8 +65,10 @@ class RoutingReplay:
     def __init__(self, trace: Trace, layout: ModelLayout):
         n_model = min(layout.num_experts.values())
         if trace.shape.n_experts > n_model:
-            raise WeightstreamError(f"routing trace {trace.shape.name!r} has {trace.shape.n_experts} experts per "
-                                    f"layer; this model has {n_model}; replay it on a model with at least as many")
+            raise WeightstreamError(
+                f"routing trace {trace.shape.name!r} has {trace.shape.n_experts} experts per "
+                f"layer; this model has {n_model}; replay it on a model with at least as many"
+            )
         self.choices = per_token_choices(trace)
         self.layer_pos = {layer: i % self.choices.shape[1] for i, layer in enumerate(layout.layers)}
         self.first_layer = layout.layers[0]
@@ -81,14 +83,21 @@ class RoutingReplay:
         rows = (self.cursor + np.arange(tokens)) % len(self.choices)
         chosen = torch.from_numpy(self.choices[rows, self.layer_pos[layer]])  # (T, k')
         if (chosen < 0).any():
-            raise WeightstreamError(f"routing trace {self.name!r} has no choice for some token at layer "
-                                    f"{self.layer_pos[layer]}")
+            raise WeightstreamError(
+                f"routing trace {self.name!r} has no choice for some token at layer {self.layer_pos[layer]}"
+            )
         weights = torch.full(chosen.shape, 1.0 / chosen.shape[1], dtype=top_k_weights.dtype)
         return chosen.to(top_k_index.dtype), weights
 
 
-def record_trace(model_dir: str, prompts: list[str], max_new_tokens: int, out_path: str,
-                 expert_cache: str = "4x", io_threads: int = 4) -> Trace:
+def record_trace(
+    model_dir: str,
+    prompts: list[str],
+    max_new_tokens: int,
+    out_path: str,
+    expert_cache: str = "4x",
+    io_threads: int = 4,
+) -> Trace:
     """Greedy generation over real prompts with the streaming engine, recording prefill and decode routing."""
     from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model, load_tokenizer

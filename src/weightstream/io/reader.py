@@ -42,8 +42,14 @@ class ReadBatch:
 class DirectReader:
     """A pool of I/O threads reading chunks with O_DIRECT (buffered where the filesystem refuses it)."""
 
-    def __init__(self, arena: AlignedArena, threads: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 o_direct: bool = True, warn=None):
+    def __init__(
+        self,
+        arena: AlignedArena,
+        threads: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        o_direct: bool = True,
+        warn=None,
+    ):
         if threads < 1:
             raise WeightstreamError(f"--io-threads {threads}: need at least 1 I/O thread")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
@@ -118,14 +124,16 @@ class DirectReader:
     def _read_chunk(self, path: str, pos: int, dest: int, n: int, need: int) -> None:
         """Read `n` bytes at `pos`; only the aligned tail past the request's end may be cut short (end of file)."""
         fd, _ = self._fd(path)
-        view = self.arena.view[dest:dest + n]
+        view = self.arena.view[dest : dest + n]
         got = os.preadv(fd, [view], pos)
         with self._stats_lock:
             self.bytes_read += got
         if got < need:  # else the slot would keep whatever bytes it held before: wrong output, no error
-            raise WeightstreamError(f"{path}: short read at byte {pos}: got {got} bytes, the checkpoint's index "
-                                    f"needs {need} (file now {os.fstat(fd).st_size} bytes); the file was truncated "
-                                    "or replaced after loading, reload the model")
+            raise WeightstreamError(
+                f"{path}: short read at byte {pos}: got {got} bytes, the checkpoint's index "
+                f"needs {need} (file now {os.fstat(fd).st_size} bytes); the file was truncated "
+                "or replaced after loading, reload the model"
+            )
 
     def _fd(self, path: str) -> tuple[int, bool]:
         with self._fd_lock:
@@ -156,5 +164,7 @@ class DirectReader:
     def _note_fallback(self, path: str, exc: OSError) -> None:
         if not self.buffered_fallback:
             self.buffered_fallback = True
-            self._warn(f"O_DIRECT refused for {path} ({exc.strerror}); falling back to buffered reads "
-                       "(the page cache will hold copies of expert bytes)")
+            self._warn(
+                f"O_DIRECT refused for {path} ({exc.strerror}); falling back to buffered reads "
+                "(the page cache will hold copies of expert bytes)"
+            )

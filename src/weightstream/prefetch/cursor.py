@@ -116,8 +116,9 @@ class WorkerState:
 
     def in_flight_unread(self) -> int:
         """Bytes issued or prefetched and not yet read by the loader (to recount `ahead` after a rewind)."""
-        return sum(c.length for c in self.chunks
-                   if self.status[c.index] in (ISSUED, DONE) and not self.touched[c.index])
+        return sum(
+            c.length for c in self.chunks if self.status[c.index] in (ISSUED, DONE) and not self.touched[c.index]
+        )
 
     def reclaimable(self, gap: int) -> list[Chunk]:
         """Chunks the loader read that now lie more than `gap` bytes behind it (never shared ones)."""

@@ -68,8 +68,9 @@ def join_runs(items):
 def _event(key: tuple, start: int, end: int) -> PageEvent:
     kind, tid, tgid, major, minor, ino = key
     tgid_n = int(tgid) if tgid and tgid[:1] != b"-" else int(tid)
-    return PageEvent(_KINDS[kind], int(tid), tgid_n, os.makedev(int(major), int(minor)), int(ino, 16), start,
-                     end - start)
+    return PageEvent(
+        _KINDS[kind], int(tid), tgid_n, os.makedev(int(major), int(minor)), int(ino, 16), start, end - start
+    )
 
 
 def kernel_dev(st_dev: int) -> int:

@@ -40,9 +40,11 @@ class CgroupMemory:
     v2: bool
 
     @classmethod
-    def of(cls, pid: int | str = "self", root: Path = CGROUP_ROOT) -> "CgroupMemory | None":
+    def of(cls, pid: int | str = "self", root: Path = CGROUP_ROOT) -> CgroupMemory | None:
         """The process's memory cgroup, or None when there is no memory controller."""
-        v2_controllers = (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").exists() else []
+        v2_controllers = (
+            (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").exists() else []
+        )
         for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
             _, controllers, rel = line.split(":", 2)
             if controllers == "" and "memory" in v2_controllers:

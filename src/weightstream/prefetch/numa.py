@@ -53,8 +53,11 @@ def online_nodes(sysfs: Path = Path("/sys")) -> dict[int, tuple[int, ...]]:
 def accelerator_node(sysfs: Path = Path("/sys"), env: dict | None = None) -> tuple[int | None, str]:
     """The NUMA node of the NVIDIA GPU the command will use, and which device that was."""
     env = os.environ if env is None else env
-    gpus = sorted(d for d in (sysfs / "bus" / "pci" / "devices").glob("*")
-                  if _read(d / "vendor") == _NVIDIA and _read(d / "class").startswith("0x03"))
+    gpus = sorted(
+        d
+        for d in (sysfs / "bus" / "pci" / "devices").glob("*")
+        if _read(d / "vendor") == _NVIDIA and _read(d / "class").startswith("0x03")
+    )
     if not gpus:
         return None, "no NVIDIA accelerator found in sysfs"
     visible = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()

@@ -49,7 +49,7 @@ class PageCounter:
         end = -(-(offset + length) // PAGE)
         if end > len(self.seen):
             self.seen = np.concatenate([self.seen, np.zeros(max(end - len(self.seen), len(self.seen)), bool)])
-        self.seen[offset // PAGE:end] = True
+        self.seen[offset // PAGE : end] = True
 
     @property
     def distinct(self) -> int:

@@ -35,7 +35,7 @@ class Plan:
     no_burn: list[bool] = field(default_factory=list)  # per worker: never burn after reading (see from_template)
 
     @classmethod
-    def from_template(cls, template: LoadTemplate, chunk: int = CHUNK) -> "Plan":
+    def from_template(cls, template: LoadTemplate, chunk: int = CHUNK) -> Plan:
         """Cut every range into chunks of at most `chunk` bytes."""
         workers = []
         for w, worker in enumerate(template.workers):

@@ -59,8 +59,10 @@ class Prefetcher:
         self._unburnt: list[Chunk] = []  # read and due to burn, but mapped at the time: DONTNEED left them
         self._burn_files: tuple[int, ...] = ()  # the file each worker's cursor was in at the last retry
         self._burn_retry_at = 0.0
-        self._threads = [threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
-                         for i in range(max(1, settings.threads))]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"ws-prefetch-{i}", daemon=True)
+            for i in range(max(1, settings.threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -204,8 +206,9 @@ class Prefetcher:
         self.counters.abandoned += abandoned
         if len(self.counters.timeline) < TIMELINE_POINTS:
             issue = w.chunks[min(w.next_issue, len(w.chunks) - 1)].position
-            self.counters.timeline.append((round(time.monotonic() - self._t0, 3), self.workers.index(w),
-                                           w.position, issue, self.ahead))
+            self.counters.timeline.append(
+                (round(time.monotonic() - self._t0, 3), self.workers.index(w), w.position, issue, self.ahead)
+            )
 
     def _count_miss(self, f: int, start: int, end: int) -> bool:
         """Account a miss; False when it was our own read (residency sampling sees those too)."""
@@ -220,8 +223,10 @@ class Prefetcher:
             # A miss right after our read of the same pages is a race with the loader's own readahead;
             # only pages that sat in memory a while and are gone show that the kernel is evicting them.
             aged = time.monotonic() - EVICTION_AGE_S
-            if any(self.workers[c.worker].status[c.index] == DONE and self.workers[c.worker].done_at[c.index] < aged
-                   for c in self.plan.lookup(f, start, end)):
+            if any(
+                self.workers[c.worker].status[c.index] == DONE and self.workers[c.worker].done_at[c.index] < aged
+                for c in self.plan.lookup(f, start, end)
+            ):
                 self._shrink_budget()
         return True
 

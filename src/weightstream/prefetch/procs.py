@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import shutil
+import signal
 import sys
 from pathlib import Path
 

@@ -56,9 +56,14 @@ def read_formats(events_dir: Path, kinds: dict[str, str]) -> dict[int, EventForm
                 raise ValueError(f"{name}: field {need} missing or not {size} bytes")
         if event_id is None:
             raise ValueError(f"{name}: no event ID")
-        out[event_id] = EventFormat(kind, fields["i_ino"][0], fields["s_dev"][0], fields["index"][0],
-                                    fields["last_index"][0] if "last_index" in fields else None,
-                                    fields["order"][0] if "order" in fields else None)
+        out[event_id] = EventFormat(
+            kind,
+            fields["i_ino"][0],
+            fields["s_dev"][0],
+            fields["index"][0],
+            fields["last_index"][0] if "last_index" in fields else None,
+            fields["order"][0] if "order" in fields else None,
+        )
     return out
 
 
@@ -119,8 +124,10 @@ def parse_page(page: bytes, formats: dict[int, EventFormat]) -> tuple[list[tuple
 def to_page_events(records: list[tuple], tgid_of) -> list[PageEvent]:
     """Records in time order -> PageEvents, continuing ones of one task on one file joined (join_runs)."""
     runs = join_runs(((kind, tid, s_dev, ino), offset, length) for _, kind, tid, s_dev, ino, offset, length in records)
-    return [PageEvent(kind, tid, tgid_of(tid), os.makedev(s_dev >> 20, s_dev & 0xFFFFF), ino, start, end - start)
-            for (kind, tid, s_dev, ino), start, end in runs]
+    return [
+        PageEvent(kind, tid, tgid_of(tid), os.makedev(s_dev >> 20, s_dev & 0xFFFFF), ino, start, end - start)
+        for (kind, tid, s_dev, ino), start, end in runs
+    ]
 
 
 class TgidMap:

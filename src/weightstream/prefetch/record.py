@@ -5,18 +5,23 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from weightstream.errors import WeightstreamError
+from weightstream.io.pagecache import evict_file
 from weightstream.prefetch import tracefs
 from weightstream.prefetch.events import MISS, READ, PageEvent, ReadSpans
 from weightstream.prefetch.merge import RangeMerger
 from weightstream.prefetch.pages import PageCounter
-from weightstream.prefetch.procs import (WEIGHT_SUFFIXES, GatedCommand, mapped_weight_files, open_weight_files,
-                                         process_tree)
-from weightstream.io.pagecache import evict_file
+from weightstream.prefetch.procs import (
+    WEIGHT_SUFFIXES,
+    GatedCommand,
+    mapped_weight_files,
+    open_weight_files,
+    process_tree,
+)
 from weightstream.prefetch.residency import ResidencySampler
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.store import save_template
@@ -90,8 +95,10 @@ class _Watcher:
     def held_files(self) -> dict[int, set[str]]:
         """pid -> the weight files it kept mapped to about its end (a loader that maps one shard at a time
         holds only the last; one whose mapping is the model holds them all)."""
-        return {pid: {path for path, t in files.items() if self.alive_until.get(pid, t) - t < self.HOLD_S}
-                for pid, files in self.mapped_until.items()}
+        return {
+            pid: {path for path, t in files.items() if self.alive_until.get(pid, t) - t < self.HOLD_S}
+            for pid, files in self.mapped_until.items()
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,8 +225,10 @@ def record(opts: RecordOptions) -> int:
     template = rec.template(seen, seconds)
     if template is None:
         where = ", ".join(map(str, opts.model_dirs)) or "the files it opened"
-        raise WeightstreamError(f"the command read no weight files from disk under {where}; pass --model-dir, "
-                                "and make sure the cache is cold (do not pass --keep-cache)")
+        raise WeightstreamError(
+            f"the command read no weight files from disk under {where}; pass --model-dir, "
+            "and make sure the cache is cold (do not pass --keep-cache)"
+        )
     _summarise(opts, rec, template, seconds)
     return rc
 
@@ -228,11 +237,15 @@ def _summarise(opts: RecordOptions, rec: Recorder, template: LoadTemplate, secon
     path = save_template(template, opts.spec)
     size = path.stat().st_size
     per_gib = size / max(template.bytes / (1 << 30), 1e-9)
-    opts.say(f"recorded {len(template.files)} files, {template.ranges} ranges, {format_bytes(template.bytes)} in "
-             f"{len(template.workers)} processes, {seconds:.2f} s")
+    opts.say(
+        f"recorded {len(template.files)} files, {template.ranges} ranges, {format_bytes(template.bytes)} in "
+        f"{len(template.workers)} processes, {seconds:.2f} s"
+    )
     opts.say(f"template {path} ({size} bytes, {per_gib:.0f} bytes per GiB read)")
     if getattr(rec, "events_lost", 0):
         opts.say(f"warning: {rec.events_lost} trace events were lost (buffer overrun); the template is partial")
     if rec.source == "residency":
-        opts.say(f"note: residency sampling resolves order to ~{rec.sampler.resolution_s * 1000:.0f} ms and "
-                 "cannot tell processes apart")
+        opts.say(
+            f"note: residency sampling resolves order to ~{rec.sampler.resolution_s * 1000:.0f} ms and "
+            "cannot tell processes apart"
+        )

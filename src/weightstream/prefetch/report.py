@@ -58,21 +58,30 @@ class RunReport:
             f"(already cached {format_bytes(self.bytes_already_cached)}), used by the loader {used}, "
             f"abandoned {format_bytes(self.bytes_abandoned)}",
             f"reclaimed {format_bytes(self.bytes_reclaimed)}, re-read after reclaim "
-            f"{format_bytes(self.bytes_reread_after_reclaim)}, loader read itself {format_bytes(self.bytes_loader_missed)}",
+            f"{format_bytes(self.bytes_reread_after_reclaim)}, "
+            f"loader read itself {format_bytes(self.bytes_loader_missed)}",
         ]
         if self.memory_budget is not None:
             gap = "no reclaim" if self.reclaim_gap is None else f"reclaim gap {format_bytes(self.reclaim_gap)}"
-            lines.append(f"budget {format_bytes(self.memory_budget)}: at most {format_bytes(self.peak_ahead)} was ahead of the "
-                         f"loader; {gap}")
+            lines.append(
+                f"budget {format_bytes(self.memory_budget)}: at most {format_bytes(self.peak_ahead)} was ahead of the "
+                f"loader; {gap}"
+            )
         if self.bytes_evicted_before_use:
-            lines.append(f"memory pressure: {format_bytes(self.bytes_evicted_before_use)} prefetched was evicted before "
-                         f"use; budget cut to {format_bytes(self.final_budget or 0)}")
+            lines.append(
+                f"memory pressure: {format_bytes(self.bytes_evicted_before_use)} prefetched was evicted before "
+                f"use; budget cut to {format_bytes(self.final_budget or 0)}"
+            )
         if self.rewinds:
-            lines.append(f"the loader went back {self.rewinds}x (another pass over evicted data): prefetch followed, "
-                         "burn-after-reading stopped")
+            lines.append(
+                f"the loader went back {self.rewinds}x (another pass over evicted data): prefetch followed, "
+                "burn-after-reading stopped"
+            )
         if self.pressure_pauses or self.failed_chunks or self.events_lost:
-            lines.append(f"paused {self.pressure_pauses}x for memory pressure, {self.failed_chunks} chunks failed, "
-                         f"{self.events_lost} trace events lost")
+            lines.append(
+                f"paused {self.pressure_pauses}x for memory pressure, {self.failed_chunks} chunks failed, "
+                f"{self.events_lost} trace events lost"
+            )
         return lines
 
     def to_json(self) -> str:

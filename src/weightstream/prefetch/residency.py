@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,8 +43,9 @@ class ResidencySampler:
         fds: list[int] = []
         before: list[np.ndarray] = []
         self._take_pending(fds, before)
-        self._thread = threading.Thread(target=self._loop, args=(fds, before, on_events), name="ws-mincore",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(fds, before, on_events), name="ws-mincore", daemon=True
+        )
         self._thread.start()
 
     def _take_pending(self, fds: list[int], before: list[np.ndarray]) -> None:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from weightstream.prefetch import tracefs
 from weightstream.prefetch.memory import CgroupMemory
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.prefetcher import Prefetcher
-from weightstream.prefetch.settings import Settings
 from weightstream.prefetch.procs import GatedCommand
 from weightstream.prefetch.report import RunReport
 from weightstream.prefetch.residency import ResidencySampler
+from weightstream.prefetch.settings import Settings
 from weightstream.prefetch.spec import DeploymentSpec
 from weightstream.prefetch.store import Lookup, find_template
 from weightstream.units import format_bytes
@@ -91,8 +91,10 @@ class _Session:
         s.cgroup = CgroupMemory.of()
         if s.budget is None and s.cgroup is not None and s.cgroup.limited:
             s.budget = max(64 << 20, (s.cgroup.limit - s.cgroup.usage) // AUTO_BUDGET_SHARE)
-            self.opts.say(f"memory cgroup limit {format_bytes(s.cgroup.limit)}: prefetch budget {format_bytes(s.budget)} "
-                          "(pass --memory-budget to choose)")
+            self.opts.say(
+                f"memory cgroup limit {format_bytes(s.cgroup.limit)}: prefetch budget {format_bytes(s.budget)} "
+                "(pass --memory-budget to choose)"
+            )
 
     def _stop_events(self) -> None:
         for part in (self.trace, self.sampler):
@@ -166,8 +168,17 @@ def _stop_quietly(session: _Session) -> int:
 
 def _report(opts: RunOptions, session: _Session, rc: int, seconds: float, lost: int) -> RunReport:
     s, p = opts.settings, session.prefetcher
-    report = RunReport(opts.spec.as_dict(), p is not None, session.reason, session.source, rc, seconds,
-                       threads=s.threads, numa=s.placement.message, events_lost=lost)
+    report = RunReport(
+        opts.spec.as_dict(),
+        p is not None,
+        session.reason,
+        session.source,
+        rc,
+        seconds,
+        threads=s.threads,
+        numa=s.placement.message,
+        events_lost=lost,
+    )
     if p is None:
         return report
     c = p.counters

@@ -16,7 +16,7 @@ class DeploymentSpec:
     items: tuple[tuple[str, str], ...]
 
     @classmethod
-    def parse(cls, pairs: list[str]) -> "DeploymentSpec":
+    def parse(cls, pairs: list[str]) -> DeploymentSpec:
         """Parse ["model=x", "tp=2"]; repeated keys and pairs without '=' are user errors."""
         if not pairs:
             raise WeightstreamError("--spec is empty; name the deployment, e.g. --spec model=qwen3-30b tp=1")

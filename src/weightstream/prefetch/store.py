@@ -45,8 +45,11 @@ def find_template(spec: DeploymentSpec, check_files: bool = True) -> Lookup:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return Lookup(None, f"no template recorded for spec '{spec}' (record one with `weightstream prefetch "
-                            f"record --spec ...`)", path)
+        return Lookup(
+            None,
+            f"no template recorded for spec '{spec}' (record one with `weightstream prefetch record --spec ...`)",
+            path,
+        )
     except (OSError, UnicodeDecodeError) as exc:
         return Lookup(None, f"template {path} is unreadable ({exc})", path)
     try:

@@ -52,7 +52,7 @@ class FileIdentity:
     fingerprint: str
 
     @classmethod
-    def of(cls, path: str) -> "FileIdentity":
+    def of(cls, path: str) -> FileIdentity:
         """Identify the file at path now."""
         path = os.path.realpath(path)
         st = os.stat(path)
@@ -64,8 +64,12 @@ class FileIdentity:
             st = os.stat(self.path)
         except OSError as exc:
             return f"model file {self.path} is gone ({exc.strerror})"
-        for name, now, then in (("size", st.st_size, self.size), ("mtime", st.st_mtime_ns, self.mtime_ns),
-                                ("inode", st.st_ino, self.inode), ("device", st.st_dev, self.dev)):
+        for name, now, then in (
+            ("size", st.st_size, self.size),
+            ("mtime", st.st_mtime_ns, self.mtime_ns),
+            ("inode", st.st_ino, self.inode),
+            ("device", st.st_dev, self.dev),
+        ):
             if now != then:
                 return f"model file {self.path} changed since recording ({name} {then} -> {now})"
         if fingerprint(self.path, st.st_size) != self.fingerprint:
@@ -113,15 +117,28 @@ class LoadTemplate:
     def to_json(self) -> str:
         """Compact JSON; each worker's ranges are packed (see pack_ranges) to keep templates small."""
         doc = {
-            "format": FORMAT, "version": VERSION, "key": self.key, "spec": self.spec, "source": self.source,
-            "record_seconds": round(self.record_seconds, 3), "files": [asdict(f) for f in self.files],
-            "workers": [{"name": w.name, "reads_per_byte": w.reads_per_byte, "holds_mapped": w.holds_mapped,
-                         "held_files": w.held_files, "ranges": pack_ranges(w.ranges)} for w in self.workers],
+            "format": FORMAT,
+            "version": VERSION,
+            "key": self.key,
+            "spec": self.spec,
+            "source": self.source,
+            "record_seconds": round(self.record_seconds, 3),
+            "files": [asdict(f) for f in self.files],
+            "workers": [
+                {
+                    "name": w.name,
+                    "reads_per_byte": w.reads_per_byte,
+                    "holds_mapped": w.holds_mapped,
+                    "held_files": w.held_files,
+                    "ranges": pack_ranges(w.ranges),
+                }
+                for w in self.workers
+            ],
         }
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "LoadTemplate":
+    def from_json(cls, text: str) -> LoadTemplate:
         """Parse a template; any structural problem raises TemplateError with the reason."""
         try:
             doc = json.loads(text)
@@ -129,8 +146,9 @@ class LoadTemplate:
                 raise TemplateError(f"not a version {VERSION} load template")
             files = [FileIdentity(**f) for f in doc["files"]]
             workers = [_worker_from_json(w, len(files)) for w in doc["workers"]]
-            return cls(dict(doc["spec"]), str(doc["key"]), files, workers, str(doc["source"]),
-                       float(doc["record_seconds"]))
+            return cls(
+                dict(doc["spec"]), str(doc["key"]), files, workers, str(doc["source"]), float(doc["record_seconds"])
+            )
         except TemplateError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -142,8 +160,10 @@ class LoadTemplate:
             for f, offset, length in worker.ranges:
                 size = self.files[f].size
                 if offset < 0 or length <= 0 or offset >= size or offset + length > size + PAGE:
-                    return (f"range {offset}+{length} of {self.files[f].path} points past the end of the file "
-                            f"({size} bytes)")
+                    return (
+                        f"range {offset}+{length} of {self.files[f].path} points past the end of the file "
+                        f"({size} bytes)"
+                    )
         return None
 
 
@@ -168,7 +188,7 @@ def unpack_ranges(text: str) -> list[tuple[int, int, int]]:
     flat = struct.unpack(f"<{len(raw) // 8}q", raw)
     out, prev_end = [], 0
     for i in range(0, len(flat), 3):
-        f, delta, pages = flat[i:i + 3]
+        f, delta, pages = flat[i : i + 3]
         start = prev_end + delta
         out.append((f, start * PAGE, pages * PAGE))
         prev_end = start + pages
@@ -183,8 +203,10 @@ def _worker_from_json(doc: dict, n_files: int) -> WorkerTemplate:
     if any(not 0 <= f < n_files for f, _, _ in ranges):
         raise TemplateError("corrupt (ranges do not match the file list)")
     held = doc.get("held_files")
-    if held is not None and (not isinstance(held, list) or any(not isinstance(f, int) or not 0 <= f < n_files
-                                                               for f in held)):
+    if held is not None and (
+        not isinstance(held, list) or any(not isinstance(f, int) or not 0 <= f < n_files for f in held)
+    ):
         raise TemplateError("corrupt (held_files do not match the file list)")
-    return WorkerTemplate(str(doc["name"]), ranges, float(doc.get("reads_per_byte", 1.0)),
-                          bool(doc.get("holds_mapped", False)), held)
+    return WorkerTemplate(
+        str(doc["name"]), ranges, float(doc.get("reads_per_byte", 1.0)), bool(doc.get("holds_mapped", False)), held
+    )

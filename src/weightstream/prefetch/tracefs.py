@@ -13,8 +13,8 @@ import os
 import select
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from weightstream.prefetch import rawtrace
 from weightstream.prefetch.events import EVENT_KINDS, TRACE_EVENTS, PageEvent, kernel_dev, parse_trace_text
@@ -43,7 +43,7 @@ def remove_stale_instances(root: Path) -> list[str]:
     """Remove instances left by weightstream processes that no longer exist; returns their names."""
     removed = []
     for inst in (root / "instances").glob(f"{_PREFIX}*"):
-        pid = inst.name[len(_PREFIX):].split("-")[0]
+        pid = inst.name[len(_PREFIX) :].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             _remove(inst)
             removed.append(inst.name)
@@ -70,8 +70,10 @@ def inode_filter(files: list[tuple[int, int]], exclude_tids: list[int] = ()) -> 
     by_dev: dict[int, list[int]] = {}
     for dev, ino in files:
         by_dev.setdefault(kernel_dev(dev), []).append(ino)
-    parts = [f"(s_dev == {d} && ({' || '.join(f'i_ino == {i}' for i in sorted(set(inos)))}))"
-             for d, inos in sorted(by_dev.items())]
+    parts = [
+        f"(s_dev == {d} && ({' || '.join(f'i_ino == {i}' for i in sorted(set(inos)))}))"
+        for d, inos in sorted(by_dev.items())
+    ]
     text = " || ".join(parts) or "i_ino == 0"
     if exclude_tids:
         text = f"({text}) && " + " && ".join(f"common_pid != {t}" for t in exclude_tids)

@@ -17,8 +17,8 @@ class BeladyPolicy:
         assert capacity >= 1 and len(access_keys) == len(next_use), capacity
         self.capacity = capacity
         self._keys, self._next_use = access_keys, next_use
-        self._cursor = 0                       # index of the access being served, in replay order
-        self._next: dict[Key, int] = {}        # resident key -> position of its next use
+        self._cursor = 0  # index of the access being served, in replay order
+        self._next: dict[Key, int] = {}  # resident key -> position of its next use
         self._heap: list[tuple[int, Key]] = []  # (-next use, key); stale entries are skipped
 
     def __contains__(self, key: Key) -> bool:

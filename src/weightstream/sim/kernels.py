@@ -13,8 +13,10 @@ import numpy as np
 try:
     from numba import njit
 except ImportError:  # pragma: no cover - numba is a declared dependency; keep the simulator usable without it
+
     def njit(*args, **kwargs):
         return args[0] if args and callable(args[0]) else (lambda f: f)
+
 
 COLD = np.iinfo(np.int32).max  # stack distance of a key never seen before
 

@@ -20,12 +20,22 @@ def plot_results(results: Sequence[Result], working_set_bytes: int, out: str | P
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     for policy in dict.fromkeys(r.policy for r in results):
         rows = sorted((r for r in results if r.policy == policy), key=lambda r: r.cache_bytes)
-        ax.plot([r.cache_bytes / GIB for r in rows], [r.bytes_per_token / MIB for r in rows],
-                marker="o" if len(rows) < 20 else None, markersize=3, label=policy)
+        ax.plot(
+            [r.cache_bytes / GIB for r in rows],
+            [r.bytes_per_token / MIB for r in rows],
+            marker="o" if len(rows) < 20 else None,
+            markersize=3,
+            label=policy,
+        )
     ax.axvline(working_set_bytes / GIB, color="grey", linestyle="--", linewidth=1)
-    ax.annotate(f"1x = one token's working set ({working_set_bytes / GIB:.2f} GiB)",
-                (working_set_bytes / GIB, ax.get_ylim()[1]), xytext=(4, -12), textcoords="offset points",
-                fontsize=8, color="grey")
+    ax.annotate(
+        f"1x = one token's working set ({working_set_bytes / GIB:.2f} GiB)",
+        (working_set_bytes / GIB, ax.get_ylim()[1]),
+        xytext=(4, -12),
+        textcoords="offset points",
+        fontsize=8,
+        color="grey",
+    )
     ax.set_xlabel("expert cache size (GiB)")
     ax.set_ylabel("expert MiB read per token")
     ax.set_ylim(bottom=0)

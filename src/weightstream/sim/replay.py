@@ -26,7 +26,7 @@ class Result:
 
     policy: str
     cache_bytes: int
-    slots: int | None        # None under a byte budget (experts of different sizes)
+    slots: int | None  # None under a byte budget (experts of different sizes)
     hits: int
     misses: int
     tokens: int
@@ -50,8 +50,14 @@ class Result:
 
     def to_json(self) -> dict:
         """The `simulate --json` record."""
-        return {"policy": self.policy, "cache_bytes": self.cache_bytes, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hit_rate, "bytes_per_token": self.bytes_per_token}
+        return {
+            "policy": self.policy,
+            "cache_bytes": self.cache_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "bytes_per_token": self.bytes_per_token,
+        }
 
 
 @dataclass(slots=True)
@@ -74,13 +80,17 @@ def _capacity(w: Workload, cache_bytes: int) -> int | None:
     size = w.trace.shape.uniform_bytes
     if size is None:
         if cache_bytes < w.min_bytes:
-            raise WeightstreamError(f"cache of {cache_bytes} bytes is below the {w.min_bytes} bytes one layer of one "
-                                    f"step needs in this trace; use at least that")
+            raise WeightstreamError(
+                f"cache of {cache_bytes} bytes is below the {w.min_bytes} bytes one layer of one "
+                f"step needs in this trace; use at least that"
+            )
         return None
     slots = cache_bytes // size
     if slots < 1:
-        raise WeightstreamError(f"cache of {cache_bytes} bytes holds no expert slot of {size} bytes; use at least "
-                                f"{size} bytes (one token's working set is {w.trace.shape.working_set_bytes})")
+        raise WeightstreamError(
+            f"cache of {cache_bytes} bytes holds no expert slot of {size} bytes; use at least "
+            f"{size} bytes (one token's working set is {w.trace.shape.working_set_bytes})"
+        )
     return slots
 
 
@@ -125,15 +135,20 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
     elif name == "pinned":
         keys = opts.pinned_keys
         if keys is None:
-            keys = _pinned_set(w, slots, opts) if slots is not None else w.pinned_keys(
-                capacity, byte_limit=cache_bytes - w.min_bytes)
+            keys = (
+                _pinned_set(w, slots, opts)
+                if slots is not None
+                else w.pinned_keys(capacity, byte_limit=cache_bytes - w.min_bytes)
+            )
         policy = make_policy("pinned", capacity, pinned_keys=keys)
     elif name == "adaptive" and slots is None:
         inner = _adaptive_inner(w, cache_bytes, slots, opts)
         policy = make_policy(inner, capacity, **({"protected_share": opts.protected_share} if inner == "slru" else {}))
     else:
-        extra = {"slru": {"protected_share": opts.protected_share},
-                 "adaptive": {"threshold": opts.threshold, "protected_share": opts.protected_share}}.get(name, {})
+        extra = {
+            "slru": {"protected_share": opts.protected_share},
+            "adaptive": {"threshold": opts.threshold, "protected_share": opts.protected_share},
+        }.get(name, {})
         policy = make_policy(name, capacity, working_set_slots=shape.working_set_slots, **extra)
     if slots is None:
         policy = ByteBudget(policy, cache_bytes, dict(zip(shape.layers, shape.expert_bytes)))
@@ -168,24 +183,34 @@ def run_one(w: Workload, name: str, cache_bytes: int, opts: Options | None = Non
     if method == "fast" and slots is None:
         raise WeightstreamError("the fast path needs experts of one size; use method='reference' for byte budgets")
     if method != "reference" and slots is not None:
-        hit = _fast_hits(w, name, slots, int(cache_bytes), opts)[w.count_from:].astype(bool)
+        hit = _fast_hits(w, name, slots, int(cache_bytes), opts)[w.count_from :].astype(bool)
         per_layer = np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
         hits = int(hit.sum())
     else:
         hits, per_layer = _reference_misses(w, build_policy(w, name, slots, int(cache_bytes), opts))
     bytes_read = int(np.dot(per_layer, np.asarray(w.trace.shape.expert_bytes, np.int64)))
-    return Result(name, int(cache_bytes), slots, hits, int(per_layer.sum()), w.judged_tokens, bytes_read,
-                  per_layer.tolist())
+    return Result(
+        name, int(cache_bytes), slots, hits, int(per_layer.sum()), w.judged_tokens, bytes_read, per_layer.tolist()
+    )
 
 
-def replay(trace: Trace, policy_name: str, cache_bytes: int, *, train_share: float = 0.0, method: str = "auto",
-           **opts) -> Result:
+def replay(
+    trace: Trace, policy_name: str, cache_bytes: int, *, train_share: float = 0.0, method: str = "auto", **opts
+) -> Result:
     """Replay `trace` through one policy with access_layer semantics (steps in order, layers ascending)."""
     return run_one(Workload(trace, train_share), policy_name, cache_bytes, Options(**opts), method)
 
 
-def simulate(trace: Trace, policies: Sequence[str], sizes: Sequence[int], *, train_share: float = 0.0,
-             method: str = "auto", on_result: Callable[[Result], None] | None = None, **opts) -> list[Result]:
+def simulate(
+    trace: Trace,
+    policies: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    train_share: float = 0.0,
+    method: str = "auto",
+    on_result: Callable[[Result], None] | None = None,
+    **opts,
+) -> list[Result]:
     """Every policy at every size (bytes); one workload is shared so LRU's distances are computed once."""
     w, options, results = Workload(trace, train_share), Options(**opts), []
     for name in policies:

@@ -36,6 +36,7 @@ def parse_sizes(text: str, working_set_bytes: int) -> list[int]:
         raise WeightstreamError("--sizes is empty; give e.g. 0.5x,1x,2x or 2GiB,4GiB or 0.5x:4x:0.1x")
     sizes = []
     for item in items:
-        sizes.extend(_size_range(item, working_set_bytes) if item.count(":") == 2
-                     else [_parse_one(item, working_set_bytes)])
+        sizes.extend(
+            _size_range(item, working_set_bytes) if item.count(":") == 2 else [_parse_one(item, working_set_bytes)]
+        )
     return sizes

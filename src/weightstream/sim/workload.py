@@ -19,7 +19,7 @@ class Workload:
 
     trace: Trace
     train_share: float = 0.0
-    count_from: int = field(init=False)        # first judged access
+    count_from: int = field(init=False)  # first judged access
     judged_tokens: int = field(init=False)
     train_requests: int = field(init=False)
     _waves: dict = field(init=False, default_factory=dict, repr=False)
@@ -30,8 +30,10 @@ class Workload:
             raise WeightstreamError(f"train share must be in [0, 1), got {self.train_share}")
         self.train_requests = int(n_req * self.train_share)
         if self.train_share > 0 and not 1 <= self.train_requests < n_req:
-            raise WeightstreamError(f"a train share of {self.train_share} of {n_req} request(s) leaves no training "
-                                    f"or no judged request; use --train-share 0 or a trace with more requests")
+            raise WeightstreamError(
+                f"a train share of {self.train_share} of {n_req} request(s) leaves no training "
+                f"or no judged request; use --train-share 0 or a trace with more requests"
+            )
         first = self.trace.first_step_of_request(self.train_requests)
         self.count_from = self.trace.access_range(first, self.trace.n_steps)[0]
         self.judged_tokens = int(self.trace.step_tokens[first:].sum())
@@ -68,7 +70,7 @@ class Workload:
     @cached_property
     def layer_pos(self) -> np.ndarray:
         """Position in shape.layers of each judged access."""
-        return (self.keys[self.count_from:] // self.trace.shape.n_experts).astype(np.int64)
+        return (self.keys[self.count_from :] // self.trace.shape.n_experts).astype(np.int64)
 
     @cached_property
     def lru_distances(self) -> np.ndarray:

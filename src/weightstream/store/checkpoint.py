@@ -32,15 +32,19 @@ class Checkpoint:
 def open_checkpoint(model_dir: str) -> Checkpoint:
     """Index a model directory; raise WeightstreamError naming what is missing or malformed."""
     if not os.path.isdir(model_dir):
-        raise WeightstreamError(f"{model_dir}: not a directory; pass a model directory holding config.json and "
-                                "*.safetensors (for example one written by `weightstream synth`)")
+        raise WeightstreamError(
+            f"{model_dir}: not a directory; pass a model directory holding config.json and "
+            "*.safetensors (for example one written by `weightstream synth`)"
+        )
     config = _read_json(os.path.join(model_dir, "config.json"), "config.json")
     ckpt = Checkpoint(model_dir, config)
     for path in _shard_paths(model_dir):
         for name, info in read_safetensors_header(path).items():
             if name in ckpt.tensors:
-                raise WeightstreamError(f"{model_dir}: tensor {name!r} appears in both "
-                                        f"{ckpt.tensors[name].path} and {path}; the checkpoint is inconsistent")
+                raise WeightstreamError(
+                    f"{model_dir}: tensor {name!r} appears in both "
+                    f"{ckpt.tensors[name].path} and {path}; the checkpoint is inconsistent"
+                )
             ckpt.tensors[name] = info
     return ckpt
 
@@ -54,8 +58,10 @@ def _shard_paths(model_dir: str) -> list[str]:
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.exists(os.path.join(model_dir, s))]
         if missing:
-            raise WeightstreamError(f"{index_path}: names shard(s) {', '.join(missing)} that are missing from "
-                                    f"{model_dir}; download or copy the missing files")
+            raise WeightstreamError(
+                f"{index_path}: names shard(s) {', '.join(missing)} that are missing from "
+                f"{model_dir}; download or copy the missing files"
+            )
         return [os.path.join(model_dir, s) for s in shards]
     paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not paths:

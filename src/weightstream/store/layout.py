@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming, rename_source_key
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
 
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import region_bytes
@@ -23,8 +29,14 @@ from weightstream.store.checkpoint import Checkpoint
 from weightstream.store.safetensors_index import TensorInfo
 
 TESTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
-_EXEC_ORDER = {"gate_up_proj": 0, "up_proj": 0, "gate_up_proj_bias": 1, "up_proj_bias": 1,
-               "down_proj": 2, "down_proj_bias": 3}
+_EXEC_ORDER = {
+    "gate_up_proj": 0,
+    "up_proj": 0,
+    "gate_up_proj_bias": 1,
+    "up_proj_bias": 1,
+    "down_proj": 2,
+    "down_proj_bias": 3,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +132,8 @@ def streamable_modules(model: torch.nn.Module, model_dir: str) -> dict[str, torc
         raise WeightstreamError(
             f"{model_dir}: architecture {model.config.model_type!r} has no experts module that goes through "
             f"transformers' experts interface, so weightstream cannot stream it; supported (tested): "
-            f"{', '.join(TESTED_ARCHITECTURES)}")
+            f"{', '.join(TESTED_ARCHITECTURES)}"
+        )
     return modules
 
 
@@ -140,8 +153,10 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelL
             if converter is None:
                 fused.add(params[target][:2])
         elif converter is not None:
-            raise WeightstreamError(f"{ckpt.model_dir}: tensor {key!r} of architecture {model_type!r} needs a "
-                                    f"conversion weightstream does not support for dense weights")
+            raise WeightstreamError(
+                f"{ckpt.model_dir}: tensor {key!r} of architecture {model_type!r} needs a "
+                f"conversion weightstream does not support for dense weights"
+            )
         else:
             dense[target] = info
     experts = _assemble(found, fused, modules, module_layers, params, ckpt.model_dir)
@@ -158,9 +173,11 @@ def _transforms(model):
     cached = getattr(model, "_ws_transforms", None)
     if cached is None:
         transforms = get_model_conversion_mapping(model)
-        cached = ([t for t in transforms if isinstance(t, WeightRenaming)],
-                  [t for t in transforms if isinstance(t, WeightConverter)],
-                  {k: None for k in model.state_dict(keep_vars=True)})
+        cached = (
+            [t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)],
+            {k: None for k in model.state_dict(keep_vars=True)},
+        )
         model._ws_transforms = cached
     return cached
 
@@ -180,17 +197,24 @@ def _add_pieces(found, param, key, info: TensorInfo, converter, position, model_
     num_experts = meta_param.shape[0]
     if converter is None:  # fused on disk: expert e is the e-th contiguous slice along dim 0
         if tuple(info.shape) != tuple(meta_param.shape):
-            raise WeightstreamError(f"{info.path}: tensor {key!r} has shape {list(info.shape)}, the model expects "
-                                    f"{list(meta_param.shape)}; config.json and the weights disagree")
+            raise WeightstreamError(
+                f"{info.path}: tensor {key!r} has shape {list(info.shape)}, the model expects "
+                f"{list(meta_param.shape)}; config.json and the weights disagree"
+            )
         stride = info.nbytes // num_experts
         for e in range(num_experts):
             found.setdefault((path, e, name), []).append((0, Piece(info.path, info.offset + e * stride, stride)))
         return
     ops = [type(op) for op in converter.operations]
-    if ops not in ([MergeModulelist], [MergeModulelist, Concatenate]) or converter.operations[0].dim != 0 or (
-            len(ops) == 2 and converter.operations[1].dim != 1):
-        raise WeightstreamError(f"architecture {model_type!r}: its experts are converted by {ops}, which weightstream "
-                                f"cannot map to byte ranges; supported (tested): {', '.join(TESTED_ARCHITECTURES)}")
+    if (
+        ops not in ([MergeModulelist], [MergeModulelist, Concatenate])
+        or converter.operations[0].dim != 0
+        or (len(ops) == 2 and converter.operations[1].dim != 1)
+    ):
+        raise WeightstreamError(
+            f"architecture {model_type!r}: its experts are converted by {ops}, which weightstream "
+            f"cannot map to byte ranges; supported (tested): {', '.join(TESTED_ARCHITECTURES)}"
+        )
     pattern = re.escape(converter.source_patterns[position]).replace(r"\*", r"(\d+)")
     expert = int(re.search(pattern, key).group(1))
     found.setdefault((path, expert, name), []).append((position, Piece(info.path, info.offset, info.nbytes)))
@@ -201,8 +225,11 @@ def _assemble(found, fused, modules, module_layers, params, model_dir) -> dict[t
     for path, module in modules.items():
         names = sorted((n for p, n, _ in params.values() if p == path), key=lambda n: (_EXEC_ORDER.get(n, 9), n))
         for e in range(module.num_experts):
-            experts[(module_layers[path], e)] = ExpertLayout(module_layers[path], e, tuple(
-                _expert_param(found, path, e, n, params, model_dir, (path, n) in fused) for n in names))
+            experts[(module_layers[path], e)] = ExpertLayout(
+                module_layers[path],
+                e,
+                tuple(_expert_param(found, path, e, n, params, model_dir, (path, n) in fused) for n in names),
+            )
     return experts
 
 
@@ -212,8 +239,10 @@ def _expert_param(found, path, e, name, params, model_dir, fused: bool) -> Exper
     pieces = tuple(p for _, p in sorted(found.get((path, e, name), []), key=lambda t: t[0]))
     need = math.prod(shape) * meta_param.element_size()
     if sum(p.nbytes for p in pieces) != need:
-        raise WeightstreamError(f"{model_dir}: expert {e} of {path}.{name} has {sum(p.nbytes for p in pieces)} bytes "
-                                f"in the checkpoint, the model expects {need}; tensors are missing or the wrong dtype")
+        raise WeightstreamError(
+            f"{model_dir}: expert {e} of {path}.{name} has {sum(p.nbytes for p in pieces)} bytes "
+            f"in the checkpoint, the model expects {need}; tensors are missing or the wrong dtype"
+        )
     # fused on disk, transformers uses the file's bytes where mmap put them; merged, a new (E, ...) tensor
     residue = pieces[0].offset % MEMORY_ALIGN if fused else e * need % MEMORY_ALIGN
     return ExpertParam(name, shape, meta_param.dtype, pieces, residue)

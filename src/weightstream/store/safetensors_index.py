@@ -13,8 +13,22 @@ from weightstream.errors import WeightstreamError
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-    "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
 }
 
 
@@ -37,15 +51,21 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise WeightstreamError(f"{path}: truncated safetensors file ({size} bytes, no header length); "
-                                        "re-download or re-export the checkpoint")
+                raise WeightstreamError(
+                    f"{path}: truncated safetensors file ({size} bytes, no header length); "
+                    "re-download or re-export the checkpoint"
+                )
             (header_len,) = struct.unpack("<Q", head)
             if header_len > MAX_HEADER_BYTES:
-                raise WeightstreamError(f"{path}: safetensors header of {header_len} bytes exceeds the format's "
-                                        f"{MAX_HEADER_BYTES} byte limit; the file is corrupt or not safetensors")
+                raise WeightstreamError(
+                    f"{path}: safetensors header of {header_len} bytes exceeds the format's "
+                    f"{MAX_HEADER_BYTES} byte limit; the file is corrupt or not safetensors"
+                )
             if 8 + header_len > size:
-                raise WeightstreamError(f"{path}: truncated safetensors header (needs {header_len} bytes, file has "
-                                        f"{size - 8}); re-download or re-export the checkpoint")
+                raise WeightstreamError(
+                    f"{path}: truncated safetensors header (needs {header_len} bytes, file has "
+                    f"{size - 8}); re-download or re-export the checkpoint"
+                )
             raw = f.read(header_len)
     except OSError as exc:
         raise WeightstreamError(f"{path}: cannot read ({exc.strerror})") from exc
@@ -67,17 +87,22 @@ def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> Ten
         raise WeightstreamError(f"{path}: tensor {name!r} lacks dtype, shape or data_offsets; the file is corrupt")
     dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     if dtype not in DTYPE_BYTES:
-        raise WeightstreamError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}; "
-                                f"supported: {', '.join(sorted(DTYPE_BYTES))}")
+        raise WeightstreamError(
+            f"{path}: tensor {name!r} has unknown dtype {dtype!r}; supported: {', '.join(sorted(DTYPE_BYTES))}"
+        )
     if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
         raise WeightstreamError(f"{path}: tensor {name!r} has invalid data_offsets {[begin, end]}")
     if data_start + end > size:
-        raise WeightstreamError(f"{path}: tensor {name!r} ends at byte {data_start + end}, past the end of the "
-                                f"file ({size} bytes); the file is truncated")
+        raise WeightstreamError(
+            f"{path}: tensor {name!r} ends at byte {data_start + end}, past the end of the "
+            f"file ({size} bytes); the file is truncated"
+        )
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if end - begin != expected:
-        raise WeightstreamError(f"{path}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} "
-                                f"needs {expected}; the file is corrupt")
+        raise WeightstreamError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} "
+            f"needs {expected}; the file is corrupt"
+        )
     return TensorInfo(name, path, data_start + begin, end - begin, dtype, shape)
 
 

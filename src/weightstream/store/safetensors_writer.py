@@ -17,24 +17,37 @@ import struct
 import torch
 
 ALIGN = 64
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class SafetensorsWriter:
     """Lay out the file from (name, dtype, shape) up front; then `write` each tensor, in any order, once."""
 
-    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ):
         self.path = path
         sizes = {name: math.prod(shape) * _itemsize(dtype) for name, (dtype, shape) in specs.items()}
         order = sorted(specs, key=lambda n: (sizes[n] % ALIGN != 0, n))  # by name, as the reference writer
         header, offset = {}, 0
         for name in order:
             dtype, shape = specs[name]
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + sizes[name]]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + sizes[name]],
+            }
             offset += sizes[name]
         if metadata:
             header["__metadata__"] = metadata

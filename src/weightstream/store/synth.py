@@ -1,4 +1,4 @@
-"""Write a transformers-loadable checkpoint with random weights, layer by layer, in the architecture's own on-disk form."""
+"""Write a transformers-loadable checkpoint with random weights, layer by layer, in the architecture's on-disk form."""
 
 from __future__ import annotations
 
@@ -29,17 +29,30 @@ class SynthResult:
     shards: int
 
 
-def synthesize(out_dir: str, fields: dict, dtype: str = "bf16", seed: int = 0, force: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> SynthResult:
+def synthesize(
+    out_dir: str,
+    fields: dict,
+    dtype: str = "bf16",
+    seed: int = 0,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthResult:
     """Write config, tokenizer and random weights to `out_dir` (built in a temp dir, renamed into place at the end)."""
     if dtype not in DTYPES:
         raise WeightstreamError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
-        raise WeightstreamError(f"{out_dir}: exists and is not empty; choose another --out or pass --force to replace it")
+        raise WeightstreamError(
+            f"{out_dir}: exists and is not empty; choose another --out or pass --force to replace it"
+        )
     fields = dict(fields)
     tokenizer = build_tokenizer(fields["vocab_size"])
-    config = AutoConfig.for_model(fields.pop("model_type"), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+    config = AutoConfig.for_model(
+        fields.pop("model_type"),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **fields,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     config.architectures = [type(model).__name__]  # as every Hub checkpoint has; converters such as llama.cpp's need it

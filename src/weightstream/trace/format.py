@@ -21,14 +21,14 @@ class Trace:
     """Recorded router decisions of one or more requests on one model shape."""
 
     shape: ModelShape
-    requests: list[str]          # request names, index = request id
-    step_request: np.ndarray     # int32 [S]   request id of each step
-    step_phase: np.ndarray       # uint8 [S]   index into PHASES
-    step_tokens: np.ndarray      # int32 [S]   tokens the step computes (1 unless a batched prefill)
-    step_groups: np.ndarray      # int64 [S+1] offsets into the group arrays
-    group_layer: np.ndarray      # int32 [G]   model layer index of each group
-    group_offsets: np.ndarray    # int64 [G+1] offsets into experts
-    experts: np.ndarray          # int32 [A]   chosen expert ids
+    requests: list[str]  # request names, index = request id
+    step_request: np.ndarray  # int32 [S]   request id of each step
+    step_phase: np.ndarray  # uint8 [S]   index into PHASES
+    step_tokens: np.ndarray  # int32 [S]   tokens the step computes (1 unless a batched prefill)
+    step_groups: np.ndarray  # int64 [S+1] offsets into the group arrays
+    group_layer: np.ndarray  # int32 [G]   model layer index of each group
+    group_offsets: np.ndarray  # int64 [G+1] offsets into experts
+    experts: np.ndarray  # int32 [A]   chosen expert ids
     weights: np.ndarray | None = None  # float32 [A] router weights, when known
 
     @property
@@ -65,11 +65,18 @@ class Trace:
         kept = kept[np.argsort(first_seen)]  # request ids stay in order of first appearance
         remap = np.zeros(len(self.requests), np.int32)
         remap[kept] = np.arange(len(kept), dtype=np.int32)
-        return Trace(self.shape, [self.requests[r] for r in kept.tolist()], remap[self.step_request[cut]],
-                     self.step_phase[cut].copy(),
-                     self.step_tokens[cut].copy(), self.step_groups[first_step:end_step + 1] - g0,
-                     self.group_layer[g0:g1].copy(), self.group_offsets[g0:g1 + 1] - a0, self.experts[a0:a1].copy(),
-                     None if self.weights is None else self.weights[a0:a1].copy())
+        return Trace(
+            self.shape,
+            [self.requests[r] for r in kept.tolist()],
+            remap[self.step_request[cut]],
+            self.step_phase[cut].copy(),
+            self.step_tokens[cut].copy(),
+            self.step_groups[first_step : end_step + 1] - g0,
+            self.group_layer[g0:g1].copy(),
+            self.group_offsets[g0 : g1 + 1] - a0,
+            self.experts[a0:a1].copy(),
+            None if self.weights is None else self.weights[a0:a1].copy(),
+        )
 
     def key_index(self) -> np.ndarray:
         """Dense key id per access, position-of-layer * n_experts + expert (what the fast simulator uses)."""
@@ -82,7 +89,9 @@ class Trace:
         _check_offsets(self.step_groups, len(self.group_layer), source, "step")
         _check_offsets(self.group_offsets, len(self.experts), source, "layer group")
         n = self.n_steps
-        if not (len(self.step_phase) == len(self.step_tokens) == n) or (n and self.step_request.max() >= len(self.requests)):
+        if not (len(self.step_phase) == len(self.step_tokens) == n) or (
+            n and self.step_request.max() >= len(self.requests)
+        ):
             raise WeightstreamError(f"{source}: per-step arrays disagree in length or name unknown requests")
         if self.weights is not None and len(self.weights) != len(self.experts):
             raise WeightstreamError(f"{source}: {len(self.weights)} router weights for {len(self.experts)} experts")
@@ -95,7 +104,8 @@ class Trace:
             step, group = _locate(self, int(bad[0]))
             raise WeightstreamError(
                 f"{source}: step {step} layer {self.group_layer[group]}: expert {self.experts[bad[0]]} is outside "
-                f"0..{self.shape.n_experts - 1} of shape {self.shape.name!r}; was the trace made for another model?")
+                f"0..{self.shape.n_experts - 1} of shape {self.shape.name!r}; was the trace made for another model?"
+            )
 
 
 def _check_offsets(offsets: np.ndarray, total: int, source: str, what: str) -> None:
@@ -111,7 +121,8 @@ def _check_layers(trace: Trace, source: str) -> None:
         step = int(np.searchsorted(trace.step_groups, g, side="right") - 1)
         raise WeightstreamError(
             f"{source}: step {step} lists layer {trace.group_layer[g]}, but shape {trace.shape.name!r} routes only "
-            f"in layers {layers[0]}..{layers[-1]} ({len(layers)} layers); pass the shape of the model that made it")
+            f"in layers {layers[0]}..{layers[-1]} ({len(layers)} layers); pass the shape of the model that made it"
+        )
     # Within a step, layers strictly ascend: the replay order is layers ascending, one group per layer.
     ascending = np.diff(trace.group_layer) > 0
     starts = np.zeros(len(trace.group_layer), bool)
@@ -119,8 +130,10 @@ def _check_layers(trace: Trace, source: str) -> None:
     bad = np.flatnonzero(~ascending & ~starts[1:])
     if len(bad):
         step = int(np.searchsorted(trace.step_groups, bad[0] + 1, side="right") - 1)
-        raise WeightstreamError(f"{source}: step {step} lists layer {trace.group_layer[bad[0] + 1]} after layer "
-                                f"{trace.group_layer[bad[0]]}; layers must ascend within a step")
+        raise WeightstreamError(
+            f"{source}: step {step} lists layer {trace.group_layer[bad[0] + 1]} after layer "
+            f"{trace.group_layer[bad[0]]}; layers must ascend within a step"
+        )
     if len(trace.group_offsets) > 1 and np.any(np.diff(trace.group_offsets) == 0):
         g = int(np.flatnonzero(np.diff(trace.group_offsets) == 0)[0])
         raise WeightstreamError(f"{source}: layer group {g} (layer {trace.group_layer[g]}) chose no experts")
@@ -137,7 +150,8 @@ def _check_group_sizes(trace: Trace, source: str) -> None:
         raise WeightstreamError(
             f"{source}: step {step} layer {trace.group_layer[g]} lists {sizes[g]} expert choices; its "
             f"{tokens_of_group[g]} token(s) x top-{trace.shape.top_k} of shape {trace.shape.name!r} make "
-            f"{tokens_of_group[g] * trace.shape.top_k}; was the trace made with another top-k or token count?")
+            f"{tokens_of_group[g] * trace.shape.top_k}; was the trace made with another top-k or token count?"
+        )
 
 
 def _locate(trace: Trace, access: int) -> tuple[int, int]:
@@ -152,7 +166,7 @@ class TraceWriter:
         self.shape, self.source = shape, source
         self._layers = set(shape.layers)
         self._request_ids: dict[str, int] = {}
-        self._steps: list[tuple[int, int, int]] = []   # (request id, phase index, tokens or 0 = infer)
+        self._steps: list[tuple[int, int, int]] = []  # (request id, phase index, tokens or 0 = infer)
         self._step_groups = [0]
         self._group_layer: list[int] = []
         self._group_offsets = [0]
@@ -175,10 +189,14 @@ class TraceWriter:
         experts = [int(e) for e in experts]
         where = f"{self.source}: step {len(self._steps) - 1} layer {layer}"
         if layer not in self._layers:
-            raise WeightstreamError(f"{where}: layer is not a routed layer of shape {self.shape.name!r} "
-                                    f"({self.shape.layers[0]}..{self.shape.layers[-1]})")
+            raise WeightstreamError(
+                f"{where}: layer is not a routed layer of shape {self.shape.name!r} "
+                f"({self.shape.layers[0]}..{self.shape.layers[-1]})"
+            )
         if not experts or min(experts) < 0 or max(experts) >= self.shape.n_experts:
-            raise WeightstreamError(f"{where}: experts {experts} must be non-empty ids in 0..{self.shape.n_experts - 1}")
+            raise WeightstreamError(
+                f"{where}: experts {experts} must be non-empty ids in 0..{self.shape.n_experts - 1}"
+            )
         self._add_weights(where, weights, len(experts))
         open_groups = len(self._group_layer) - self._step_groups[-1]
         last = self._group_layer[-1] if open_groups else None
@@ -210,7 +228,9 @@ class TraceWriter:
         rid, phase, tokens = self._steps[-1]
         if tokens == 0:  # infer: the longest layer list holds top_k choices per token
             first = self._step_groups[-1]
-            longest = max(self._group_offsets[g + 1] - self._group_offsets[g] for g in range(first, len(self._group_layer)))
+            longest = max(
+                self._group_offsets[g + 1] - self._group_offsets[g] for g in range(first, len(self._group_layer))
+            )
             self._steps[-1] = (rid, phase, -(-longest // self.shape.top_k))
         self._step_groups.append(len(self._group_layer))
 
@@ -221,10 +241,17 @@ class TraceWriter:
             raise WeightstreamError(f"{self.source}: no steps recorded; the input holds no routing")
         steps = np.asarray(self._steps, dtype=np.int64).reshape(-1, 3)
         names = sorted(self._request_ids, key=self._request_ids.get)
-        trace = Trace(self.shape, names, steps[:, 0].astype(np.int32), steps[:, 1].astype(np.uint8),
-                      steps[:, 2].astype(np.int32), np.asarray(self._step_groups, np.int64),
-                      np.asarray(self._group_layer, np.int32), np.asarray(self._group_offsets, np.int64),
-                      np.asarray(self._experts, np.int32),
-                      np.asarray(self._weights, np.float32) if self._has_weights else None)
+        trace = Trace(
+            self.shape,
+            names,
+            steps[:, 0].astype(np.int32),
+            steps[:, 1].astype(np.uint8),
+            steps[:, 2].astype(np.int32),
+            np.asarray(self._step_groups, np.int64),
+            np.asarray(self._group_layer, np.int32),
+            np.asarray(self._group_offsets, np.int64),
+            np.asarray(self._experts, np.int32),
+            np.asarray(self._weights, np.float32) if self._has_weights else None,
+        )
         trace.validate(self.source)
         return trace

@@ -20,15 +20,20 @@ Token = dict[int, tuple[list[int], list[float] | None]]
 
 def _check_choice(where: str, shape: ModelShape, layer: int, experts: list[int]) -> None:
     if layer not in shape.layers:
-        raise WeightstreamError(f"{where}: layer {layer} is not a routed layer of {shape.name!r} "
-                                f"(layers {shape.layers[0]}..{shape.layers[-1]}); wrong --model-shape?")
+        raise WeightstreamError(
+            f"{where}: layer {layer} is not a routed layer of {shape.name!r} "
+            f"(layers {shape.layers[0]}..{shape.layers[-1]}); wrong --model-shape?"
+        )
     if len(experts) != shape.top_k:
-        raise WeightstreamError(f"{where}: {len(experts)} experts chosen, shape {shape.name!r} has top-k "
-                                f"{shape.top_k}; wrong --model-shape?")
+        raise WeightstreamError(
+            f"{where}: {len(experts)} experts chosen, shape {shape.name!r} has top-k "
+            f"{shape.top_k}; wrong --model-shape?"
+        )
     bad = [e for e in experts if not 0 <= e < shape.n_experts]
     if bad:
-        raise WeightstreamError(f"{where}: expert {bad[0]} is outside 0..{shape.n_experts - 1} of "
-                                f"{shape.name!r}; wrong --model-shape?")
+        raise WeightstreamError(
+            f"{where}: expert {bad[0]} is outside 0..{shape.n_experts - 1} of {shape.name!r}; wrong --model-shape?"
+        )
 
 
 def _jsonl_record(where: str, line: str) -> dict:
@@ -56,27 +61,36 @@ def _read_jsonl(path: Path, shape: ModelShape) -> dict[int, dict[int, Token]]:
             pid, tok, layer = int(rec["problem_id"]), int(rec["token_idx"]), int(rec["layer"])
             _check_choice(where, shape, layer, rec["experts"])
             if (pid, tok, layer) in seen:
-                raise WeightstreamError(f"{where}: problem {pid} token {tok} layer {layer} already given on line "
-                                        f"{seen[pid, tok, layer]}")
+                raise WeightstreamError(
+                    f"{where}: problem {pid} token {tok} layer {layer} already given on line {seen[pid, tok, layer]}"
+                )
             seen[pid, tok, layer] = lineno
             probs = rec.get("gating_probs")
-            weights = [float(p) for p in probs] if isinstance(probs, list) and len(probs) == len(rec["experts"]) else None
+            weights = (
+                [float(p) for p in probs] if isinstance(probs, list) and len(probs) == len(rec["experts"]) else None
+            )
             problems.setdefault(pid, {}).setdefault(tok, {})[layer] = (rec["experts"], weights)
     if not problems:
         raise WeightstreamError(f"{path}: no routing records (empty file); expected one JSON object per line")
     return problems
 
 
-def import_vllm_jsonl(paths: Sequence[str | Path], shape: ModelShape,
-                      on_file: Callable[[Path], None] | None = None) -> Trace:
+def import_vllm_jsonl(
+    paths: Sequence[str | Path], shape: ModelShape, on_file: Callable[[Path], None] | None = None
+) -> Trace:
     """vLLM routing dumps (one JSON record per token and layer); requests = (file, problem id), decode tokens."""
     files = []
     for p in paths:
         if on_file:
             on_file(Path(p))
         files.append((Path(p), _read_jsonl(Path(p), shape)))
-    has_weights = all(w is not None for _, problems in files for toks in problems.values()
-                      for layers in toks.values() for _, w in layers.values())
+    has_weights = all(
+        w is not None
+        for _, problems in files
+        for toks in problems.values()
+        for layers in toks.values()
+        for _, w in layers.values()
+    )
     writer = TraceWriter(shape, source=str(paths[0]) if len(paths) == 1 else "vllm-jsonl import")
     for path, problems in files:
         for pid in sorted(problems):
@@ -128,13 +142,16 @@ def _token_count(path: Path, batch: str, layers: dict[int, list[list[int]]]) -> 
     counts = {layer: len(tokens) for layer, tokens in layers.items()}
     if len(set(counts.values())) != 1:
         short = min(counts, key=counts.get)
-        raise WeightstreamError(f"{path}: batch {batch}: layer {short} has {counts[short]} tokens but layer "
-                                f"{max(counts, key=counts.get)} has {max(counts.values())}; the file is truncated")
+        raise WeightstreamError(
+            f"{path}: batch {batch}: layer {short} has {counts[short]} tokens but layer "
+            f"{max(counts, key=counts.get)} has {max(counts.values())}; the file is truncated"
+        )
     return next(iter(counts.values()))
 
 
-def import_moe_beyond_csv(paths: Sequence[str | Path], shape: ModelShape,
-                          on_file: Callable[[Path], None] | None = None) -> Trace:
+def import_moe_beyond_csv(
+    paths: Sequence[str | Path], shape: ModelShape, on_file: Callable[[Path], None] | None = None
+) -> Trace:
     """moe-beyond CSVs (layer-major rows, one file per prompt), replayed token-major, one step per token."""
     writer = TraceWriter(shape, source=str(paths[0]) if len(paths) == 1 else "moe-beyond-csv import")
     for p in paths:

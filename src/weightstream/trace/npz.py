@@ -17,8 +17,15 @@ FORMAT = "weightstream-trace"
 VERSION = 1
 ARRAYS = ("step_request", "step_phase", "step_tokens", "step_groups", "group_layer", "group_offsets", "experts")
 # Smallest integer types that hold each array; expert ids and layers are small, offsets are not.
-STORED = {"step_request": np.int32, "step_phase": np.uint8, "step_tokens": np.int32, "step_groups": np.int64,
-          "group_layer": np.int16, "group_offsets": np.int64, "experts": np.int16}
+STORED = {
+    "step_request": np.int32,
+    "step_phase": np.uint8,
+    "step_tokens": np.int32,
+    "step_groups": np.int64,
+    "group_layer": np.int16,
+    "group_offsets": np.int64,
+    "experts": np.int16,
+}
 
 
 def save(trace: Trace, path: str | os.PathLike) -> None:
@@ -60,11 +67,18 @@ def load(path: str | os.PathLike) -> Trace:
         shape = ModelShape(**header["shape"])
     except (TypeError, WeightstreamError) as exc:
         raise WeightstreamError(f"{path}: trace header has a malformed shape ({exc})") from None
-    trace = Trace(shape, list(header["requests"]), arrays["step_request"].astype(np.int32),
-                  arrays["step_phase"].astype(np.uint8), arrays["step_tokens"].astype(np.int32),
-                  arrays["step_groups"].astype(np.int64), arrays["group_layer"].astype(np.int32),
-                  arrays["group_offsets"].astype(np.int64), arrays["experts"].astype(np.int32),
-                  None if weights is None else weights.astype(np.float32))
+    trace = Trace(
+        shape,
+        list(header["requests"]),
+        arrays["step_request"].astype(np.int32),
+        arrays["step_phase"].astype(np.uint8),
+        arrays["step_tokens"].astype(np.int32),
+        arrays["step_groups"].astype(np.int64),
+        arrays["group_layer"].astype(np.int32),
+        arrays["group_offsets"].astype(np.int64),
+        arrays["experts"].astype(np.int32),
+        None if weights is None else weights.astype(np.float32),
+    )
     trace.validate(str(path))
     return trace
 
@@ -79,6 +93,8 @@ def _header(path: Path, data) -> dict:
     if header.get("format") != FORMAT:
         raise WeightstreamError(f"{path}: header format {header.get('format')!r} is not {FORMAT!r}")
     if header.get("version") != VERSION:
-        raise WeightstreamError(f"{path}: trace version {header.get('version')} is not supported (this build "
-                                f"reads version {VERSION}); re-import it with this weightstream")
+        raise WeightstreamError(
+            f"{path}: trace version {header.get('version')} is not supported (this build "
+            f"reads version {VERSION}); re-import it with this weightstream"
+        )
     return header

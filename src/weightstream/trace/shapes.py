@@ -21,17 +21,18 @@ class ModelShape:
     """What a trace needs to know about its model: routed layers, experts per layer, top-k, expert bytes."""
 
     name: str
-    layers: list[int]          # model layer indices that route to experts, ascending
-    n_experts: int             # routed experts per layer
-    top_k: int                 # experts chosen per token per layer
+    layers: list[int]  # model layer indices that route to experts, ascending
+    n_experts: int  # routed experts per layer
+    top_k: int  # experts chosen per token per layer
     expert_bytes: list[int] = field(default_factory=list)  # bytes of one expert, per entry of `layers`
 
     def __post_init__(self):
         if not self.layers or sorted(set(self.layers)) != list(self.layers):
             raise WeightstreamError(f"model shape {self.name!r}: layers must be a non-empty ascending list")
         if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
-            raise WeightstreamError(f"model shape {self.name!r}: need 1 <= top_k ({self.top_k}) <= experts "
-                                    f"({self.n_experts})")
+            raise WeightstreamError(
+                f"model shape {self.name!r}: need 1 <= top_k ({self.top_k}) <= experts ({self.n_experts})"
+            )
         if len(self.expert_bytes) != len(self.layers) or min(self.expert_bytes) < 1:
             raise WeightstreamError(f"model shape {self.name!r}: need one positive expert size per routed layer")
 
@@ -52,8 +53,13 @@ class ModelShape:
 
     def to_dict(self) -> dict:
         """Plain JSON-able form (stored inside trace files)."""
-        return {"name": self.name, "layers": list(self.layers), "n_experts": self.n_experts,
-                "top_k": self.top_k, "expert_bytes": list(self.expert_bytes)}
+        return {
+            "name": self.name,
+            "layers": list(self.layers),
+            "n_experts": self.n_experts,
+            "top_k": self.top_k,
+            "expert_bytes": list(self.expert_bytes),
+        }
 
 
 def _moe_layers(cfg: dict) -> list[int]:
@@ -99,8 +105,9 @@ def resolve_shape(spec: str, expert_bytes: int | None = None) -> ModelShape:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise WeightstreamError(f"model shape {spec!r} is neither a known name ({', '.join(REAL)}) "
-                                    f"nor an existing config.json")
+            raise WeightstreamError(
+                f"model shape {spec!r} is neither a known name ({', '.join(REAL)}) nor an existing config.json"
+            )
         try:
             cfg = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
