@@ -29,6 +29,7 @@ def run_streaming(cfg: dict) -> dict:
         policy=cfg.get("policy", "lru"),
         expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
         predict_next=cfg.get("predict_next", False),
+        expert_kernel=cfg.get("expert_kernel", "auto"),
     )
     load_s = time.perf_counter() - start
     runtime = model.weightstream

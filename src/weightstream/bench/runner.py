@@ -40,6 +40,7 @@ class BenchConfig:
     chunk_bytes: int | None = None
     reference: bool = True
     predict_next: bool = False
+    expert_kernel: str = "auto"
     long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
     overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run
     extra: dict = field(default_factory=dict)
@@ -112,6 +113,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
         "prompts": config.prompts[:1] if short else config.prompts,
         "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
         "predict_next": config.predict_next and mode == "expert-cache",
+        "expert_kernel": config.expert_kernel,
         "long_prompt": config.long_prompt if mode in ("expert-cache", "page-cache") else None,
         "warm_all": mode == "compute-only",
         "offload_dir": os.path.join(

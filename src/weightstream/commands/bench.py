@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from weightstream.commands.common import add_expert_kernel_option
 from weightstream.units import SIZE_HELP
 
 
@@ -68,6 +69,7 @@ def register(sub) -> None:
         action="store_true",
         help="expert-cache runs read ahead each next layer's guessed experts (see `weightstream generate --help`)",
     )
+    add_expert_kernel_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -90,6 +92,7 @@ def run(args) -> int:
         chunk_bytes=args.chunk_kib * 1024 if args.chunk_kib else None,
         reference=not args.no_reference,
         predict_next=args.predict_next,
+        expert_kernel=args.expert_kernel,
         overlap=not args.no_overlap,
         long_prompt=long_prompt(args.model, args.prefill_tokens) if args.prefill_tokens > 0 else None,
     )

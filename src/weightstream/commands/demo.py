@@ -48,7 +48,7 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from weightstream.commands.generate import summary_line
+    from weightstream.commands.common import summary_line
     from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model
 

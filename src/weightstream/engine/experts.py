@@ -1,18 +1,21 @@
-"""The `weightstream` experts implementation for transformers: each expert's weights come from the expert cache.
+"""The `weightstream` experts implementation for transformers, and the per-layer step it runs.
 
-Exactness: every expert is computed by the architecture's own eager forward, run on a one-expert view of the
-module whose weights are the cached slot, on exactly the rows (and row order) eager gives that expert. The
-contributions are then added into the output in ascending expert order, as eager does. So results are
-bitwise those of `experts_implementation="eager"`, whatever order the reads complete in.
+Per layer, routing bookkeeping is done once (which rows chose which expert, with which weight, in the order
+eager's `torch.where` lists them); then each expert costs only its kernel call, on views of its cache slot:
+resident experts first, each missing one as soon as its own bytes are in. Contributions are added into the
+output in ascending expert order, as eager adds them, so the result never depends on read timing.
 """
 
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Callable
 
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from weightstream.cache.expert_cache import ExpertSource
+from weightstream.engine.kernels import Kernel
 
 IMPLEMENTATION = "weightstream"
 
@@ -27,48 +30,76 @@ def register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, weightstream_experts_forward)
 
 
-def eager_forward_of(module: torch.nn.Module):
-    """The architecture's own eager forward, which the experts interface wraps."""
-    return type(module).forward.__wrapped__
+class LayerRouting:
+    """One layer's routing, sorted by expert once: each expert's token rows and weights are then slices."""
+
+    def __init__(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        # T tokens, K top-k. Eager visits (k, t) pairs k-major (torch.where over a (K, T) mask); a stable sort
+        # by expert keeps that order within each expert.
+        tokens = top_k_index.shape[0]
+        chosen = top_k_index.t().reshape(-1)  # (K*T,)
+        order = torch.argsort(chosen, stable=True)
+        self.token_idx = order % tokens  # (K*T,) token of each pair, grouped by expert
+        self.weights = top_k_weights.t().reshape(-1)[order].unsqueeze(-1)  # (K*T, 1) = top_k_weights[t, k]
+        experts, counts = torch.unique_consecutive(chosen[order], return_counts=True)
+        self.span: dict[int, tuple[int, int]] = {}
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist()):
+            self.span[expert] = (start, start + count)
+            start += count
+
+    def rows(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token indices, router weights (n, 1)) of the rows that chose `expert`."""
+        start, end = self.span[expert]
+        return self.token_idx[start:end], self.weights[start:end]
 
 
-def routed_rows(top_k_index: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k position, token) pairs that chose `expert`, in the order eager's torch.where gives them."""
-    # T tokens, K top-k: mask is (K, T), so rows come ordered by position, then token
-    return torch.where((top_k_index == expert).transpose(0, 1))
+class OrderedSum:
+    """Adds contributions into `out` in ascending expert order as they become available, holding only the early."""
+
+    def __init__(self, out: torch.Tensor, experts):
+        self.out, self.order, self.next = out, sorted(experts), 0
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, expert: int, token_idx: torch.Tensor, rows_out: torch.Tensor) -> None:
+        self.pending[expert] = (token_idx, rows_out)
+        while self.next < len(self.order) and self.order[self.next] in self.pending:
+            token_idx, rows_out = self.pending.pop(self.order[self.next])
+            self.out.index_add_(0, token_idx, rows_out.to(self.out.dtype))
+            self.next += 1
 
 
-def one_expert_view(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The experts module seen as a module of one expert whose weights are a cache slot (views, no copies)."""
-    view = copy.copy(module)  # shares act_fn, norms and settings; gets its own parameter table
-    view._parameters = {name: p.unsqueeze(0) for name, p in params.items()}  # (1, ...) like (E, ...)
-    view.num_experts = 1
-    return view
+def compute_layer(
+    kernel: Kernel,
+    source: ExpertSource,
+    layer: int,
+    hidden_states: torch.Tensor,
+    routing: LayerRouting,
+    waves: list[list[int]],
+    io_wait: Callable[[float], None],
+    after_first_fetch: Callable[[list[int]], None] | None = None,
+) -> torch.Tensor:
+    """The layer's combined expert output: each wave looked up, resident experts computed while misses load."""
+    total = OrderedSum(torch.zeros_like(hidden_states), routing.span)
+    done: set[int] = set()
 
+    def run(expert: int) -> None:
+        if expert in done:  # a later wave of a long prefill looked it up again: its rows are all computed
+            return
+        done.add(expert)
+        token_idx, weights = routing.rows(expert)
+        total.add(expert, token_idx, kernel(hidden_states[token_idx], weights, source.params(layer, expert)))
 
-def expert_contribution(
-    module, params, hidden_states, top_k_index, top_k_weights, expert
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token rows, weighted output rows) of one expert, computed by the eager forward on a one-expert view."""
-    top_k_pos, token_idx = routed_rows(top_k_index, expert)
-    rows = hidden_states[token_idx]  # (n, D)
-    weights = top_k_weights[token_idx, top_k_pos].unsqueeze(-1)  # (n, 1)
-    index = torch.zeros_like(weights, dtype=top_k_index.dtype)  # (n, 1): every row chose expert 0 of the view
-    out = eager_forward_of(module)(one_expert_view(module, params), rows, index, weights)
-    return token_idx, out
-
-
-def combine(hidden_states: torch.Tensor, contributions: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Sum contributions in ascending expert order, as eager does, so timing never changes the result."""
-    final = torch.zeros_like(hidden_states)
-    for expert in sorted(contributions):
-        token_idx, out = contributions[expert]
-        final.index_add_(0, token_idx, out.to(final.dtype))
-    return final
-
-
-def timed_wait(cache, fetch, stats) -> int:
-    start = time.perf_counter()
-    expert = cache.wait(fetch)
-    stats.io_wait_s += time.perf_counter() - start
-    return expert
+    for i, wave in enumerate(waves):
+        fetch = source.fetch_layer(layer, wave)
+        if i == 0 and after_first_fetch is not None:  # e.g. read-ahead: queued after this layer's demand reads
+            after_first_fetch(wave)
+        for expert in fetch.resident:  # no waiting: compute these while the misses are read
+            run(expert)
+        for _ in fetch.missing:  # each late expert as soon as its own bytes are in
+            start = time.perf_counter()
+            expert = source.wait(fetch)
+            io_wait(time.perf_counter() - start)
+            run(expert)
+    assert not total.pending and total.next == len(total.order), "an expert of the layer was never computed"
+    return total.out

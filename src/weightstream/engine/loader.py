@@ -14,6 +14,7 @@ from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
+from weightstream.engine.kernels import check_kernel_name, choose_kernel
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
@@ -35,21 +36,17 @@ def load_streaming_model(
     policy_options: dict | None = None,
     expert_source: str = "expert-cache",
     predict_next: bool = False,
+    expert_kernel: str = "auto",
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
+    `expert_kernel` "auto" takes the lean kernel proven bitwise equal to the architecture's eager forward, else
+    "one-expert-eager" (that forward itself on a one-expert view); naming a kernel forces it (for comparisons).
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
-    expert_source = SOURCE_ALIASES.get(expert_source, expert_source)
-    if expert_source not in EXPERT_SOURCES:
-        raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
-    if predict_next and expert_source != "expert-cache":
-        raise WeightstreamError(
-            "--predict-next needs --expert-source expert-cache: through the page cache there are "
-            "no slots of our own to read ahead into"
-        )
+    expert_source = _check_options(expert_kernel, expert_source, predict_next)
     ckpt = open_checkpoint(model_dir)
     config = _load_config(model_dir)
     ws_experts.register()
@@ -60,6 +57,7 @@ def load_streaming_model(
     streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir))
     _load_dense(model, layout.dense, model_dir)
+    kernels = _kernels(model, expert_kernel)  # before any I/O thread exists: a refusal leaves nothing running
     if expert_source == "page-cache":
         cache = PageCacheSource(layout)
     else:
@@ -73,15 +71,44 @@ def load_streaming_model(
             o_direct=o_direct,
             policy_options=policy_options,
         )
-    runtime = StreamingRuntime(cache, layout)
-    if predict_next:
-        runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
-    for path, module in experts_modules(model).items():
-        module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
-    model.weightstream = runtime
-    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    try:
+        runtime = StreamingRuntime(cache, layout)
+        if predict_next:
+            runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
+        for path, module in experts_modules(model).items():
+            module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
+            module._ws_kernel = kernels[type(module)]
+        runtime.kernels = {cls.__name__: k.name for cls, k in kernels.items()}
+        model.weightstream = runtime
+        if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    except BaseException:
+        cache.close()  # stops the I/O threads
+        raise
     return model.eval()
+
+
+def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -> str:
+    """The expert source's name (old names accepted); errors for options that cannot go together."""
+    check_kernel_name(expert_kernel)
+    expert_source = SOURCE_ALIASES.get(expert_source, expert_source)
+    if expert_source not in EXPERT_SOURCES:
+        raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
+    if predict_next and expert_source != "expert-cache":
+        raise WeightstreamError(
+            "--predict-next needs --expert-source expert-cache: through the page cache there are "
+            "no slots of our own to read ahead into"
+        )
+    return expert_source
+
+
+def _kernels(model, expert_kernel: str) -> dict[type, object]:
+    """One kernel per experts class (proving a lean kernel costs one expert's worth of random weights)."""
+    kernels = {}
+    for module in experts_modules(model).values():
+        if type(module) not in kernels:
+            kernels[type(module)] = choose_kernel(module, expert_kernel)
+    return kernels
 
 
 def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:

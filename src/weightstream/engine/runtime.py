@@ -10,7 +10,7 @@ import torch
 from weightstream.cache.expert_cache import ExpertSource
 from weightstream.cache.policy import split_waves
 from weightstream.clock.activity import Announcer
-from weightstream.engine.experts import combine, expert_contribution, timed_wait
+from weightstream.engine.experts import LayerRouting, compute_layer
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.store.layout import ModelLayout
 
@@ -22,7 +22,7 @@ class EngineCounters:
 
 
 class StreamingRuntime:
-    """Serves every experts module of one model from one ExpertCache."""
+    """Serves every experts module of one model from one expert source, each module through its kernel."""
 
     def __init__(self, cache: ExpertSource, layout: ModelLayout):
         self.cache, self.layout = cache, layout
@@ -35,6 +35,7 @@ class StreamingRuntime:
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         # set by load_streaming_model(predict_next=True): read-aheads the next layer's guessed experts
         self.predictor: NextLayerPredictor | None = None
+        self.kernels: dict[str, str] = {}  # experts class -> kernel name (set by load_streaming_model)
 
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         layer = module._ws_layer
@@ -47,18 +48,21 @@ class StreamingRuntime:
         self.counters.expert_calls += 1
         if self.predictor is not None:
             self.predictor.score(layer, top_k_index)
-        contributions = {}
-        args = (hidden_states, top_k_index, top_k_weights)
-        for i, wave in enumerate(split_waves(top_k_index.reshape(-1).tolist(), self.cache.n_slots)):
-            fetch = self.cache.fetch_layer(layer, wave)
-            if i == 0 and self.predictor is not None:  # after this layer's demand reads, so they go first
-                self._read_ahead_next(layer, hidden_states, wave)
-            for expert in fetch.resident:  # no waiting: compute these while the misses are read
-                contributions[expert] = expert_contribution(module, self.cache.params(layer, expert), *args, expert)
-            for _ in fetch.missing:  # each late expert as soon as its own bytes are in
-                expert = timed_wait(self.cache, fetch, self.counters)
-                contributions[expert] = expert_contribution(module, self.cache.params(layer, expert), *args, expert)
-        return combine(hidden_states, contributions)
+        waves = split_waves(top_k_index.reshape(-1).tolist(), self.cache.n_slots)  # lookups token by token
+        read_ahead = (lambda wave: self._read_ahead_next(layer, hidden_states, wave)) if self.predictor else None
+        return compute_layer(
+            module._ws_kernel,
+            self.cache,
+            layer,
+            hidden_states,
+            LayerRouting(top_k_index, top_k_weights),
+            waves,
+            self._add_io_wait,
+            read_ahead,
+        )
+
+    def _add_io_wait(self, seconds: float) -> None:
+        self.counters.io_wait_s += seconds
 
     def _read_ahead_next(self, layer: int, hidden_states: torch.Tensor, wave: list[int]) -> None:
         guess = self.predictor.predict(layer, hidden_states)

@@ -1,0 +1,244 @@
+"""Expert compute against transformers' eager in memory and llama.cpp, with every expert resident; then under a
+memory limit, the lean kernel against the one-expert-eager path it replaces.
+
+1. compute-only: each configuration in its own process, no memory limit, every expert read into the cache before
+   the clock starts: transformers eager (the reference), the engine with the lean kernel (auto), the engine with
+   one-expert-eager (the previous path). Repeats interleaved; medians of ms per decode token; tokens compared.
+2. llama.cpp on the same weights converted to a bf16 GGUF, in memory (`--llamacpp`; built once, see llamacpp.py).
+3. under --memory-limit at --caches, `weightstream bench` expert-cache runs with each kernel (cold, own cgroup).
+4. `--profile`: where the time of one decode token goes, by torch op, for eager and both engine kernels.
+
+    .venv/bin/python benchmarks/expert_compute.py .work/bench-models/olmoe-16l-bf16 --llamacpp \\
+        --memory-limit 5GiB --caches 1x,2x --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import llamacpp  # noqa: E402
+
+from weightstream.bench.machine import block_device_of, machine_info  # noqa: E402
+from weightstream.bench.runner import BenchConfig, child_config, run_bench, run_child, summarize  # noqa: E402
+from weightstream.engine.prompts import tokenized_prompts  # noqa: E402
+from weightstream.units import parse_size  # noqa: E402
+
+KERNELS = ("auto", "one-expert-eager")
+CATEGORIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::_weight_int"),
+    "elementwise": (
+        "aten::mul",
+        "aten::silu",
+        "aten::add",
+        "aten::sigmoid",
+        "aten::clamp",
+        "aten::gelu",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::copy_",
+        "aten::pow",
+        "aten::rsqrt",
+        "aten::mean",
+    ),
+    "routing and indexing": (
+        "aten::index",
+        "aten::where",
+        "aten::nonzero",
+        "aten::one_hot",
+        "aten::argsort",
+        "aten::sort",
+        "aten::unique",
+        "aten::topk",
+        "aten::softmax",
+        "aten::eq",
+        "aten::gt",
+        "aten::sum",
+        "aten::permute",
+        "aten::item",
+        "aten::_local_scalar",
+        "aten::remainder",
+    ),
+    "accumulation": ("aten::index_add_", "aten::zeros", "aten::zero_", "aten::fill_"),
+}
+
+
+def compute_only(args, prompts) -> dict:
+    base = BenchConfig(args.model, 0, ["1000x"], ["expert-cache"], prompts, args.tokens, reference=False)
+    configs = {"transformers-eager": child_config(base, "in-memory", "")}
+    for kernel in KERNELS:
+        configs[f"engine-{kernel}"] = {**child_config(base, "compute-only", "1000x"), "expert_kernel": kernel}
+    runs = defaultdict(list)
+    tokens = {}
+    for r in range(args.repeats):
+        for name, cfg in configs.items():
+            print(f"[compute] {name} repeat {r + 1}", file=sys.stderr, flush=True)
+            result, err, rc = run_child(cfg, None)
+            if result is None:
+                raise SystemExit(f"{name} failed (exit {rc}): {err[-2000:]}")
+            runs[name].append(1000 / summarize(result, None)["decode_tokens_per_s"])
+            tokens.setdefault(name, [p["token_ids"] for p in result["prompts"]])
+    ms = {name: statistics.median(v) for name, v in runs.items()}
+    eager = ms["transformers-eager"]
+    return {
+        "ms_per_token_median": ms,
+        "ms_per_token_runs": dict(runs),
+        "ratio_to_eager": {name: v / eager for name, v in ms.items()},
+        "tokens_equal_to_eager": {name: t == tokens["transformers-eager"] for name, t in tokens.items()},
+    }
+
+
+def llama(args) -> dict:
+    if llamacpp.build() is None:
+        return {"skipped": "no compiler or cmake: llama.cpp not built"}
+    gguf = llamacpp.convert(args.model, args.model.rstrip("/") + ".bf16.gguf", "bf16")
+    return llamacpp.bench(gguf, threads=args.threads, tokens=args.tokens, repeats=args.repeats)
+
+
+def limited(args, prompts) -> dict:
+    out = {}
+    for kernel in KERNELS:
+        config = BenchConfig(
+            args.model,
+            parse_size(args.memory_limit),
+            args.caches.split(","),
+            ["expert-cache"],
+            prompts,
+            args.tokens,
+            reference=False,
+            overlap=False,
+            expert_kernel=kernel,
+        )
+        report = run_bench(config, progress=lambda m, k=kernel: print(f"[limited {k}] {m}", file=sys.stderr))
+        out[kernel] = [
+            {
+                k: r.get(k)
+                for k in (
+                    "expert_cache",
+                    "decode_tokens_per_s",
+                    "expert_hit_rate",
+                    "decode_bytes_read_per_token",
+                    "io_wait_s",
+                    "cgroup_peak_bytes",
+                    "token_ids",
+                    "error",
+                )
+            }
+            for r in report["runs"]
+        ]
+    for lean, old in zip(out["auto"], out["one-expert-eager"]):
+        lean["speedup_over_one_expert_eager"] = lean["decode_tokens_per_s"] / old["decode_tokens_per_s"]
+        lean["tokens_equal"] = lean.pop("token_ids") == old.pop("token_ids")
+    return out
+
+
+def profile(args) -> dict:
+    out = {}
+    for mode in ("transformers-eager", *[f"engine-{k}" for k in KERNELS]):
+        print(f"[profile] {mode}", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--profile-child", mode, args.model, "--tokens", str(args.profile_tokens)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"profile {mode} failed: {done.stderr[-2000:]}")
+        out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def profile_child(mode: str, model_dir: str, tokens: int) -> None:
+    """One process: load, warm, then torch.profiler over `tokens` decode steps; per-token self time by op."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from transformers import AutoModelForCausalLM
+
+    from weightstream.bench.child import warm_every_expert
+    from weightstream.engine.loader import load_streaming_model
+
+    if mode == "transformers-eager":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", experts_implementation="eager")
+    else:
+        model = load_streaming_model(model_dir, expert_cache="1000x", expert_kernel=mode.removeprefix("engine-"))
+        warm_every_expert(model.weightstream.cache)
+    ids = torch.tensor([tokenized_prompts(model_dir, None)[0]])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        prefill = _timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = _timed(lambda: model.generate(ids, max_new_tokens=tokens + 1, do_sample=False)) - prefill
+    per_op = defaultdict(float)
+    for event in prof.key_averages():
+        per_op[event.key] += event.self_cpu_time_total / 1000 / tokens  # ms per decode token
+    ms_per_token = wall * 1000 / tokens
+    categories = defaultdict(float)
+    for op, ms in per_op.items():
+        cat = next((c for c, prefixes in CATEGORIES.items() if op.startswith(prefixes)), "other ops")
+        categories[cat] += ms
+    categories["outside torch ops (Python, dispatch)"] = ms_per_token - sum(per_op.values())
+    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:15]
+    print(
+        json.dumps(
+            {
+                "ms_per_token_wall": ms_per_token,
+                "by_category_ms": dict(categories),
+                "top_ops_ms": dict(top),
+                "calls_per_token": {e.key: e.count / tokens for e in prof.key_averages() if e.key in dict(top)},
+            }
+        )
+    )
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--profile-child":  # --profile-child MODE MODEL --tokens N
+        profile_child(sys.argv[2], sys.argv[3], int(sys.argv[5]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="model directory, e.g. a `weightstream synth --preset olmoe-1b-7b` checkpoint")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per prompt (default 32)")
+    ap.add_argument("--prompts", type=int, default=2, help="built-in prompts to run (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each configuration (default 3)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2: this machine's cores)")
+    ap.add_argument("--llamacpp", action="store_true", help="also time llama.cpp on a bf16 GGUF of the model")
+    ap.add_argument("--memory-limit", help="also run each kernel under this memory limit (needs root)")
+    ap.add_argument("--caches", default="1x,2x", help="expert caches for the limited runs (default 1x,2x)")
+    ap.add_argument("--profile", action="store_true", help="also profile one decode token by torch op")
+    ap.add_argument("--profile-tokens", type=int, default=8)
+    ap.add_argument("--skip-compute-only", action="store_true")
+    args = ap.parse_args()
+    prompts = tokenized_prompts(args.model, None)[: args.prompts]
+    report = {
+        "machine": machine_info(block_device_of(args.model)),
+        "model": args.model,
+        "command": sys.argv,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "decode_tokens": args.tokens,
+    }
+    if not args.skip_compute_only:
+        report["compute_only"] = compute_only(args, prompts)
+    if args.llamacpp:
+        report["llamacpp_bf16_in_memory"] = llama(args)
+    if args.memory_limit:
+        report["limited"] = limited(args, prompts)
+    if args.profile:
+        report["profile"] = profile(args)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""llama.cpp beside weightstream, for benchmarks only: build it once, convert and quantize our checkpoints, time it.
+
+llama.cpp comes from the vendored tree of the `llama-cpp-python` source package on PyPI (no binary wheel exists for
+this platform), downloaded and built once into a cache outside the repository: $WEIGHTSTREAM_CACHE/llama.cpp, by
+default ~/.cache/weightstream/llama.cpp. Only llama-bench, llama-cli, llama-quantize and llama-perplexity are built
+(about 20 minutes on 2 cores). Where there is no compiler or cmake, `build()` returns None and says why, and the
+benchmarks that use it report llama.cpp as skipped.
+
+    .venv/bin/python benchmarks/llamacpp.py build
+    .venv/bin/python benchmarks/llamacpp.py convert MODEL_DIR OUT.gguf [--outtype bf16]
+    .venv/bin/python benchmarks/llamacpp.py quantize IN.gguf OUT.gguf Q4_K_M
+    .venv/bin/python benchmarks/llamacpp.py bench OUT.gguf [--memory-limit 2GiB] [--timeout 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "llama.cpp"
+TARGETS = ("llama-bench", "llama-cli", "llama-quantize", "llama-perplexity")
+
+# The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally); the
+# vocabulary does not matter for speed, so its name is forced to llama.cpp's "default".
+_CONVERT = """
+import runpy, sys
+sys.path.insert(0, {tree!r})
+sys.path.insert(1, {gguf!r})
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+sys.argv = {argv!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def say(msg: str) -> None:
+    print(f"[llama.cpp] {msg}", file=sys.stderr, flush=True)
+
+
+def source_tree() -> Path:
+    """vendor/llama.cpp of the llama-cpp-python source package, downloaded and unpacked once."""
+    found = sorted(glob.glob(str(CACHE / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
+    if found:
+        return Path(found[-1])
+    CACHE.mkdir(parents=True, exist_ok=True)
+    say("downloading the llama-cpp-python source package (77 MB)")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "llama-cpp-python",
+            "-d",
+            str(CACHE),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    archive = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))[-1]
+    with tarfile.open(archive) as tar:
+        tar.extractall(CACHE, filter="data")
+    return source_tree()
+
+
+def build() -> Path | None:
+    """The directory holding the built tools, building them first if needed; None (and why) without a compiler."""
+    bin_dir = CACHE / "build" / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
+    missing = [tool for tool in ("cmake", "cc", "c++") if shutil.which(tool) is None]
+    if missing:
+        say(f"not built: {', '.join(missing)} not found; llama.cpp figures are skipped")
+        return None
+    tree = source_tree()
+    say(f"building {', '.join(TARGETS)} from {tree} (about 20 minutes on 2 cores)")
+    flags = [
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DCMAKE_BUILD_TYPE=Release",
+    ]
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(CACHE / "build"), *flags], check=True, capture_output=True)
+    subprocess.run(
+        ["nice", "cmake", "--build", str(CACHE / "build"), f"-j{os.cpu_count()}", "--target", *TARGETS],
+        check=True,
+        capture_output=True,
+    )
+    return bin_dir
+
+
+def convert(model_dir: str, out: str, outtype: str = "bf16") -> str:
+    """GGUF of a Hugging Face checkpoint directory by llama.cpp's own converter (kept if already there)."""
+    if os.path.exists(out):
+        return out
+    tree = source_tree()
+    argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", out + ".part"]
+    code = _CONVERT.format(
+        tree=str(tree), gguf=str(tree / "gguf-py"), argv=argv, script=str(tree / "convert_hf_to_gguf.py")
+    )
+    say(f"converting {model_dir} to {outtype} GGUF")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf failed: {done.stderr[-2000:]}")
+    os.rename(out + ".part", out)
+    return out
+
+
+def quantize(src: str, out: str, qtype: str = "Q4_K_M", threads: int = 2) -> str:
+    """llama-quantize SRC OUT QTYPE (kept if already there)."""
+    if not os.path.exists(out):
+        bin_dir = build()
+        say(f"quantizing {src} to {qtype}")
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), src, out + ".part", qtype, str(threads)], check=True, capture_output=True
+        )
+        os.rename(out + ".part", out)
+    return out
+
+
+def bench(
+    gguf: str,
+    threads: int = 2,
+    tokens: int = 32,
+    repeats: int = 2,
+    memory_limit: int | None = None,
+    timeout: float = 900.0,
+) -> dict:
+    """Decode tokens/s of llama-bench (tg, after its own warm-up); under `memory_limit` in a fresh memory cgroup
+    from a cold page cache (mmap, as llama.cpp users run it). A run past `timeout` is reported as such."""
+    bin_dir = build()
+    if bin_dir is None:
+        return {"skipped": "llama.cpp is not built here (no compiler or cmake)"}
+    argv = [
+        str(bin_dir / "llama-bench"),
+        "-m",
+        gguf,
+        "-p",
+        "0",
+        "-n",
+        str(tokens),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+    ]
+    group = None
+    if memory_limit is not None:
+        from weightstream.bench.cgroup import MemoryCgroup
+        from weightstream.bench.coldstart import drop_page_cache
+
+        drop_page_cache([gguf])
+        group = MemoryCgroup.create(memory_limit, name="ws-llama")
+    start = time.perf_counter()
+    try:
+        proc = (group.popen if group else subprocess.Popen)(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {"timeout_s": timeout, "error": f"no {tokens}-token run finished in {timeout:.0f} s"}
+        peak = group.peak_bytes if group else None
+    finally:
+        if group:
+            group.remove()
+    if proc.returncode != 0:
+        return {"error": f"llama-bench exit {proc.returncode}: {err.strip()[-500:]}"}
+    rows = json.loads(out)
+    tg = [r for r in rows if r.get("n_gen")]
+    return {
+        "decode_tokens_per_s": tg[0]["avg_ts"],
+        "decode_tokens_per_s_stdev": tg[0].get("stddev_ts"),
+        "threads": threads,
+        "tokens": tokens,
+        "repeats": repeats,
+        "wall_s": time.perf_counter() - start,
+        "memory_limit_bytes": memory_limit,
+        "cgroup_peak_bytes": peak,
+        "gguf_bytes": os.path.getsize(gguf),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    sub.add_parser("build")
+    c = sub.add_parser("convert")
+    c.add_argument("model_dir")
+    c.add_argument("out")
+    c.add_argument("--outtype", default="bf16")
+    q = sub.add_parser("quantize")
+    q.add_argument("src")
+    q.add_argument("out")
+    q.add_argument("qtype")
+    b = sub.add_parser("bench")
+    b.add_argument("gguf")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--tokens", type=int, default=32)
+    b.add_argument("--memory-limit")
+    b.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    if args.what == "build":
+        print(build())
+    elif args.what == "convert":
+        print(convert(args.model_dir, args.out, args.outtype))
+    elif args.what == "quantize":
+        print(quantize(args.src, args.out, args.qtype))
+    else:
+        from weightstream.units import parse_size
+
+        limit = parse_size(args.memory_limit, "--memory-limit") if args.memory_limit else None
+        print(json.dumps(bench(args.gguf, args.threads, args.tokens, memory_limit=limit, timeout=args.timeout)))
+
+
+if __name__ == "__main__":
+    main()

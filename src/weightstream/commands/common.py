@@ -1,0 +1,106 @@
+"""Options and output shared by several subcommands (the engine's settings, the one-line run summary)."""
+
+from __future__ import annotations
+
+import argparse
+
+from weightstream.cache.sizes import CACHE_SIZE_HELP
+from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
+from weightstream.errors import WeightstreamError
+
+KERNEL_CHOICES = ("auto", "eager-linear", "eager-matmul-bias", "one-expert-eager")
+
+
+def add_engine_options(p) -> None:
+    p.add_argument(
+        "--expert-cache",
+        default="1.5x",
+        metavar="SIZE",
+        help=f"expert cache budget: {CACHE_SIZE_HELP}; below 1x is refused (default 1.5x)",
+    )
+    p.add_argument("--io-threads", type=int, default=4, metavar="N", help="dedicated I/O threads (default 4)")
+    p.add_argument("--policy", default="lru", help="cache policy (default lru)")
+    p.add_argument(
+        "--no-o-direct",
+        "--no-direct",
+        dest="no_o_direct",
+        action="store_true",
+        help="buffered reads into the expert cache instead of O_DIRECT (for comparison)",
+    )
+    p.add_argument(
+        "--expert-source",
+        default="expert-cache",
+        type=_expert_source,
+        metavar="{expert-cache,page-cache}",
+        help="expert-cache: weightstream's own cache, read with O_DIRECT (default); page-cache: experts "
+        "through mmap and the kernel's page cache, no cache of our own (what llama.cpp and "
+        "safetensors users get). The old names direct and mmap are accepted",
+    )
+    p.add_argument(
+        "--predict-next",
+        action="store_true",
+        help="at each MoE layer, guess the next layer's experts (this layer's input times the next "
+        "router's weights) and read them early at low priority; tokens are unchanged, stats add "
+        "readahead_issued, readahead_used and prediction_accuracy. Off by default: measured here it "
+        "read more and decoded slower (docs/benchmarks.md, next-layer prediction)",
+    )
+    add_expert_kernel_option(p)
+
+
+def add_expert_kernel_option(p) -> None:
+    p.add_argument(
+        "--expert-kernel",
+        default="auto",
+        choices=KERNEL_CHOICES,
+        help="how each expert is computed: auto (default) takes the lean kernel proven, at load, bitwise equal to "
+        "the architecture's eager forward, else one-expert-eager (that forward itself on a one-expert view, "
+        "slower); naming one forces it, for comparisons",
+    )
+
+
+def engine_kwargs(args) -> dict:
+    """`load_streaming_model` keyword arguments from the options `add_engine_options` defines."""
+    return {
+        "expert_cache": args.expert_cache,
+        "io_threads": args.io_threads,
+        "policy": args.policy,
+        "o_direct": not args.no_o_direct,
+        "expert_source": args.expert_source,
+        "predict_next": args.predict_next,
+        "expert_kernel": args.expert_kernel,
+    }
+
+
+def _expert_source(text: str) -> str:
+    name = SOURCE_ALIASES.get(text, text)
+    if name not in EXPERT_SOURCES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(EXPERT_SOURCES)}")
+    return name
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise WeightstreamError(f"--prompt-ids {text!r}: not comma-separated integers, e.g. 1,2,3") from exc
+    if not ids or min(ids) < 0:
+        raise WeightstreamError(f"--prompt-ids {text!r}: need at least one non-negative token id")
+    return ids
+
+
+def summary_line(stats) -> str:
+    mib = 2**20
+    return (
+        f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.2f} tok/s, "
+        f"hit rate {stats.expert_hit_rate:.1%}, read {stats.bytes_read / mib:.1f} MiB "
+        f"({stats.bytes_read_per_token / mib:.2f} MiB/token), I/O wait {stats.io_wait_s:.2f} s, "
+        f"cache {stats.expert_cache_bytes / mib:.0f} MiB ({stats.expert_cache_slots} slots; working set "
+        f"{stats.working_set_bytes / mib:.0f} MiB)" + (prediction_line(stats) if stats.predict_next else "")
+    )
+
+
+def prediction_line(stats) -> str:
+    return (
+        f"; next-layer prediction {stats.prediction_accuracy:.1%} accurate, {stats.readahead_issued} read ahead, "
+        f"{stats.readahead_used} used"
+    )
