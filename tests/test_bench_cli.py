@@ -93,3 +93,34 @@ def test_bench_refuses_unknown_mode_and_bad_limit(tiny_model):
     assert r.returncode == 2 and "--modes: unknown mode 'turbo'" in r.stderr
     r = run_cli("bench", model_dir, "--memory-limit", "lots")
     assert r.returncode == 2 and "--memory-limit 'lots'" in r.stderr
+
+
+@pytest.mark.skipif(not ROOT, reason="bench needs root for memory cgroups and the system-wide cache drop (CI is root)")
+def test_bench_takes_a_quantized_directory(tiny_model, tmp_path):
+    from weightstream.store.quantize import quantize_checkpoint
+
+    out = str(tmp_path / "q4")
+    quantize_checkpoint(tiny_model("olmoe", "bf16", intermediate_size=64), out, 4, 32)
+    r = run_cli(
+        "bench",
+        out,
+        "--memory-limit",
+        "2GiB",
+        "--expert-cache",
+        "1x",
+        "--modes",
+        "expert-cache,page-cache,accelerate",
+        "--max-new-tokens",
+        "4",
+        "--prefill-tokens",
+        "0",
+        "--no-overlap",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["reference"] == "weightstream with every quantized expert resident, no limit"
+    runs = {x["mode"]: x for x in report["runs"]}
+    assert runs["expert-cache"]["token_ids_equal_to_reference"] is True
+    assert runs["page-cache"]["token_ids_equal_to_reference"] is True
+    assert "cannot load weightstream's quantized experts" in runs["accelerate"]["error"]

@@ -20,6 +20,7 @@ from weightstream.bench.overlap import OVERLAP_TARGET, judge_overlap, reader_ban
 from weightstream.errors import WeightstreamError
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint
+from weightstream.store.quant_format import read_manifest
 from weightstream.units import GIB, MIB
 
 MODES = ("expert-cache", "page-cache", "accelerate")
@@ -67,6 +68,12 @@ def run_child(cfg: dict, cgroup: MemoryCgroup | None) -> tuple[dict | None, str,
 def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device: str) -> dict:
     """One configuration: cold cache, own cgroup, device bytes before and after."""
     cfg = child_config(config, mode, cache)
+    if mode == "accelerate" and read_manifest(config.model_dir) is not None:
+        return {
+            "mode": mode,
+            "error": "accelerate's offload runs transformers, which cannot load weightstream's "
+            "quantized experts; bench the source checkpoint for it",
+        }
     if mode == "accelerate" and config.routing_trace:
         return {
             "mode": mode,
@@ -172,10 +179,14 @@ def reference_tokens(config: BenchConfig, model_bytes: int) -> tuple[list | None
         return None, "routing replayed from a trace: tokens are not compared"
     if psutil.virtual_memory().available < 1.3 * model_bytes or not config.reference:
         return None, "first-mode"
-    result, err, rc = run_child(child_config(config, "in-memory", ""), None)
+    if read_manifest(config.model_dir) is not None:  # transformers cannot load our quantized experts
+        mode, kind = "compute-only", "weightstream with every quantized expert resident, no limit"
+    else:
+        mode, kind = "in-memory", "transformers in memory, no limit"
+    result, err, rc = run_child(child_config(config, mode, "1000x"), None)
     if result is None:
         return None, f"first-mode (in-memory reference failed: exit {rc})"
-    return [p["token_ids"] for p in result["prompts"]], "transformers in memory, no limit"
+    return [p["token_ids"] for p in result["prompts"]], kind
 
 
 def run_bench(config: BenchConfig, progress=lambda msg: None) -> dict:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.quant import dequantize_int4, dequantize_int8, torch_int4_layout, unpack_int4
+from weightstream.store.quant_format import QuantFormat
 
 Params = dict[str, torch.Tensor]
 
@@ -60,6 +62,44 @@ class OneExpertEager:
         view.num_experts = 1
         index = torch.zeros(weights.shape, dtype=torch.long)  # every row chose expert 0 of the view
         return self.forward(view, rows, index, weights)  # its own index_add_ into zeros: the weighted rows
+
+
+# Rows per expert from which a projection dequantizes its weight once and multiplies in the activation dtype
+# instead of calling torch's packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the
+# two cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
+DEQUANT_ROWS = {"int8": 32, "int4": 128}
+
+
+class QuantizedExperts:
+    """int8 / int4 experts of a `weightstream quantize` checkpoint: each projection by torch's packed-weight kernel
+    (few rows) or dequantized once (many rows), the module's own gate between them, biases as stored."""
+
+    def __init__(self, module: torch.nn.Module, quant: QuantFormat):
+        self.name = f"{quant.scheme}-packed"
+        self.scheme, self.group, self.layout = quant.scheme, quant.group_size, quant.int4_layout
+        self.gate = module._apply_gate if module.has_gate else module.act_fn
+        self.up = "gate_up_proj" if module.has_gate else "up_proj"
+        self.bias = module.has_bias
+        self.dequant_rows = DEQUANT_ROWS[quant.scheme]
+
+    def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
+        hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
+        return self.project(hidden, params, "down_proj") * weights  # (n, D)
+
+    def project(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
+        q, scales = params[f"{name}.qweight"], params[f"{name}.scales"]
+        if x.shape[0] >= self.dequant_rows:
+            y = F.linear(x, self.dequantize(q, scales))
+        elif self.scheme == "int8":
+            y = torch._weight_int8pack_mm(x, q, scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x, q, self.group, scales)
+        return y + params[f"{name}_bias"] if self.bias else y
+
+    def dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "int8":
+            return dequantize_int8(q, scales)
+        return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
@@ -109,8 +149,11 @@ def check_kernel_name(name: str) -> None:
         raise WeightstreamError(f"--expert-kernel {name!r}: choose one of {', '.join(KERNELS)}")
 
 
-def choose_kernel(module: torch.nn.Module, name: str = "auto") -> Kernel:
-    """The kernel for this experts module: `auto` (proven lean kernel, else the view), or the one named."""
+def choose_kernel(module: torch.nn.Module, name: str = "auto", quant: QuantFormat | None = None) -> Kernel:
+    """The kernel for this experts module: `auto` (proven lean kernel, else the view), or the one named; a
+    quantized checkpoint's experts take the quantized kernel, checked on this machine first."""
+    if quant is not None:
+        return quantized_kernel_for(module, quant, name)
     if name == "auto":
         return eager_kernel_for(module)
     if name == OneExpertEager.name:
@@ -121,3 +164,59 @@ def choose_kernel(module: torch.nn.Module, name: str = "auto") -> Kernel:
             f"--expert-kernel {name}: not bitwise equal to the eager forward of {type(module).__name__}; use auto"
         )
     return kernel
+
+
+def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str = "auto") -> QuantizedExperts:
+    """The quantized kernel, once this machine's torch is shown to pack and multiply as the checkpoint assumes."""
+    if name != "auto":
+        raise WeightstreamError(
+            f"--expert-kernel {name}: a quantized checkpoint's experts run its "
+            f"{quant.scheme} kernel; leave --expert-kernel at auto"
+        )
+    if quant.scheme == "int4" and torch_int4_layout() != quant.int4_layout:
+        raise WeightstreamError(
+            f"int4 experts were packed in torch's {quant.int4_layout!r} CPU layout; this machine's torch packs "
+            f"{torch_int4_layout()!r} (the layout follows the CPU's vector width): run `weightstream quantize` again "
+            "on this machine"
+        )
+    kernel = QuantizedExperts(module, quant)
+    error = quantized_error(kernel, module, quant)
+    if not error < QUANT_TOLERANCE:
+        raise WeightstreamError(
+            f"torch's {quant.scheme} kernel is off by {error:.1%} on this model's shapes on this machine (more than "
+            f"{QUANT_TOLERANCE:.0%} of the dequantized product); its weights cannot be computed here"
+        )
+    return kernel
+
+
+QUANT_TOLERANCE = 0.03  # relative to the product with dequantized weights: rounding of the activation dtype
+
+
+def quantized_error(kernel: QuantizedExperts, module: torch.nn.Module, quant: QuantFormat) -> float:
+    """Largest relative error of `kernel` against eager on the same dequantized weights (random, this model's
+    shapes), over row counts on both routes. torch's int8 kernel silently returns wrong values for some shapes."""
+    from weightstream.store.quantize import quantize_expert
+
+    gen = torch.Generator().manual_seed(0)
+    dense = {}
+    for name, meta in module.named_parameters(recurse=False):
+        dense[name] = torch.randn(meta.shape[1:], generator=gen, dtype=torch.float32).mul_(0.05).to(meta.dtype)
+    blob_params = quantize_expert(dense, module.is_transposed, quant)
+    reference = OneExpertEager(module)
+    deq = {name: _dequantized(kernel, blob_params, name, module.is_transposed, dense[name]) for name in dense}
+    hidden = dense["down_proj"].shape[0 if not module.is_transposed else 1]
+    worst = 0.0
+    for n in (1, 3, kernel.dequant_rows):
+        x = torch.randn(n, hidden, generator=gen, dtype=torch.float32).to(quant.dtype)
+        w = torch.ones(n, 1, dtype=quant.dtype)
+        want = reference(x, w, deq).float()
+        got = kernel(x, w, blob_params).float()
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp(min=1e-6)))
+    return worst
+
+
+def _dequantized(kernel: QuantizedExperts, params: Params, name: str, transposed: bool, like: torch.Tensor):
+    if f"{name}.qweight" not in params:
+        return params[name]  # a bias, stored as is
+    w = kernel.dequantize(params[f"{name}.qweight"], params[f"{name}.scales"]).to(like.dtype)
+    return w.t().contiguous() if transposed else w

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections import Counter
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
@@ -19,11 +18,9 @@ from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
-from weightstream.store.checkpoint import Checkpoint, open_checkpoint
-from weightstream.store.layout import build_layout, experts_modules, streamable_modules
-
-_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-_TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
+from weightstream.store.layout import experts_modules
+from weightstream.store.model import map_model
+from weightstream.store.quant_format import QuantFormat
 
 
 def load_streaming_model(
@@ -47,17 +44,11 @@ def load_streaming_model(
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next)
-    ckpt = open_checkpoint(model_dir)
-    config = _load_config(model_dir)
     ws_experts.register()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=checkpoint_dtype(ckpt), experts_implementation=ws_experts.IMPLEMENTATION
-        )
-    streamable_modules(model, model_dir)
-    layout = build_layout(model, ckpt, top_k_of(config, model_dir))
+    mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
+    model, layout = mapped.model, mapped.layout
     _load_dense(model, layout.dense, model_dir)
-    kernels = _kernels(model, expert_kernel)  # before any I/O thread exists: a refusal leaves nothing running
+    kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
     if expert_source == "page-cache":
         cache = PageCacheSource(layout)
     else:
@@ -102,45 +93,13 @@ def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -
     return expert_source
 
 
-def _kernels(model, expert_kernel: str) -> dict[type, object]:
-    """One kernel per experts class (proving a lean kernel costs one expert's worth of random weights)."""
+def _kernels(model, expert_kernel: str, quant: QuantFormat | None) -> dict[type, object]:
+    """One kernel per experts class (proving one costs one expert's worth of random weights)."""
     kernels = {}
     for module in experts_modules(model).values():
         if type(module) not in kernels:
-            kernels[type(module)] = choose_kernel(module, expert_kernel)
+            kernels[type(module)] = choose_kernel(module, expert_kernel, quant)
     return kernels
-
-
-def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
-    """The dtype most of the checkpoint's bytes are in; the model is built in it so bytes are used as they are."""
-    counts = Counter()
-    for t in ckpt.tensors.values():
-        counts[t.dtype] += t.nbytes
-    dtype = counts.most_common(1)[0][0]
-    if dtype not in _TORCH_DTYPES:
-        raise WeightstreamError(
-            f"{ckpt.model_dir}: weights are mostly {dtype}; weightstream streams "
-            f"{', '.join(_TORCH_DTYPES)} checkpoints (quantized formats are not supported yet)"
-        )
-    return _TORCH_DTYPES[dtype]
-
-
-def top_k_of(config, model_dir: str) -> int:
-    for name in _TOP_K_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise WeightstreamError(
-        f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
-        "is this a Mixture-of-Experts model?"
-    )
-
-
-def _load_config(model_dir: str):
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError, OSError) as exc:
-        raise WeightstreamError(f"{model_dir}/config.json: transformers cannot read it ({exc})") from exc
 
 
 def _load_dense(model, dense: dict, model_dir: str) -> None:

@@ -26,6 +26,8 @@ from transformers.core_model_loading import (
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import region_bytes
 from weightstream.store.checkpoint import Checkpoint
+from weightstream.store.quant_format import DTYPES as QUANT_DTYPES
+from weightstream.store.quant_format import QuantFormat, blob_key
 from weightstream.store.safetensors_index import TensorInfo
 
 TESTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
@@ -137,8 +139,11 @@ def streamable_modules(model: torch.nn.Module, model_dir: str) -> dict[str, torc
     return modules
 
 
-def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelLayout:
-    """Map every checkpoint tensor onto the (meta) model: expert pieces per (layer, expert), dense tensors."""
+def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int, quant: QuantFormat | None = None) -> ModelLayout:
+    """Map every checkpoint tensor onto the (meta) model: expert pieces per (layer, expert), dense tensors.
+
+    A quantized checkpoint (`quant`) keeps each expert as one blob whose tensors the manifest lists.
+    """
     model_type = model.config.model_type
     modules = streamable_modules(model, ckpt.model_dir)
     module_layers = {path: _layer_index(path, i) for i, path in enumerate(modules)}
@@ -146,7 +151,11 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelL
     found: dict[tuple[str, int, str], list[tuple[int, Piece]]] = {}
     fused: set[tuple[str, str]] = set()  # (module path, param) stored fused on disk: transformers maps it as is
     dense: dict[str, TensorInfo] = {}
+    blobs = _blob_experts(ckpt, modules, module_layers, quant) if quant is not None else {}
+    blob_keys = {blob_key(path, e) for path, m in modules.items() for e in range(m.num_experts)} if quant else set()
     for key, info in ckpt.tensors.items():
+        if key in blob_keys:
+            continue
         target, converter, position = _map_key(model, key)
         if target in params:
             _add_pieces(found, params[target], key, info, converter, position, model_type)
@@ -159,9 +168,35 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int) -> ModelL
             )
         else:
             dense[target] = info
-    experts = _assemble(found, fused, modules, module_layers, params, ckpt.model_dir)
+    experts = blobs or _assemble(found, fused, modules, module_layers, params, ckpt.model_dir)
     num_experts = {module_layers[p]: m.num_experts for p, m in modules.items()}
     return ModelLayout(model_type, experts, module_layers, num_experts, top_k, dense)
+
+
+def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) -> dict[tuple[int, int], ExpertLayout]:
+    """Each expert's tensors inside its blob, as the manifest lists them (all at the blob's own alignment)."""
+    experts = {}
+    for path, module in modules.items():
+        layer = module_layers[path]
+        for e in range(module.num_experts):
+            info = ckpt.tensors.get(blob_key(path, e))
+            if info is None or info.dtype != "U8" or info.nbytes != quant.blob_bytes:
+                got = "missing" if info is None else f"{info.dtype} of {info.nbytes} bytes"
+                raise WeightstreamError(
+                    f"{ckpt.model_dir}: expert blob {blob_key(path, e)!r} is {got}; the manifest "
+                    f"says U8 of {quant.blob_bytes} bytes (re-run `weightstream quantize`)"
+                )
+            experts[(layer, e)] = ExpertLayout(
+                layer,
+                e,
+                tuple(
+                    ExpertParam(
+                        t.name, t.shape, QUANT_DTYPES[t.dtype], (Piece(info.path, info.offset + t.offset, t.nbytes),)
+                    )
+                    for t in quant.tensors
+                ),
+            )
+    return experts
 
 
 def _layer_index(path: str, fallback: int) -> int:

@@ -1,0 +1,76 @@
+"""The model a checkpoint describes: its config, dtype and top-k, as a transformers model on the meta device
+(no memory) with every expert's byte ranges mapped (`layout.build_layout`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from weightstream.errors import WeightstreamError
+from weightstream.store.checkpoint import Checkpoint, open_checkpoint
+from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
+from weightstream.store.quant_format import QuantFormat, read_manifest
+
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
+
+
+@dataclass(slots=True)
+class MappedModel:
+    """A checkpoint directory opened: its index, config, quantization (None: experts as transformers stores
+    them), the meta-device model and where every expert's bytes are."""
+
+    ckpt: Checkpoint
+    config: object
+    quant: QuantFormat | None
+    model: torch.nn.Module
+    layout: ModelLayout
+
+
+def map_model(model_dir: str, experts_implementation: str = "eager") -> MappedModel:
+    """Index `model_dir` and build its model on the meta device, experts mapped to byte ranges."""
+    ckpt = open_checkpoint(model_dir)
+    config = load_config(model_dir)
+    quant = read_manifest(model_dir)
+    dtype = quant.dtype if quant is not None else checkpoint_dtype(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
+    streamable_modules(model, model_dir)
+    layout = build_layout(model, ckpt, top_k_of(config, model_dir), quant)
+    return MappedModel(ckpt, config, quant, model, layout)
+
+
+def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    """The dtype most of the checkpoint's bytes are in; the model is built in it so bytes are used as they are."""
+    counts = Counter()
+    for t in ckpt.tensors.values():
+        counts[t.dtype] += t.nbytes
+    dtype = counts.most_common(1)[0][0]
+    if dtype not in TORCH_DTYPES:
+        raise WeightstreamError(
+            f"{ckpt.model_dir}: weights are mostly {dtype} and there is no weightstream quantization manifest; "
+            f"weightstream streams {', '.join(TORCH_DTYPES)} checkpoints and its own int8/int4 format "
+            "(`weightstream quantize`)"
+        )
+    return TORCH_DTYPES[dtype]
+
+
+def top_k_of(config, model_dir: str) -> int:
+    for name in _TOP_K_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise WeightstreamError(
+        f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
+        "is this a Mixture-of-Experts model?"
+    )
+
+
+def load_config(model_dir: str):
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise WeightstreamError(f"{model_dir}/config.json: transformers cannot read it ({exc})") from exc

@@ -1,0 +1,165 @@
+"""The quantized-experts format: a checkpoint directory whose experts are one packed blob each, plus a manifest.
+
+Dense weights (attention, norms, router, embeddings, shared experts) are stored as in any checkpoint. Each routed
+expert is one uint8 tensor `<experts module>.<expert>.packed`: its tensors back to back in execution order (gate
+and up first, down last, biases after their projection), each 64-byte aligned inside the blob and already in the
+layout the kernel takes, with its scales (and zeros) beside it. A miss is then one O_DIRECT request straight into
+the slot, and nothing is repacked. The manifest (MANIFEST in the directory) names the scheme and lists the blob's
+tensors; `weightstream quantize` writes it last, so a directory without it is not a quantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from weightstream.errors import WeightstreamError
+from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
+
+MANIFEST = "weightstream-quantized.json"
+FORMAT = "weightstream-quantized-experts"
+VERSION = 1
+SCHEMES = ("int8", "int4")
+BLOB_ALIGN = 64
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BlobTensor:
+    """One tensor inside an expert's blob: byte offset from the blob's start, dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """What MANIFEST says: the scheme, its parameters, and the table of every expert blob's tensors."""
+
+    scheme: str
+    activation_dtype: str  # the dtype the model computes in (the source checkpoint's), scales included
+    tensors: tuple[BlobTensor, ...]
+    blob_bytes: int
+    group_size: int | None = None  # int4
+    int4_layout: str | None = None  # int4: the CPU layout of the packed bytes
+    source: dict | None = None  # what it was made from (model type, dtype, bytes of one expert)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.activation_dtype]
+
+    def tensor(self, name: str) -> BlobTensor:
+        return next(t for t in self.tensors if t.name == name)
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        out["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
+        return out
+
+
+def blob_key(module_path: str, expert: int) -> str:
+    """The checkpoint key of one expert's blob."""
+    return f"{module_path}.{expert}.packed"
+
+
+def blob_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[tuple[BlobTensor, ...], int]:
+    """Offsets for (name, dtype, shape) entries in order, each aligned to BLOB_ALIGN; returns (table, blob bytes)."""
+    table, offset = [], 0
+    for name, dtype, shape in entries:
+        tensor = BlobTensor(name, dtype, tuple(shape), offset)
+        table.append(tensor)
+        offset = -(-(offset + tensor.nbytes) // BLOB_ALIGN) * BLOB_ALIGN
+    return tuple(table), offset
+
+
+def read_manifest(model_dir: str) -> QuantFormat | None:
+    """The directory's quantization manifest, validated; None when it has none (not a quantized checkpoint)."""
+    path = os.path.join(model_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        fmt = _parse(data)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise WeightstreamError(
+            f"{path}: damaged quantization manifest ({type(exc).__name__}: {exc}); "
+            "re-run `weightstream quantize` to rebuild the directory"
+        ) from None
+    _validate(fmt, path)
+    return fmt
+
+
+def write_manifest(model_dir: str, fmt: QuantFormat) -> None:
+    with open(os.path.join(model_dir, MANIFEST), "w") as f:
+        json.dump(fmt.to_json(), f, indent=1)
+        f.write("\n")
+
+
+def _parse(data: dict) -> QuantFormat:
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise ValueError(
+            f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+        )
+    tensors = tuple(
+        BlobTensor(t["name"], t["dtype"], tuple(int(d) for d in t["shape"]), int(t["offset"])) for t in data["tensors"]
+    )
+    return QuantFormat(
+        data["scheme"],
+        data["activation_dtype"],
+        tensors,
+        int(data["blob_bytes"]),
+        data.get("group_size"),
+        data.get("int4_layout"),
+        data.get("source"),
+    )
+
+
+def _validate(fmt: QuantFormat, path: str) -> None:
+    """The table must be one the kernels can take: known dtypes, scales shaped for their weights, inside the blob."""
+
+    def bad(what: str) -> WeightstreamError:
+        return WeightstreamError(
+            f"{path}: {what}; the manifest does not match a quantized checkpoint (re-run `weightstream quantize`)"
+        )
+
+    if fmt.scheme not in SCHEMES or fmt.activation_dtype not in ("bfloat16", "float16", "float32"):
+        raise bad(f"scheme {fmt.scheme!r} / activation dtype {fmt.activation_dtype!r} unknown")
+    if fmt.scheme == "int4" and (fmt.group_size not in INT4_GROUPS or fmt.int4_layout not in INT4_LAYOUTS):
+        raise bad(f"int4 needs group_size in {INT4_GROUPS} and int4_layout in {tuple(INT4_LAYOUTS)}")
+    for t in fmt.tensors:
+        if t.dtype not in DTYPES or t.offset % BLOB_ALIGN or t.offset + t.nbytes > fmt.blob_bytes:
+            raise bad(f"tensor {t.name!r} ({t.dtype}, offset {t.offset}) is unknown, unaligned or outside the blob")
+    for t in fmt.tensors:
+        if t.name.endswith(".qweight"):
+            want = _scales_shape(fmt, t)
+            scales = next((s for s in fmt.tensors if s.name == t.name.replace(".qweight", ".scales")), None)
+            if scales is None or scales.shape != want or scales.dtype != fmt.activation_dtype:
+                got = None if scales is None else f"{scales.dtype}{list(scales.shape)}"
+                raise bad(
+                    f"scales of {t.name!r} are {got}, its {fmt.scheme} weight {list(t.shape)} needs "
+                    f"{fmt.activation_dtype}{list(want)}"
+                )
+
+
+def _scales_shape(fmt: QuantFormat, qweight: BlobTensor) -> tuple[int, ...]:
+    n, k_stored = qweight.shape
+    if fmt.scheme == "int8":
+        return (n,)
+    return (2 * k_stored // fmt.group_size, n, 2)  # int4 stores K / 2 bytes per output channel

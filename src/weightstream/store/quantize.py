@@ -1,0 +1,257 @@
+"""`weightstream quantize`: rewrite a checkpoint's routed experts as int8 or int4 blobs, one expert at a time.
+
+Never more than one expert (plus the largest dense tensor) in memory: each expert's bytes are read from the
+source by the layout's byte ranges, quantized, packed and written into its blob's place in the output shard. The
+output is built in a hidden directory beside the target and renamed into place only once complete, with the
+manifest written last: an interrupted run leaves nothing that loads as a quantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from weightstream.errors import WeightstreamError
+from weightstream.store.checkpoint import INDEX_NAME
+from weightstream.store.layout import experts_modules
+from weightstream.store.model import map_model
+from weightstream.store.quant import (
+    INT4_GROUPS,
+    quantize_int4,
+    quantize_int8,
+    torch_int4_layout,
+)
+from weightstream.store.quant_format import DTYPES, MANIFEST, QuantFormat, blob_key, blob_layout, write_manifest
+from weightstream.store.safetensors_index import TensorInfo
+from weightstream.store.safetensors_writer import SafetensorsWriter
+
+DEFAULT_GROUP = 128  # int4: see docs/quantization.md for the measured choice
+SKIP_FILES = (".safetensors", INDEX_NAME, MANIFEST)
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    out_dir: str
+    scheme: str
+    group_size: int | None
+    experts: int
+    expert_bytes_before: int  # one expert, source
+    expert_bytes_after: int  # one expert's blob
+    total_bytes: int
+    seconds: float
+
+
+def blob_format(
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    transposed: bool,
+    scheme: str,
+    group: int | None,
+    dtype: torch.dtype,
+    source: dict,
+) -> QuantFormat:
+    """The blob table for experts with these parameters (name -> (shape, dtype), in execution order)."""
+    entries = []
+    act = _DTYPE_NAMES[dtype]
+    for name, (shape, _) in params.items():
+        if len(shape) == 1:  # a bias: kept in the activation dtype
+            entries.append((name, act, shape))
+            continue
+        n, k = (shape[1], shape[0]) if transposed else shape  # stored (out, in): what the kernels take
+        _check_shape(name, n, k, scheme, group)
+        if scheme == "int8":
+            entries += [(f"{name}.qweight", "int8", (n, k)), (f"{name}.scales", act, (n,))]
+        else:
+            entries += [(f"{name}.qweight", "uint8", (n, k // 2)), (f"{name}.scales", act, (k // group, n, 2))]
+    table, nbytes = blob_layout(entries)
+    layout = torch_int4_layout() if scheme == "int4" else None
+    return QuantFormat(scheme, act, table, nbytes, group if scheme == "int4" else None, layout, source)
+
+
+def _check_shape(name: str, n: int, k: int, scheme: str, group: int | None) -> None:
+    # torch's int8 kernel returns wrong values (no error) for bf16 inputs whose length is not a multiple of 16
+    if scheme == "int8" and k % 16:
+        raise WeightstreamError(f"expert weight {name} has {k} inputs; int8 experts need a multiple of 16")
+    if scheme == "int4" and (k % group or n % 16):
+        raise WeightstreamError(
+            f"expert weight {name} is {n} x {k}; int4 with groups of {group} needs inputs divisible by the group "
+            f"and outputs by 16 (try --group-size {max((g for g in INT4_GROUPS if k % g == 0), default=None)} or "
+            "--bits 8)"
+        )
+
+
+def quantize_expert(params: dict[str, torch.Tensor], transposed: bool, quant: QuantFormat) -> dict[str, torch.Tensor]:
+    """One expert's tensors (model layout) -> the blob's tensors by name (kernel layout)."""
+    out = {}
+    for name, w in params.items():
+        if w.dim() == 1:
+            out[name] = w.to(quant.dtype)
+            continue
+        w = (w.t() if transposed else w).contiguous()  # (out, in), row-major as the kernels take it
+        if quant.scheme == "int8":
+            out[f"{name}.qweight"], out[f"{name}.scales"] = quantize_int8(w, quant.dtype)
+        else:
+            q, out[f"{name}.scales"] = quantize_int4(w, quant.group_size, quant.dtype)
+            out[f"{name}.qweight"] = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    return out
+
+
+def expert_blob(tensors: dict[str, torch.Tensor], quant: QuantFormat) -> torch.Tensor:
+    """The uint8 blob holding `tensors` at the manifest's offsets (zero padding between them)."""
+    blob = torch.zeros(quant.blob_bytes, dtype=torch.uint8)
+    for t in quant.tensors:
+        data = tensors[t.name].contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == t.nbytes and tuple(tensors[t.name].shape) == t.shape, t.name
+        blob[t.offset : t.offset + t.nbytes] = data
+    return blob
+
+
+def quantize_checkpoint(
+    src: str,
+    out: str,
+    bits: int,
+    group_size: int | None = None,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> QuantizeResult:
+    """Write `out`: `src` with every routed expert quantized to `bits` (8: per-channel, 4: groups)."""
+    start = time.perf_counter()
+    scheme = {8: "int8", 4: "int4"}.get(bits)
+    if scheme is None:
+        raise WeightstreamError(f"--bits {bits}: choose 8 or 4")
+    group = group_size or DEFAULT_GROUP
+    if scheme == "int4" and group not in INT4_GROUPS:
+        raise WeightstreamError(f"--group-size {group}: torch's int4 kernel takes {', '.join(map(str, INT4_GROUPS))}")
+    if scheme == "int8" and group_size is not None:
+        raise WeightstreamError("--group-size is for --bits 4; int8 experts have one scale per output channel")
+    if os.path.exists(out) and os.listdir(out) and not force:
+        raise WeightstreamError(f"{out}: exists and is not empty; choose another --out or pass --force to replace it")
+    mapped = map_model(src)
+    if mapped.quant is not None:
+        raise WeightstreamError(f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint")
+    modules = experts_modules(mapped.model)
+    layout = mapped.layout
+    first = layout.experts[next(iter(layout.experts))]
+    transposed = next(iter(modules.values())).is_transposed
+    source = {
+        "model_type": layout.model_type,
+        "dtype": str(mapped.model.dtype).removeprefix("torch."),
+        "expert_bytes": first.nbytes,
+    }
+    quant = blob_format(
+        {p.name: (p.shape, p.dtype) for p in first.params}, transposed, scheme, group, mapped.model.dtype, source
+    )
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".quantize-", dir=parent)
+    try:
+        total = _write(mapped, modules, quant, transposed, tmp, progress)
+        _copy_side_files(src, tmp)
+        write_manifest(tmp, quant)  # last: without it the directory is not a quantized checkpoint
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return QuantizeResult(
+        out,
+        scheme,
+        quant.group_size,
+        len(layout.experts),
+        first.nbytes,
+        quant.blob_bytes,
+        total,
+        time.perf_counter() - start,
+    )
+
+
+def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, progress) -> int:
+    """Shards by decoder layer: its dense tensors and its experts' blobs. Returns bytes written."""
+    layout = mapped.layout
+    path_of = {layer: path for path, layer in layout.module_layers.items()}
+    dense = {info.name: info for info in layout.dense.values()}
+    shards: dict[int, dict] = {}
+    for name, info in dense.items():
+        shards.setdefault(_layer_of(name), {})[name] = info
+    for (layer, expert), ex in layout.experts.items():
+        shards.setdefault(layer, {})[blob_key(path_of[layer], expert)] = ex
+    todo = sum(i.nbytes for i in dense.values()) + sum(e.nbytes for e in layout.experts.values())
+    done, weight_map, total = 0, {}, 0
+    for i, layer in enumerate(sorted(shards)):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        specs = {k: _spec(v, quant) for k, v in shards[layer].items()}
+        with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
+            for key, item in shards[layer].items():
+                if isinstance(item, TensorInfo):
+                    writer.write(key, _read_tensor(item))
+                else:
+                    params = {p.name: _read_param(p) for p in item.params}
+                    writer.write(key, expert_blob(quantize_expert(params, transposed, quant), quant))
+                done += item.nbytes
+                if progress:
+                    progress(done, todo)
+            total += writer.total_bytes
+        weight_map |= {k: file for k in shards[layer]}
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return total
+
+
+def _spec(item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
+    if isinstance(item, TensorInfo):
+        return _TORCH[item.dtype], tuple(item.shape)
+    return torch.uint8, (quant.blob_bytes,)
+
+
+def _layer_of(name: str) -> int:
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1  # -1: embeddings, final norm, head: the first shard
+
+
+def _read_tensor(info: TensorInfo) -> torch.Tensor:
+    return _pread(info.path, info.offset, info.nbytes).view(_TORCH[info.dtype]).reshape(info.shape)
+
+
+def _read_param(param) -> torch.Tensor:
+    raw = torch.cat([_pread(p.path, p.offset, p.nbytes) for p in param.pieces])
+    return raw.view(param.dtype).reshape(param.shape)
+
+
+def _pread(path: str, offset: int, nbytes: int) -> torch.Tensor:
+    buf = bytearray(nbytes)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        if f.readinto(buf) != nbytes:
+            raise WeightstreamError(f"{path}: short read at byte {offset} ({nbytes} bytes expected); the file changed")
+    return torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def _copy_side_files(src: str, out: str) -> None:
+    """config.json, tokenizer, generation config: everything but the weights and their index."""
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith(SKIP_FILES):
+            shutil.copy2(path, os.path.join(out, name))
+
+
+_TORCH = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}

@@ -1,0 +1,316 @@
+"""Quantized experts: the math against straightforward references, the bytes on disk against what the kernel
+takes, streamed against resident bitwise, and `weightstream quantize` as a user runs it (atomic, bounded, clear)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from weightstream.engine.generate import generate
+from weightstream.engine.loader import load_streaming_model
+from weightstream.errors import WeightstreamError
+from weightstream.store.checkpoint import open_checkpoint
+from weightstream.store.presets import TINY
+from weightstream.store.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    torch_int4_layout,
+    unpack_int4,
+)
+from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
+from weightstream.store.quantize import quantize_checkpoint
+
+PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
+# int kernels need inputs in multiples of 16 (int8) or of the group (int4): tiny experts 64 wide, not 40
+WIDE = {
+    arch: ({"moe_intermediate_size": 64} if "moe_intermediate_size" in cfg else {"intermediate_size": 64})
+    for arch, cfg in TINY.items()
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model, tmp_path_factory):
+    """quantized(arch, bits, dtype) -> directory of the tiny model's experts quantized, built once."""
+    built = {}
+
+    def make(arch: str, bits: int, dtype: str = "bf16") -> str:
+        if (arch, bits, dtype) not in built:
+            out = str(tmp_path_factory.mktemp(f"q{bits}-{arch}-{dtype}") / "model")
+            quantize_checkpoint(tiny_model(arch, dtype, **WIDE[arch]), out, bits, 32 if bits == 4 else None)
+            built[(arch, bits, dtype)] = out
+        return built[(arch, bits, dtype)]
+
+    return make
+
+
+def test_int8_matches_a_per_row_reference():
+    w = torch.randn(24, 48, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_int8(w, torch.float32)
+    for row in range(24):
+        scale = w[row].abs().max() / 127
+        assert torch.equal(q[row], torch.round(w[row] / scale).clamp(-127, 127).to(torch.int8))
+    assert torch.allclose(dequantize_int8(q, s), w, atol=float(s.max()) / 2 + 1e-7)
+
+
+def test_int4_matches_a_per_group_reference_and_round_trips():
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+    q, sz = quantize_int4(w, 32, torch.float32)
+    assert sz.shape == (4, 32, 2) and q.min() >= 0 and q.max() <= 15
+    for row in range(32):
+        for g in range(4):
+            chunk = w[row, g * 32 : (g + 1) * 32]
+            scale = (chunk.max() - chunk.min()) / 15
+            want = torch.round((chunk - chunk.min()) / scale).clamp(0, 15)
+            assert (q[row, g * 32 : (g + 1) * 32] - want).abs().max() <= 1  # the stored zero is rounded once
+            assert sz[g, row, 0] == scale
+    assert (dequantize_int4(q, sz, 32) - w).abs().max() <= sz[:, :, 0].max() * 0.51 + 1e-6
+
+
+@pytest.mark.parametrize("shape", [(2048, 128), (64, 64), (208, 64), (16, 32)])  # full blocks, a tail, tail only
+def test_int4_packing_is_torchs_and_unpacks(shape):
+    q = torch.randint(0, 16, shape, dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    layout = torch_int4_layout()
+    assert layout is not None
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(pack_int4(q, layout), packed)
+    assert torch.equal(unpack_int4(packed, layout).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bytes_on_disk_are_what_the_kernel_takes(tiny_model, quantized, bits):
+    src, out = tiny_model("qwen3_moe", "bf16", **WIDE["qwen3_moe"]), quantized("qwen3_moe", bits)
+    fmt = read_manifest(out)
+    blob = open_checkpoint(out).tensors[blob_key("model.layers.1.mlp.experts", 5)]
+    with open(blob.path, "rb") as f:
+        f.seek(blob.offset)
+        raw = torch.frombuffer(bytearray(f.read(blob.nbytes)), dtype=torch.uint8)
+    src_ckpt = open_checkpoint(src).tensors
+    gate = _tensor(src_ckpt["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    up = _tensor(src_ckpt["model.layers.1.mlp.experts.5.up_proj.weight"])
+    gate_up = torch.cat([gate, up])  # the model's layout: (2I, D)
+    t = fmt.tensor("gate_up_proj.qweight")
+    stored = raw[t.offset : t.offset + t.nbytes]
+    if bits == 8:
+        expected = quantize_int8(gate_up, torch.bfloat16)[0]
+    else:
+        expected = torch._convert_weight_to_int4pack_for_cpu(quantize_int4(gate_up, 32, torch.bfloat16)[0], 1)
+    assert torch.equal(stored, expected.reshape(-1).view(torch.uint8))
+    assert blob.offset % 64 == 0 and all(t.offset % 64 == 0 for t in fmt.tensors)
+
+
+def _tensor(info):
+    with open(info.path, "rb") as f:
+        f.seek(info.offset)
+        raw = bytearray(f.read(info.nbytes))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(torch.bfloat16).reshape(info.shape)
+
+
+def _logits(model_dir, **kwargs):
+    model = load_streaming_model(model_dir, **kwargs)
+    try:
+        if kwargs.get("expert_cache") == "100x":  # every expert resident before the first token
+            from weightstream.bench.child import warm_every_expert
+
+            warm_every_expert(model.weightstream.cache)
+        with torch.inference_mode():
+            out = model.generate(
+                PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+        return out.sequences[0].tolist(), list(out.logits), model.weightstream
+    finally:
+        model.weightstream.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_streamed_logits_equal_resident_bitwise(quantized, arch, bits):
+    model_dir = quantized(arch, bits)
+    tokens, logits, runtime = _logits(model_dir, expert_cache="100x", io_threads=2)
+    assert runtime.kernels and all(k == f"int{bits}-packed" for k in runtime.kernels.values())
+    for size in ("1x", "1.5x", "4x"):
+        for threads in (1, 2, 8):
+            got_tokens, got_logits, _ = _logits(model_dir, expert_cache=size, io_threads=threads)
+            assert got_tokens == tokens, (arch, bits, size, threads)
+            assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True)), (arch, bits, size)
+    page_tokens, page_logits, _ = _logits(model_dir, expert_source="page-cache")
+    assert page_tokens == tokens and all(torch.equal(g, w) for g, w in zip(page_logits, logits, strict=True))
+
+
+def test_fp32_checkpoints_quantize_too(quantized):
+    model_dir = quantized("mixtral", 4, "fp32")
+    tokens, logits, _ = _logits(model_dir, expert_cache="100x", io_threads=2)
+    got, got_logits, _ = _logits(model_dir, expert_cache="1x", io_threads=2)
+    assert got == tokens and logits[0].dtype == torch.float32
+    assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True))
+
+
+def test_quantized_expert_sizes_and_stats(tiny_model, quantized):
+    src = tiny_model("olmoe", "bf16", **WIDE["olmoe"])
+    bf16 = load_streaming_model(src, expert_cache="1x")
+    q4 = load_streaming_model(quantized("olmoe", 4), expert_cache="1x")
+    try:
+        expert = next(iter(bf16.weightstream.layout.experts.values())).nbytes
+        blob = next(iter(q4.weightstream.layout.experts.values())).nbytes
+        assert blob == read_manifest(quantized("olmoe", 4)).blob_bytes and blob < 0.4 * expert
+        _, stats = generate(q4, PROMPT, 4)
+        assert stats.expert_misses > 0 and stats.bytes_read > 0
+    finally:
+        bf16.weightstream.close()
+        q4.weightstream.close()
+
+
+def test_trace_record_and_simulate_take_a_quantized_directory(quantized, tmp_path):
+    model_dir = quantized("qwen3_moe", 4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cache holds quantized experts\n")
+    out = tmp_path / "t.npz"
+    run = _cli("trace", "record", model_dir, "--prompts", str(prompts), "--max-new-tokens", "3", "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    info = json.loads(_cli("trace", "info", str(out), "--json").stdout)
+    assert set(info["shape"]["expert_bytes"]) == {read_manifest(model_dir).blob_bytes}
+    sim = _cli("simulate", str(out), "--json", "--train-share", "0", "--sizes", "1x,2x")
+    assert sim.returncode == 0, sim.stderr
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_path):
+    src = tiny_model("olmoe", "bf16", **WIDE["olmoe"])
+    existing = tmp_path / "taken"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    cases = [
+        (("quantize", src, "--bits", "4", "--out", str(existing)), "exists and is not empty"),
+        (("quantize", src, "--bits", "4", "--group-size", "48", "--out", str(tmp_path / "a")), "--group-size 48"),
+        (("quantize", src, "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "b")), "for --bits 4"),
+        (("quantize", quantized("olmoe", 8), "--bits", "4", "--out", str(tmp_path / "c")), "already quantized"),
+        (
+            ("quantize", tiny_model("olmoe", "bf16"), "--bits", "8", "--out", str(tmp_path / "d")),
+            "40 inputs; int8 experts need a multiple of 16",
+        ),
+    ]
+    for args, message in cases:
+        r = _cli(*args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert os.listdir(existing) == ["keep.txt"]
+    assert not [p for p in os.listdir(tmp_path) if p not in ("taken",)]  # no output, no leftover temp dir
+    r = _cli("quantize", src, "--bits", "4", "--group-size", "32", "--out", str(existing), "--force", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["scheme"] == "int4" and summary["group_size"] == 32 and "keep.txt" not in os.listdir(existing)
+
+
+def test_a_damaged_manifest_or_wrong_scales_are_refused_naming_the_file(quantized, tmp_path):
+    import shutil
+
+    model_dir = str(tmp_path / "m")
+    shutil.copytree(quantized("olmoe", 4), model_dir)
+    path = os.path.join(model_dir, MANIFEST)
+    good = json.loads(open(path).read())
+    with open(path, "w") as f:
+        f.write('{"format": "weightstream-quantized-experts", "version": 1, "scheme": ')
+    with pytest.raises(WeightstreamError, match=f"{MANIFEST}: damaged quantization manifest"):
+        load_streaming_model(model_dir)
+    bad = json.loads(json.dumps(good))
+    scales = next(t for t in bad["tensors"] if t["name"] == "down_proj.scales")
+    scales["shape"] = [scales["shape"][1], scales["shape"][0], 2]  # same bytes, groups and channels swapped
+    json.dump(bad, open(path, "w"))
+    with pytest.raises(WeightstreamError, match=rf"{MANIFEST}: scales of 'down_proj.qweight' are bfloat16\["):
+        load_streaming_model(model_dir)
+    bad = json.loads(json.dumps(good))
+    bad["blob_bytes"] += 64
+    json.dump(bad, open(path, "w"))
+    with pytest.raises(WeightstreamError, match=r"expert blob 'model\.layers\.0\.mlp\.experts\.0\.packed' is U8 of"):
+        load_streaming_model(model_dir)
+
+
+def test_killed_midway_leaves_nothing_that_loads(tmp_path):
+    """SIGKILL during the run: no --out directory; the hidden work directory has no manifest, so it never loads
+    as a quantized checkpoint (and the next run is unaffected)."""
+    from weightstream.store.presets import preset_config
+    from weightstream.store.synth import synthesize
+
+    src = str(tmp_path / "src")
+    synthesize(
+        src,
+        {
+            **preset_config("tiny", "qwen3_moe"),
+            "hidden_size": 512,
+            "moe_intermediate_size": 512,
+            "num_experts": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "head_dim": 64,
+        },
+        dtype="bf16",
+        seed=3,
+    )
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightstream.cli", "quantize", src, "--bits", "4", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+        p.endswith(".safetensors") for d in tmp_path.glob(".quantize-*") for p in os.listdir(d)
+    ):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    leftovers = list(tmp_path.glob(".quantize-*"))
+    assert not out.exists() and leftovers, "killed before it started writing: make the model bigger"
+    assert not any((d / MANIFEST).exists() for d in leftovers)
+    for d in leftovers:
+        with pytest.raises(WeightstreamError):
+            load_streaming_model(str(d))
+    r = _cli("quantize", src, "--bits", "4", "--out", str(out))
+    assert r.returncode == 0 and read_manifest(str(out)) is not None, r.stderr
+
+
+def test_peak_rss_is_bounded_on_a_model_whose_experts_are_16x_the_bound(tmp_path):
+    """quantize holds one expert at a time: peak RSS stays within baseline + largest dense tensor + a bound of
+    96 MiB (one expert's float32 working copies and the blob), for experts totalling 16x that bound."""
+    from weightstream.store.presets import preset_config
+    from weightstream.store.synth import synthesize
+
+    bound = 96 * 2**20
+    src = str(tmp_path / "src")
+    fields = {
+        **preset_config("tiny", "qwen3_moe"),
+        "hidden_size": 1024,
+        "moe_intermediate_size": 1024,
+        "num_experts": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 512,
+    }
+    synthesize(src, fields, dtype="bf16", seed=4)
+    experts = sum(t.nbytes for t in open_checkpoint(src).tensors.values() if ".experts." in t.name)
+    dense_max = max(t.nbytes for t in open_checkpoint(src).tensors.values() if ".experts." not in t.name)
+    assert experts >= 16 * bound
+    code = (
+        "import json, sys; import torch, transformers; from weightstream.bench.child import peak_rss; "
+        "from weightstream.store.model import map_model; map_model(sys.argv[1]); base = peak_rss(); "
+        "from weightstream.store.quantize import quantize_checkpoint; "
+        "quantize_checkpoint(sys.argv[1], sys.argv[2], 4); print(json.dumps([base, peak_rss()]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, src, str(tmp_path / "out")], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    base, peak = json.loads(run.stdout)
+    assert peak - base <= dense_max + bound, (peak - base) / 2**20
