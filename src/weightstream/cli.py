@@ -13,9 +13,22 @@ from weightstream.errors import WeightstreamError
 COMMANDS = ("demo", "generate", "synth", "quantize", "trace", "simulate", "bench", "prefetch", "clockfloor")
 
 
+SIZES_EPILOG = """\
+sizes (every option that takes one):
+  512MiB, 4GiB, 1.5TiB   binary units (1 GiB = 1024^3 bytes)
+  4G, 512M, 4Gi          the same: a bare K/M/G/T is binary, as systemd, cgroups and Docker read it
+  4GB, 512MB             decimal units, as disks are sold (1 GB = 1000^3 bytes)
+  1073741824             bytes
+  1.5x                   expert caches only: a multiple of one token's working set (layers x top-k x expert)
+
+`weightstream COMMAND --help` explains each command."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightstream",
+        epilog=SIZES_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Application-aware LLM weight I/O: stream MoE experts from SSD through a fixed-budget cache, "
         "choose cache size and policy from real routing traces, prefetch model loads, hold GPU clocks up.",
     )
