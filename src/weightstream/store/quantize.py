@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
+from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.quant import (
     INT4_GROUPS,
     quantize_int4,
@@ -132,8 +132,7 @@ def quantize_checkpoint(
         raise WeightstreamError(f"--group-size {group}: torch's int4 kernel takes {', '.join(map(str, INT4_GROUPS))}")
     if scheme == "int8" and group_size is not None:
         raise WeightstreamError("--group-size is for --bits 4; int8 experts have one scale per output channel")
-    if os.path.exists(out) and os.listdir(out) and not force:
-        raise WeightstreamError(f"{out}: exists and is not empty; choose another --out or pass --force to replace it")
+    refuse_existing(out, force)
     mapped = map_model(src)
     if mapped.quant is not None:
         raise WeightstreamError(f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint")
@@ -149,19 +148,10 @@ def quantize_checkpoint(
     quant = blob_format(
         {p.name: (p.shape, p.dtype) for p in first.params}, transposed, scheme, group, mapped.model.dtype, source
     )
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".quantize-", dir=parent)
-    try:
+    with built_in_place(out, "quantize") as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)
         write_manifest(tmp, quant)  # last: without it the directory is not a quantized checkpoint
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return QuantizeResult(
         out,
         scheme,

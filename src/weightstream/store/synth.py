@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.safetensors_writer import save_aligned
 from weightstream.store.tokenizer import build_tokenizer
 
@@ -40,10 +39,7 @@ def synthesize(
     """Write config, tokenizer and random weights to `out_dir` (built in a temp dir, renamed into place at the end)."""
     if dtype not in DTYPES:
         raise WeightstreamError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
-        raise WeightstreamError(
-            f"{out_dir}: exists and is not empty; choose another --out or pass --force to replace it"
-        )
+    refuse_existing(out_dir, force)
     fields = dict(fields)
     tokenizer = build_tokenizer(fields["vocab_size"])
     config = AutoConfig.for_model(
@@ -56,19 +52,10 @@ def synthesize(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     config.architectures = [type(model).__name__]  # as every Hub checkpoint has; converters such as llama.cpp's need it
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".synth-", dir=parent)
-    try:
+    with built_in_place(out_dir, "synth") as tmp:
         total, shards = _write_weights(model, tmp, seed, progress)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return SynthResult(out_dir, config.model_type, total, shards)
 
 
