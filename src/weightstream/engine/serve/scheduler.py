@@ -38,6 +38,7 @@ class Scheduler:
         self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
         self.hooks, self.observer = list(hooks), observer
         self.batch = DecodeBatch()
+        self.kv_bytes = 0  # the batch's KV bytes after the last step (read by metrics from other threads)
         self.waiting: deque[Sequence] = deque()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -100,7 +101,9 @@ class Scheduler:
             self._admit()
             if self.batch.seqs:
                 self._guarded(self.batch.seqs, self._decode_step)
+                self._after_step()
             else:
+                self._after_step()
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -157,9 +160,10 @@ class Scheduler:
             self.observer.decoded(len(seqs), time.perf_counter() - start)
         gone = set()
         for row, seq in enumerate(seqs):
-            if seq.cancelled or seq.append(seq.sampler(logits[row])):
+            cancelled = seq.cancelled  # read once: a client may go away while this loop runs
+            if cancelled or seq.append(seq.sampler(logits[row])):
                 gone.add(seq.id)
-                self._ended(seq, "cancelled" if seq.cancelled else "finished")
+                self._ended(seq, "cancelled" if cancelled else "finished")
         self.batch.leave(gone)
 
     def _forward(self, inputs: dict, seq_ids: list[int], tokens: list[int], phase: str) -> torch.Tensor:
@@ -192,6 +196,9 @@ class Scheduler:
             self._ended(seq, "shutdown")
         self.waiting.clear()
         self.batch.leave({s.id for s in self.batch.seqs})
+
+    def _after_step(self) -> None:
+        self.kv_bytes = self.batch.kv_bytes()
 
     def _ended(self, seq: Sequence, outcome: str) -> None:
         seq.done = True

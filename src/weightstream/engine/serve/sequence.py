@@ -58,6 +58,7 @@ class Sequence:
         self.generated: list[int] = []
         self.cancelled = False
         self.done = False
+        self.finish_reason: str | None = None
         self.arrived_s = time.perf_counter()
         self.token_times: list[float] = []
 
@@ -67,8 +68,9 @@ class Sequence:
         return len(self.prompt_ids) + self.params.max_tokens
 
     def cancel(self) -> None:
-        """Stop at the next step boundary (client gone); sends nothing more."""
-        self.cancelled = True
+        """Stop at the next step boundary (client gone); sends nothing more. No-op once finished."""
+        if not self.done:
+            self.cancelled = True
 
     def append(self, token: int) -> bool:
         """Take the next token, send the text it adds; True when the sequence is finished."""
@@ -88,7 +90,7 @@ class Sequence:
         if delta:
             self.emit(Delta(delta))
         self.emit(Finished(reason, len(self.prompt_ids), len(self.generated)))
-        self.done = True
+        self.finish_reason, self.done = reason, True
         return True
 
     def fail(self, message: str, status: int) -> None:
