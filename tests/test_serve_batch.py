@@ -114,20 +114,41 @@ def test_alone_the_scheduler_gives_generates_logits_bitwise(tiny_model):
 
 
 def test_kv_budget_makes_requests_wait_and_all_finish(tiny_model):
-    """A budget for two padded rows of the longest reservation: never more than two run, nobody is lost."""
+    """A budget for two padded rows of the longest reservation: the batch's KV bytes never exceed it, never more
+    than two sequences run, and every request finishes with its solo tokens."""
+    from transformers.cache_utils import DynamicCache
+
     model_dir = tiny_model("qwen3_moe")
     model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
     tokenizer = load_tokenizer(model_dir, required=True)
-    longest = max(len(p) for p in PROMPTS) + NEW
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
+    per_token = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    budget = 2 * (max(len(p) for p in PROMPTS) + NEW) * per_token
+    peak = []
+    sched = Scheduler(model, 8, budget, per_token)
+
+    class Watch(Steps):
+        def decoded(self, batch, seconds):
+            super().decoded(batch, seconds)
+            peak.append(sched.batch.kv_bytes())
+
+    sched.observer = Watch()
     try:
         alone = [solo_greedy(model, p)[0] for p in PROMPTS]
-        tokens, _, batches = run(model, tokenizer, PROMPTS, kv_budget=2 * longest * 1024 + 1023)
-        sched = Scheduler(model, 8, 2 * longest * 1024, 1024)
+        seqs = [Sequence(p, SamplingParams(NEW, 0.0), tokenizer, frozenset(), lambda e: None) for p in PROMPTS]
+        sched.start()
+        for seq in seqs:
+            sched.submit(seq)
+        _wait(lambda: all(s.done for s in seqs))
         with pytest.raises(Refused, match="larger --kv-cache"):
-            sched.check_fits(2 * longest + 1)
+            sched.check_fits(budget // per_token + 1)
     finally:
+        sched.stop()
         model.weightstream.close()
-    assert tokens == alone and max(batches) == 2
+    assert [s.generated for s in seqs] == alone
+    assert max(sched.observer.batches) == 2 and 0 < max(peak) <= budget
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_model):

@@ -238,6 +238,7 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(server):
         ("/v1/completions", {"model": NAME, "prompt": [99999]}, None, 400, "token ids must be in 0..511", None),
         ("/v1/completions", {"model": NAME, "prompt": "Hi"}, "sk-wrong", 401, "wrong API key", "invalid_api_key"),
         ("/v1/completions", {"model": NAME, "prompt": "Hi"}, "", 401, "wrong API key", "invalid_api_key"),
+        ("/v1/completions", {"model": NAME, "prompt": "x" * (17 * 2**20)}, None, 413, "exceeds 16 MiB", None),
     ]
     for path, body, key, status, message, code in cases:
         got_status, error = bad(server, path, body, KEY if key is None else key)

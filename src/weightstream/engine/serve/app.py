@@ -32,6 +32,7 @@ from weightstream.engine.serve.sequence import Delta, Failed, Finished
 from weightstream.engine.serve.service import ModelService
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody receives it, the metrics count it
+MAX_BODY_BYTES = 16 * 2**20  # far above any prompt a context holds; a bigger body is refused before it is kept
 
 
 def build_app(service: ModelService, metrics: ServeMetrics) -> Starlette:
@@ -111,7 +112,7 @@ class _Api:
 
     async def _generate(self, request: Request, kind) -> Response:
         self._check(request)
-        body = parse_request(await request.body(), kind)
+        body = parse_request(await _read_body(request), kind)
         if body.model != self.service.model_name:
             raise ApiError(
                 404,
@@ -130,6 +131,17 @@ class _Api:
             stream = _stream(seq, events, reply, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _whole(request, seq, events, reply)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_BODY_BYTES whether or not Content-Length says so."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES // 2**20} MiB; send a shorter prompt")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
