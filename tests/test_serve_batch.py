@@ -251,3 +251,53 @@ def test_scheduler_threads_end(tiny_model):
     sched.stop()
     model.weightstream.close()
     assert not any(t.name in ("ws-scheduler",) or t.name.startswith("ws-io-") for t in threading.enumerate())
+
+
+def test_batched_replay_gives_each_sequence_its_own_part_of_the_trace(tiny_model):
+    """Three sequences decoding together replay trace requests 0, 1, 0 from their starts, token after token."""
+    from weightstream.engine.routing import BatchRoutingReplay, per_token_choices
+
+    from _real_traces import mixtral
+
+    trace = mixtral(("gsm8k_2_routing.jsonl",))
+    model_dir = tiny_model("mixtral")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    runtime = model.weightstream
+    replay = BatchRoutingReplay(trace, runtime.layout)
+    seen: dict[int, list] = {}
+
+    class Capture:
+        def begin_step(self, seq_ids, tokens, phase):
+            self.owners = [s for s, n in zip(seq_ids, tokens) for _ in range(n)]
+
+        def __call__(self, layer, top_k_index, top_k_weights):
+            if layer == runtime.layout.layers[0]:
+                for owner, row in zip(self.owners, top_k_index.tolist()):
+                    seen.setdefault(owner, []).append(row)
+
+        def end_step(self, seconds):
+            pass
+
+        def end_sequence(self, seq_id):
+            pass
+
+    capture = Capture()
+    runtime.routing_override, runtime.routing_observer = replay, capture
+    sched = Scheduler(model, 8, 1 << 30, 1024, hooks=[replay, capture], observer=Steps())
+    seqs = [Sequence(p, SamplingParams(10, 0.0), tokenizer, frozenset(), lambda e: None) for p in PROMPTS[:3]]
+    try:
+        sched.start()
+        for seq in seqs:
+            sched.submit(seq)
+        _wait(lambda: all(s.done for s in seqs))
+    finally:
+        sched.stop()
+        model.weightstream.close()
+    assert max(sched.observer.batches) > 1
+    choices = per_token_choices(trace)[:, 0]  # (tokens, top-k) at the first routed layer
+    for seq, request in zip(seqs, (0, 1, 0)):
+        start = replay.request_starts[request]
+        n = len(seq.prompt_ids) + len(seq.generated) - 1  # the last token is sampled, never run
+        assert seen[seq.id] == choices[start : start + n].tolist()
+    assert replay.cursors == {}  # every sequence's cursor was dropped when it ended

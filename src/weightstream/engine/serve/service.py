@@ -4,6 +4,7 @@ validated request into a Sequence (prompt tokens, max_tokens against the context
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -45,6 +46,29 @@ class ServeSettings:
             raise WeightstreamError(f"--shutdown-grace {self.shutdown_grace_s}: must be 0 or more seconds")
         self.kv_budget_bytes = parse_size(self.kv_cache, "--kv-cache")
         self.model_name = self.model_name or os.path.basename(os.path.normpath(self.model_dir))
+
+
+# generation_config.json settings that `generate` applies even when greedy and serve does not: (field, neutral value)
+_IGNORED_SETTINGS = (
+    ("repetition_penalty", 1.0),
+    ("no_repeat_ngram_size", 0),
+    ("min_new_tokens", None),
+    ("bad_words_ids", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+    ("sequence_bias", None),
+)
+
+
+def _warn_ignored_generation_settings(config) -> None:
+    for name, neutral in _IGNORED_SETTINGS:
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None):
+            print(
+                f"weightstream serve: note: generation_config.json sets {name}={value!r}; serve applies only "
+                "temperature, top_p, stop and max_tokens, so its greedy output can differ from `generate`'s",
+                file=sys.stderr,
+            )
 
 
 class ModelService:
@@ -100,6 +124,7 @@ class ModelService:
             raise WeightstreamError(
                 f"{model.config.model_type}: its KV cache layers are not ones serve can batch; use --max-batch 1"
             )
+        _warn_ignored_generation_settings(model.generation_config)
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.recorder = StepRecorder(model.weightstream, s.step_log)
