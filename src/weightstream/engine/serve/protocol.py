@@ -22,9 +22,8 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
-        if self.status >= 500:
-            return "server_error"
-        return {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        # as OpenAI labels them: a wrong key or an unknown model is an invalid request too, told apart by `code`
+        return "server_error" if self.status >= 500 else "invalid_request_error"
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
