@@ -4,7 +4,7 @@ loader: builds the transformers model (experts on the meta device, dense weights
 source; experts: the experts implementation registered with transformers; runtime: per-model state (the
 source, routing hooks, counters); page_cache_source: experts through mmap (the baseline); generate: greedy
 generation with stats; routing: record and replay routing traces; predict: next-layer read-ahead guesses;
-prompts: prompt files and built-in prompts.
+prompts: prompt files and built-in prompts; serve/: `weightstream serve` (HTTP API, scheduler, batched decode).
 """
 
 EXPERT_SOURCES = ("expert-cache", "page-cache")  # weightstream's own O_DIRECT cache, or mmap and the page cache

@@ -80,14 +80,58 @@ class RoutingReplay:
         if layer == self.first_layer:
             self.cursor += self._last_tokens
             self._last_tokens = tokens
-        rows = (self.cursor + np.arange(tokens)) % len(self.choices)
-        chosen = torch.from_numpy(self.choices[rows, self.layer_pos[layer]])  # (T, k')
+        return self.replayed(self.cursor + np.arange(tokens), layer, top_k_index, top_k_weights)
+
+    def replayed(self, rows: np.ndarray, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """(index, weights) of trace tokens `rows` (wrapping at the trace's end) at model layer `layer`."""
+        chosen = torch.from_numpy(self.choices[rows % len(self.choices), self.layer_pos[layer]])  # (T, k')
         if (chosen < 0).any():
             raise WeightstreamError(
                 f"routing trace {self.name!r} has no choice for some token at layer {self.layer_pos[layer]}"
             )
         weights = torch.full(chosen.shape, 1.0 / chosen.shape[1], dtype=top_k_weights.dtype)
         return chosen.to(top_k_index.dtype), weights
+
+
+class BatchRoutingReplay:
+    """Routing override for batched steps (`weightstream serve`): each sequence replays the trace from its own cursor.
+
+    The n-th sequence to start begins at the first token of trace request n mod R and goes on token by token
+    (wrapping at the trace's end), so concurrent sequences replay different requests, as different users would,
+    and a sequence's routing does not depend on what it is batched with. Also a scheduler hook: `begin_step`
+    says which sequences own the step's rows, in row order.
+    """
+
+    def __init__(self, trace: Trace, layout: ModelLayout):
+        self.replay = RoutingReplay(trace, layout)
+        token_start = np.concatenate([[0], np.cumsum(trace.step_tokens)])
+        self.request_starts = [int(token_start[trace.first_step_of_request(r)]) for r in range(len(trace.requests))]
+        self.cursors: dict[int, int] = {}
+        self.started = 0
+        self.rows = np.zeros(0, dtype=np.int64)
+
+    def begin_step(self, seq_ids: list[int], tokens: list[int], phase: str) -> None:
+        rows = []
+        for seq_id, n in zip(seq_ids, tokens):
+            if seq_id not in self.cursors:
+                self.cursors[seq_id] = self.request_starts[self.started % len(self.request_starts)]
+                self.started += 1
+            rows.append(self.cursors[seq_id] + np.arange(n))
+            self.cursors[seq_id] += n
+        self.rows = np.concatenate(rows)
+
+    def end_step(self, seconds: float) -> None:
+        pass
+
+    def end_sequence(self, seq_id: int) -> None:
+        self.cursors.pop(seq_id, None)
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if len(self.rows) != top_k_index.shape[0]:
+            raise RuntimeError(
+                f"replay expected {len(self.rows)} tokens this step, the model ran {top_k_index.shape[0]}"
+            )
+        return self.replay.replayed(self.rows, layer, top_k_index, top_k_weights)
 
 
 def record_trace(

@@ -1,0 +1,262 @@
+"""`weightstream serve` under concurrent clients: aggregate decode tokens/s, time per output token, device bytes
+per token, and the expert union of batched steps, against the same requests sent one at a time in the same run.
+
+For each routing (the model's own; a replayed trace with --routing-trace) one server runs inside a memory cgroup
+(limit counts the page cache; default: model size / 2.75) after the model's pages are dropped. One warm-up
+request, then one phase per client count: the same --requests requests (distinct prompts, greedy, --max-tokens
+each), sent by that many concurrent streaming clients. Phase 1 is sequential serving. Per phase: aggregate tokens/s
+(completion tokens / wall span), p50/p95 time per output token (per request: (end - first token) / (tokens - 1)),
+block-device bytes read per generated token, and from the server's step log the decode steps' union ratio
+(distinct experts per layer / (batch x top-k)): at 1 a step reads what its tokens would read one by one. The ratio
+predicts bytes per token relative to sequential serving; the JSON puts the two side by side.
+
+Needs root for the cgroup and the page-cache drop (--no-cgroup runs without both, for a smoke test). Example:
+    weightstream synth --preset olmoe-1b-7b --layers 16 --out models/olmoe-16l
+    weightstream trace import --format moe-beyond-csv --model-shape deepseek-v2-lite -o ds.npz \\
+        $(ls ../shared/traces/deepseek-v2-lite-chat/prompt_*_data.csv | sort -t_ -k3 -n)
+    sudo .venv/bin/python benchmarks/serve_concurrency.py models/olmoe-16l --routing-trace ds.npz \\
+        --expert-cache 1.5x --clients 1,4,8 --requests 16 --max-tokens 64 -o docs/serve-olmoe16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from weightstream.bench.cgroup import MemoryCgroup
+from weightstream.bench.coldstart import drop_page_cache
+from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
+from weightstream.engine.prompts import BUILTIN_PROMPTS
+from weightstream.store.checkpoint import open_checkpoint
+from weightstream.units import parse_size
+
+MODEL = "bench"
+
+
+class Server:
+    """A `weightstream serve` child (in `cgroup` when given) with its step log; `stop()` sends SIGTERM."""
+
+    def __init__(self, args, routing_trace: str | None, cgroup: MemoryCgroup | None, step_log: str):
+        cmd = [sys.executable, "-m", "weightstream.cli", "serve", args.model_dir, "--port", "0"]
+        cmd += ["--served-model-name", MODEL, "--max-batch", str(max(args.clients)), "--kv-cache", args.kv_cache]
+        cmd += ["--expert-cache", args.expert_cache, "--io-threads", str(args.io_threads), "--step-log", step_log]
+        cmd += ["--routing-trace", routing_trace] if routing_trace else []
+        spawn = cgroup.popen if cgroup is not None else subprocess.Popen
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        self.url = self._wait_ready()
+
+    def _wait_ready(self) -> str:
+        url, deadline = None, time.monotonic() + 1800
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            match = url or re.search(r"listening on (http://\S+?);", "".join(self.lines))
+            url = url or (match.group(1) if match else None)
+            try:
+                if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not become ready:\n{''.join(self.lines)}")
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {name{labels}: value}."""
+        out = {}
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(120)
+
+
+def request(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy completion: start, first-token and end times, tokens (from the usage chunk)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    start, first, tokens, error = time.perf_counter(), None, 0, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            error = error or chunk.get("error")
+            first = first or (time.perf_counter() if chunk.get("choices") else None)
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    return {"start": start, "first": first, "end": time.perf_counter(), "tokens": tokens, "error": error}
+
+
+def phase(server: Server, prompts: list[str], clients: int, max_tokens: int, device: str) -> dict:
+    """All `prompts`, `clients` at a time; what the clients, the device and the server measured meanwhile."""
+    todo: queue.Queue[str] = queue.Queue()
+    for p in prompts:
+        todo.put(p)
+    results: list[dict] = []
+
+    def client() -> None:
+        while True:
+            try:
+                prompt = todo.get_nowait()
+            except queue.Empty:
+                return
+            results.append(request(server.url, prompt, max_tokens))
+
+    before, dev0, t0 = server.metrics(), device_bytes_read(device), time.time()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after, dev1, t1 = server.metrics(), device_bytes_read(device), time.time()
+    return summarize(results, clients, before, after, (dev0, dev1), (t0, t1))
+
+
+def summarize(results, clients, before, after, device, window) -> dict:
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    tokens = sum(r["tokens"] for r in results)
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tpot = sorted((r["end"] - r["first"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1 and r["first"])
+    choices = delta("weightstream_decode_expert_choices_total")
+    device_bytes = device[1] - device[0] if None not in device else None
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": [r["error"] for r in results if r["error"]],
+        "completion_tokens": tokens,
+        "wall_s": span,
+        "aggregate_tokens_per_s": tokens / span,
+        "tpot_p50_s": statistics.median(tpot) if tpot else None,
+        "tpot_p95_s": tpot[min(len(tpot) - 1, int(0.95 * len(tpot)))] if tpot else None,
+        "decode_steps": delta("weightstream_decode_steps_total"),
+        "mean_batch": delta("weightstream_decode_batch_size_sum")
+        / max(delta("weightstream_decode_batch_size_count"), 1),
+        "union_ratio": delta("weightstream_decode_distinct_experts_total") / choices if choices else None,
+        "device_bytes_per_token": device_bytes / tokens if device_bytes is not None else None,
+        "cache_bytes_read_per_token": delta("weightstream_device_read_bytes_total") / tokens,
+        "window": window,
+    }
+
+
+def union_by_batch(step_log: str, window: tuple[float, float]) -> dict[int, dict]:
+    """Decode steps of the window grouped by batch size: steps, mean union ratio, bytes read per token."""
+    groups: dict[int, list[dict]] = {}
+    with open(step_log, encoding="utf-8") as f:
+        for line in f:
+            step = json.loads(line)
+            if step["phase"] == "decode" and window[0] <= step["t"] <= window[1]:
+                groups.setdefault(step["batch"], []).append(step)
+    return {
+        b: {
+            "steps": len(steps),
+            "union_ratio": statistics.fmean(s["union_ratio"] for s in steps),
+            "distinct_per_layer": statistics.fmean(statistics.fmean(s["distinct_per_layer"]) for s in steps),
+            "batch_x_top_k": statistics.fmean(s["choices_per_layer"][0] for s in steps),
+            "bytes_read_per_token": sum(s["bytes_read"] for s in steps) / (b * len(steps)),
+        }
+        for b, steps in sorted(groups.items())
+    }
+
+
+def run_routing(args, routing_trace: str | None, files: list[str], device: str) -> dict:
+    """One server, one warm-up request, then a phase per client count."""
+    prompts = [f"Request {i}: {BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]}" for i in range(args.requests)]
+    cold = drop_page_cache(files) if args.cgroup else None
+    cgroup = MemoryCgroup.create(args.memory_limit) if args.cgroup else None
+    step_log = tempfile.NamedTemporaryFile(prefix="serve-steps-", suffix=".jsonl", delete=False).name
+    try:
+        server = Server(args, routing_trace, cgroup, step_log)
+        try:
+            request(server.url, "warm-up", 4)  # first-call costs (JIT, allocator) stay out of the phases
+            phases = [phase(server, prompts, c, args.max_tokens, device) for c in args.clients]
+        finally:
+            rc = server.stop()
+        for p in phases:
+            p["by_batch"] = union_by_batch(step_log, tuple(p.pop("window")))
+        return {
+            "routing": routing_trace or "model",
+            "system_page_cache_dropped": cold,
+            "peak_memory_bytes": cgroup.peak_bytes if cgroup else None,
+            "server_exit": rc,
+            "phases": phases,
+            "vs_sequential": versus_sequential(phases),
+        }
+    finally:
+        os.unlink(step_log)
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def versus_sequential(phases: list[dict]) -> list[dict]:
+    """Each phase against the 1-client phase: speed-up, and bytes per token measured vs predicted by the union.
+
+    Two byte counts: the block device's (everything the disk read, meaningful on a quiet machine) and the expert
+    cache's own (exactly the expert reads).
+    """
+    base = next((p for p in phases if p["clients"] == 1), None)
+    if base is None:
+        return []
+    ratio = lambda p, key: p[key] / base[key] if p[key] is not None and base[key] else None  # noqa: E731
+    return [
+        {
+            "clients": p["clients"],
+            "speedup": ratio(p, "aggregate_tokens_per_s"),
+            "device_bytes_per_token_ratio": ratio(p, "device_bytes_per_token"),
+            "expert_bytes_per_token_ratio": ratio(p, "cache_bytes_read_per_token"),
+            "union_ratio_predicts": ratio(p, "union_ratio"),
+        }
+        for p in phases
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--routing-trace", help="also run with this trace's routing replayed (a .npz)")
+    ap.add_argument("--clients", default="1,4,8", help="client counts, one phase each; 1 = sequential (default 1,4,8)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per phase (default 16)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("--expert-cache", default="1.5x")
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--kv-cache", default="512MiB")
+    ap.add_argument("--memory-limit", help="cgroup limit (default: model bytes / 2.75)")
+    ap.add_argument("--no-cgroup", dest="cgroup", action="store_false", help="no cgroup, no cache drop (smoke test)")
+    ap.add_argument("-o", "--out", help="also write the JSON here")
+    args = ap.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    ckpt = open_checkpoint(args.model_dir)
+    args.memory_limit = parse_size(args.memory_limit) if args.memory_limit else int(ckpt.total_bytes() / 2.75)
+    device = block_device_of(args.model_dir)
+    routings = [None] + ([args.routing_trace] if args.routing_trace else [])
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": machine_info(device),
+        "model": args.model_dir,
+        "model_bytes": ckpt.total_bytes(),
+        "memory_limit_bytes": args.memory_limit if args.cgroup else None,
+        "runs": [run_routing(args, r, ckpt.files, device) for r in routings],
+    }
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

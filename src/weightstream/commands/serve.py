@@ -1,0 +1,99 @@
+"""`weightstream serve`: an OpenAI-compatible HTTP server over the streaming engine, with batched decode."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from weightstream.commands.common import add_engine_options, engine_kwargs
+from weightstream.errors import WeightstreamError
+
+API_KEY_ENV = "WEIGHTSTREAM_API_KEY"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API, decoding concurrent requests together",
+        description="Serve a Mixture-of-Experts checkpoint with experts streamed from disk: POST /v1/completions and "
+        "/v1/chat/completions (streaming or not), GET /v1/models, /health and /metrics (Prometheus). "
+        "Concurrent requests decode together, one forward per step, so each layer reads the union of the "
+        "batch's experts once. Greedy output (temperature 0) equals `weightstream generate`.",
+        epilog="examples:\n  weightstream serve models/olmoe-4l --expert-cache 2x --port 8000\n"
+        "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+        '       -d \'{"model": "olmoe-4l", "prompt": "Hello", "max_tokens": 16, "temperature": 0}\'',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)",
+    )
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="the model name clients send (default: the directory's name)"
+    )
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length: prompt + max_tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--kv-cache",
+        default="1GiB",
+        metavar="SIZE",
+        help="KV cache budget of the running batch; requests that would exceed it wait (default 1GiB)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, time requests in flight get to finish before they are ended (default 10)",
+    )
+    p.add_argument(
+        "--routing-trace",
+        metavar="TRACE.npz",
+        help="benchmarks: replay this routing trace instead of the router (each request replays its own part of "
+        "it); reads and compute are real, the text is meaningless",
+    )
+    p.add_argument("--step-log", metavar="FILE.jsonl", help="append one JSON line per forward step (benchmarks)")
+    p.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="uvicorn's log level"
+    )
+    add_engine_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from weightstream.engine.loader import resolve_model
+    from weightstream.engine.serve.server import serve
+    from weightstream.engine.serve.service import ServeSettings
+
+    if not 0 <= args.port <= 65535:
+        raise WeightstreamError(f"--port {args.port}: must be 0..65535")
+    model_dir = resolve_model(args.model)
+    settings = ServeSettings(
+        model_dir=model_dir,
+        engine=engine_kwargs(args),
+        model_name=args.served_model_name or _default_name(args.model),
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        kv_cache=args.kv_cache,
+        api_key=args.api_key or None,
+        shutdown_grace_s=args.shutdown_grace,
+        routing_trace=args.routing_trace,
+        step_log=args.step_log,
+    )
+    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _default_name(model: str) -> str:
+    """A directory's name, or the Hugging Face id as given."""
+    return model if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))

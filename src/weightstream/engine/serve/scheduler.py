@@ -1,0 +1,204 @@
+"""One thread owns the model: each step it admits waiting requests (a prefill each, alone), then decodes every
+running sequence in one forward, so each MoE layer looks up the union of the batch's experts once per step.
+
+Admission is first come, first served, bounded by `max_batch` rows and by the KV budget: a padded batch of B rows
+whose longest sequence may reach N positions holds at most B x N x (KV bytes per position), and a request joins
+only when that bound, counted with its own reservation (prompt + max_tokens), stays within the budget. Requests
+that do not fit wait; one that could never fit is refused before it is queued (`check_fits`).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections import deque
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from weightstream.engine.serve.batch import DecodeBatch
+from weightstream.engine.serve.sequence import Sequence
+
+
+class Refused(Exception):
+    """A request the scheduler will not take: `status` is the HTTP status, the message says what to do."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class Scheduler:
+    """Runs submitted sequences to completion on `model`; `hooks` see each step (routing replay, step records)."""
+
+    def __init__(self, model, max_batch: int, kv_budget_bytes: int, kv_bytes_per_token: int, hooks=(), observer=None):
+        self.model, self.max_batch = model, max_batch
+        self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
+        self.hooks, self.observer = list(hooks), observer
+        self.batch = DecodeBatch()
+        self.kv_bytes = 0  # the batch's KV bytes after the last step (read by metrics from other threads)
+        self.waiting: deque[Sequence] = deque()
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self.accepting = True
+        self.drain_deadline: float | None = None
+        self._thread = threading.Thread(target=self._run, name="ws-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return len(self.batch)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + self._inbox.qsize()
+
+    def check_fits(self, kv_tokens: int) -> None:
+        """Refuse (400) a request whose own KV reservation exceeds the whole budget: it could never run."""
+        need = kv_tokens * self.kv_bytes_per_token
+        if need > self.kv_budget_bytes:
+            mib = 2**20
+            raise Refused(
+                f"prompt + max_tokens = {kv_tokens} tokens need {need / mib:.1f} MiB of KV cache; this server's KV "
+                f"budget is {self.kv_budget_bytes / mib:.1f} MiB ({self.kv_budget_bytes // self.kv_bytes_per_token} "
+                "tokens): ask for fewer max_tokens or a shorter prompt, or start the server with a larger --kv-cache",
+                400,
+            )
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; its events arrive through its emit callback. Thread-safe."""
+        if not self.accepting:
+            raise Refused("the server is shutting down; retry on another instance", 503)
+        self.check_fits(seq.kv_tokens)
+        self._inbox.put(seq)
+        self._wake.set()
+
+    def drain(self, grace_s: float) -> None:
+        """Take no new requests; those in flight may finish within `grace_s`, then they are failed (503)."""
+        self.accepting = False
+        self.drain_deadline = time.monotonic() + grace_s
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the thread; whatever is still queued or running is failed (503)."""
+        self.accepting, self._stop = False, True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._fail_all("the server stopped before this request finished")
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._take_arrivals()
+            self._drop_cancelled()
+            if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                self._fail_all("the server is shutting down; this request did not finish within the shutdown grace")
+            self._admit()
+            if self.batch.seqs:
+                self._guarded(self.batch.seqs, self._decode_step)
+            else:  # idle: a submit wakes us; the timeout only bounds how late a drain deadline is noticed
+                self._wake.wait(0.05)
+                self._wake.clear()
+            self.kv_bytes = self.batch.kv_bytes()
+
+    def _take_arrivals(self) -> None:
+        while True:
+            try:
+                self.waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._ended(seq, "cancelled")
+        gone = {s.id for s in self.batch.seqs if s.cancelled}
+        for seq in [s for s in self.batch.seqs if s.id in gone]:
+            self._ended(seq, "cancelled")
+        self.batch.leave(gone)
+
+    def _fits(self, seq: Sequence) -> bool:
+        rows = len(self.batch) + 1
+        longest = max([s.kv_tokens for s in self.batch.seqs] + [seq.kv_tokens])
+        return rows <= self.max_batch and rows * longest * self.kv_bytes_per_token <= self.kv_budget_bytes
+
+    def _admit(self) -> None:
+        while self.waiting and not self._stop and self._fits(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self._guarded([seq], self._prefill, seq)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """The prompt alone through the model, as `generate` runs it; the sequence then joins the batch."""
+        cache = DynamicCache(config=self.model.config)
+        n = len(seq.prompt_ids)
+        inputs = {
+            "input_ids": torch.tensor([seq.prompt_ids]),
+            "attention_mask": torch.ones(1, n, dtype=torch.long),
+            "position_ids": torch.arange(n).unsqueeze(0),
+            "cache": cache,
+        }
+        start = time.perf_counter()
+        logits = self._forward(inputs, [seq.id], [n], "prefill")
+        if self.observer is not None:
+            self.observer.prefilled(n, time.perf_counter() - start)
+        if seq.append(seq.sampler(logits[0])):
+            self._ended(seq, "finished")
+        else:
+            self.batch.join(seq, cache)
+
+    def _decode_step(self) -> None:
+        seqs = list(self.batch.seqs)
+        start = time.perf_counter()
+        logits = self._forward(self.batch.step_inputs(), [s.id for s in seqs], [1] * len(seqs), "decode")
+        if self.observer is not None:
+            self.observer.decoded(len(seqs), time.perf_counter() - start)
+        gone = set()
+        for row, seq in enumerate(seqs):
+            cancelled = seq.cancelled  # read once: a client may go away while this loop runs
+            if cancelled or seq.append(seq.sampler(logits[row])):
+                gone.add(seq.id)
+                self._ended(seq, "cancelled" if cancelled else "finished")
+        self.batch.leave(gone)
+
+    def _forward(self, inputs: dict, seq_ids: list[int], tokens: list[int], phase: str) -> torch.Tensor:
+        """(rows, V) fp32 logits of each row's last position."""
+        for hook in self.hooks:
+            hook.begin_step(seq_ids, tokens, phase)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        for hook in self.hooks:
+            hook.end_step(time.perf_counter() - start)
+        return out.logits[:, -1, :].float()
+
+    def _guarded(self, seqs: list[Sequence], step, *args) -> None:
+        """Run a step; if the engine fails, fail the step's sequences (500) and keep serving the rest."""
+        try:
+            step(*args)
+        except Exception as exc:  # an I/O error in an expert read, a bug: the requests get it, the server lives
+            print(f"weightstream serve: step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            for seq in list(seqs):
+                if not seq.done:
+                    seq.fail(f"the engine failed on this request: {type(exc).__name__}: {exc}", 500)
+                    self._ended(seq, "failed")
+            self.batch.leave({s.id for s in seqs})
+
+    def _fail_all(self, message: str) -> None:
+        self._take_arrivals()
+        for seq in list(self.waiting) + list(self.batch.seqs):
+            seq.fail(message, 503)
+            self._ended(seq, "shutdown")
+        self.waiting.clear()
+        self.batch.leave({s.id for s in self.batch.seqs})
+
+    def _ended(self, seq: Sequence, outcome: str) -> None:
+        seq.done = True
+        for hook in self.hooks:
+            hook.end_sequence(seq.id)
+        if self.observer is not None:
+            self.observer.ended(seq, outcome)

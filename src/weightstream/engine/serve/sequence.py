@@ -1,0 +1,102 @@
+"""One request's generation: its prompt, sampler, tokens so far, and the events it sends to whoever waits on it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weightstream.engine.serve.sampling import Sampler, SamplingParams
+from weightstream.engine.serve.text import TextTail
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """New text of the answer (may be empty: the first token can decode to nothing yet)."""
+
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """The answer is complete: `reason` is OpenAI's finish_reason ("stop" or "length")."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    """The answer cannot be completed (server shutting down, engine error); `status` is the HTTP status to report."""
+
+    message: str
+    status: int
+
+
+Event = Delta | Finished | Failed
+
+
+class Sequence:
+    """A request as the scheduler runs it. `cancel()` may be called from any thread; the rest is the scheduler's."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        eos_ids: frozenset[int],
+        emit: Callable[[Event], None],
+    ):
+        self.id = next(_ids)
+        self.prompt_ids, self.params, self.eos_ids, self._emit = prompt_ids, params, eos_ids, emit
+        self.sampler = Sampler(params)
+        self.tail = TextTail(tokenizer, params.stop)
+        self.generated: list[int] = []
+        self.cancelled = False
+        self.done = False
+        self.finish_reason: str | None = None
+        self.arrived_s = time.perf_counter()
+        self.token_times: list[float] = []
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cache positions this sequence may reach: what its admission reserves."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary (client gone); sends nothing more. No-op once finished."""
+        if not self.done:
+            self.cancelled = True
+
+    def append(self, token: int) -> bool:
+        """Take the next token, send the text it adds; True when the sequence is finished."""
+        self.generated.append(token)
+        self.token_times.append(time.perf_counter())
+        delta, stopped = self.tail.push(self.generated)
+        if token in self.eos_ids or stopped:
+            return self.finish("stop", delta)
+        if len(self.generated) >= self.params.max_tokens:
+            return self.finish("length", delta)
+        if delta:
+            self.emit(Delta(delta))
+        return False
+
+    def finish(self, reason: str, delta: str = "") -> bool:
+        delta += self.tail.finish()
+        if delta:
+            self.emit(Delta(delta))
+        self.emit(Finished(reason, len(self.prompt_ids), len(self.generated)))
+        self.finish_reason, self.done = reason, True
+        return True
+
+    def fail(self, message: str, status: int) -> None:
+        self.emit(Failed(message, status))
+        self.done = True
+
+    def emit(self, event: Event) -> None:
+        if not self.cancelled:
+            self._emit(event)

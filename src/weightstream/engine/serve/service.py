@@ -1,0 +1,250 @@
+"""The served model: loading (in the background, so /health can say "loading"), the scheduler, and turning a
+validated request into a Sequence (prompt tokens, max_tokens against the context and the KV budget)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from weightstream.engine.serve.batch import batchable
+from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, message_dicts
+from weightstream.engine.serve.sampling import SamplingParams
+from weightstream.engine.serve.scheduler import Refused, Scheduler
+from weightstream.engine.serve.sequence import Sequence
+from weightstream.engine.serve.steps import StepRecorder
+from weightstream.errors import WeightstreamError
+from weightstream.units import parse_size
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    """What `weightstream serve` was asked to serve, and how."""
+
+    model_dir: str
+    engine: dict = field(default_factory=dict)  # load_streaming_model keyword arguments
+    model_name: str | None = None  # the name clients send as `model` (default: the directory's name)
+    max_batch: int = 8
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache: str = "1GiB"
+    api_key: str | None = None
+    shutdown_grace_s: float = 10.0
+    routing_trace: str | None = None  # replay this trace's routing (benchmarks; the text is then meaningless)
+    step_log: str | None = None  # one JSON line per forward step
+    kv_budget_bytes: int = 0
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise WeightstreamError(f"--max-batch {self.max_batch}: must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise WeightstreamError(f"--max-model-len {self.max_model_len}: must be at least 2 (a prompt and a token)")
+        if self.shutdown_grace_s < 0:
+            raise WeightstreamError(f"--shutdown-grace {self.shutdown_grace_s}: must be 0 or more seconds")
+        self.kv_budget_bytes = parse_size(self.kv_cache, "--kv-cache")
+        self.model_name = self.model_name or os.path.basename(os.path.normpath(self.model_dir))
+
+
+# generation_config.json settings that `generate` applies even when greedy and serve does not: (field, neutral value)
+_IGNORED_SETTINGS = (
+    ("repetition_penalty", 1.0),
+    ("no_repeat_ngram_size", 0),
+    ("min_new_tokens", None),
+    ("bad_words_ids", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+    ("sequence_bias", None),
+)
+
+
+def _warn_ignored_generation_settings(config) -> None:
+    for name, neutral in _IGNORED_SETTINGS:
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None):
+            print(
+                f"weightstream serve: note: generation_config.json sets {name}={value!r}; serve applies only "
+                "temperature, top_p, stop and max_tokens, so its greedy output can differ from `generate`'s",
+                file=sys.stderr,
+            )
+
+
+class ModelService:
+    """Owns the model once loaded: `ready` after the warm-up step; `close()` stops the scheduler and I/O threads."""
+
+    def __init__(self, settings: ServeSettings, observer=None, on_load_error=lambda: None):
+        self.settings, self.observer, self.on_load_error = settings, observer, on_load_error
+        self.on_ready = lambda: None
+        self.model = self.tokenizer = self.scheduler = self.recorder = None
+        self.ready, self.error, self.closed = False, None, False
+        self.max_model_len = self.kv_bytes_per_token = 0
+        self.eos_ids: frozenset[int] = frozenset()
+        self._loader = threading.Thread(target=self._load_or_report, name="ws-load", daemon=True)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    def start_loading(self) -> None:
+        self._loader.start()
+
+    def load(self) -> None:
+        """Load tokenizer and model, measure KV bytes per position with one warm-up step, start the scheduler."""
+        from weightstream.engine.loader import load_streaming_model, load_tokenizer
+
+        s = self.settings
+        self.tokenizer = load_tokenizer(s.model_dir, required=False)
+        if self.tokenizer is None:
+            raise WeightstreamError(f"{s.model_dir}: no usable tokenizer; serve needs the checkpoint's tokenizer files")
+        self.model = load_streaming_model(s.model_dir, **s.engine)
+        try:
+            self._configure()
+        except BaseException:
+            self.model.weightstream.close()
+            self.model = None
+            raise
+        self.ready = True
+        self.on_ready()
+
+    def _configure(self) -> None:
+        s, model = self.settings, self.model
+        limit = model.config.get_text_config().max_position_embeddings
+        if s.max_model_len is not None and s.max_model_len > limit:
+            raise WeightstreamError(f"--max-model-len {s.max_model_len}: this model's positions end at {limit}")
+        self.max_model_len = s.max_model_len or limit
+        self.kv_bytes_per_token = self._warm_up()
+        if s.kv_budget_bytes < 2 * self.kv_bytes_per_token:
+            raise WeightstreamError(
+                f"--kv-cache {s.kv_cache}: holds fewer than 2 positions of this model's KV cache "
+                f"({self.kv_bytes_per_token} bytes each); give at least {2 * self.kv_bytes_per_token} bytes"
+            )
+        if s.max_batch > 1 and not batchable(model.config):
+            raise WeightstreamError(
+                f"{model.config.model_type}: its KV cache layers are not ones serve can batch; use --max-batch 1"
+            )
+        _warn_ignored_generation_settings(model.generation_config)
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.recorder = StepRecorder(model.weightstream, s.step_log)
+        model.weightstream.routing_observer = self.recorder
+        hooks = [self._replay(), self.recorder] if s.routing_trace else [self.recorder]
+        self.scheduler = Scheduler(model, s.max_batch, s.kv_budget_bytes, self.kv_bytes_per_token, hooks, self.observer)
+        self.scheduler.start()
+
+    def _warm_up(self) -> int:
+        """Run one position through the model (it proves the model runs); KV bytes that position took."""
+        cache = DynamicCache(config=self.model.config)
+        token = self.tokenizer.bos_token_id or 0
+        with torch.inference_mode():
+            self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1)
+        return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+    def _replay(self):
+        from weightstream.engine.routing import BatchRoutingReplay
+        from weightstream.trace import load
+
+        replay = BatchRoutingReplay(load(self.settings.routing_trace), self.model.weightstream.layout)
+        self.model.weightstream.routing_override = replay
+        return replay
+
+    def _load_or_report(self) -> None:
+        try:
+            self.load()
+        except BaseException as exc:  # the server must exit and say why; the CLI prints it as one line
+            self.error = exc
+            self.on_load_error()
+
+    def close(self) -> None:
+        """Fail what is in flight, stop the scheduler, then the expert cache's I/O threads. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._loader.is_alive():
+            self._loader.join()  # a load cannot be interrupted; what it built is closed below
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+        if self.model is not None:
+            self.model.weightstream.close()
+        self.ready = False
+
+    # --- requests ---
+
+    def prompt_ids(self, request: ChatRequest | CompletionRequest) -> list[int]:
+        """The prompt's token ids: chat messages through the checkpoint's chat template, or the completion prompt."""
+        if isinstance(request, ChatRequest):
+            return self._chat_ids(request)
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: {len(prompt)} prompts given; send one prompt per request", "prompt")
+            prompt = prompt[0]
+        return self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+
+    def _chat_ids(self, request: ChatRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ApiError(
+                400,
+                f"model {self.model_name!r} has no chat template (no chat_template in its tokenizer_config.json or "
+                "chat_template.jinja), so messages cannot be rendered; use /v1/completions with a prompt, or add "
+                "the model's chat template to the checkpoint",
+                "messages",
+                "chat_template_missing",
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                message_dicts(request), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template's own checks (roles must alternate, ...) raise here
+            raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def sequence(self, request, ids: list[int], emit) -> Sequence:
+        """A Sequence for `ids`, or a 400 when the prompt or max_tokens do not fit the context or the KV budget."""
+        vocab = self.model.config.get_text_config().vocab_size
+        if not ids:
+            raise ApiError(400, "prompt: it is empty (0 tokens); send at least one token", "prompt")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ApiError(400, f"prompt: token ids must be in 0..{vocab - 1} for this model", "prompt")
+        max_tokens = self._max_tokens(request, len(ids))
+        try:
+            self.scheduler.check_fits(len(ids) + max_tokens)
+        except Refused as exc:
+            raise ApiError(exc.status, str(exc), "max_tokens") from None
+        params = SamplingParams(max_tokens, request.temperature, request.top_p, request.seed, request.stop_strings())
+        return Sequence(ids, params, self.tokenizer, self.eos_ids, emit)
+
+    def _max_tokens(self, request, n: int) -> int:
+        room = self.max_model_len - n
+        if room < 1:
+            raise ApiError(
+                400,
+                f"prompt: {n} tokens; this server's context is {self.max_model_len} tokens (--max-model-len), "
+                "which leaves no room for an answer; shorten the prompt",
+                "prompt",
+                "context_length_exceeded",
+            )
+        explicit = getattr(request, "max_completion_tokens", None) or (
+            request.max_tokens if "max_tokens" in request.model_fields_set else None
+        )
+        if explicit is None:  # as much as the context and a lone request's KV budget allow, or the endpoint's default
+            room_in_budget = self.settings.kv_budget_bytes // self.kv_bytes_per_token - n
+            return max(1, min(room, room_in_budget, request.max_tokens or room))
+        if explicit > room:
+            raise ApiError(
+                400,
+                f"max_tokens: {explicit} new tokens after a {n}-token prompt exceed this server's context of "
+                f"{self.max_model_len} tokens; ask for at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return explicit
+
+    def submit(self, seq: Sequence) -> None:
+        try:
+            self.scheduler.submit(seq)
+        except Refused as exc:
+            raise ApiError(exc.status, str(exc)) from None

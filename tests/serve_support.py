@@ -1,0 +1,87 @@
+"""A real `weightstream serve` process for tests: started on a free port, its stderr collected, stopped by signal."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+READY_TIMEOUT_S = 180
+
+
+class ServerProcess:
+    """`weightstream serve MODEL_DIR --port 0 ARGS...`; `url` once it listens, `wait_ready()` until /health is ok."""
+
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None):
+        cmd = [sys.executable, "-m", "weightstream.cli", "serve", model_dir, "--port", "0", *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = self._wait_for_url()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def _wait_for_url(self) -> str | None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on (http://\S+?);", self.stderr)
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                return None
+            time.sleep(0.05)
+        raise AssertionError(f"server did not start listening:\n{self.stderr}")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.stderr}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server never became ready:\n{self.stderr}")
+
+    def signal(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Send `sig`; the exit status once the process has ended."""
+        self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text (0 when absent), e.g. metric(t, 'x_total', 'outcome="stop"')."""
+    pattern = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$"
+    match = re.search(pattern, text, flags=re.M)
+    return float(match.group(1)) if match else 0.0

@@ -1,0 +1,303 @@
+"""The serving scheduler in process: batched greedy decode gives each request the tokens it gets alone (and alone,
+the logits `generate` gives, bitwise); the KV budget makes requests wait; seeded sampling ignores the batch."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from weightstream.engine.loader import load_streaming_model, load_tokenizer
+from weightstream.engine.serve.batch import DecodeBatch
+from weightstream.engine.serve.sampling import SamplingParams
+from weightstream.engine.serve.scheduler import Refused, Scheduler
+from weightstream.engine.serve.sequence import Finished, Sequence
+from weightstream.engine.serve.text import TextTail
+
+PROMPTS = [
+    [3, 17, 101, 250, 7, 42, 311, 5],
+    [9, 8, 7],
+    [100, 200, 300, 400, 11],
+    [5, 6],
+    [44],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+]
+NEW = 14
+
+
+class Steps:
+    """Scheduler observer: the batch size of every decode step."""
+
+    def __init__(self):
+        self.batches = []
+
+    def prefilled(self, tokens, seconds):
+        pass
+
+    def decoded(self, batch, seconds):
+        self.batches.append(batch)
+
+    def ended(self, seq, outcome):
+        pass
+
+
+def solo_greedy(model, prompt, new=NEW):
+    """generate's greedy tokens and per-step logits, EOS ignored."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
+
+
+def run(model, tokenizer, prompts, max_batch=8, params=None, kv_budget=1 << 30, kv_per_token=1024, record_logits=False):
+    """Submit `prompts` a few ms apart (so they join a running batch at different steps); (tokens, logits, steps)."""
+    steps = Steps()
+    sched = Scheduler(model, max_batch, kv_budget, kv_per_token, observer=steps)
+    sched.start()
+    seqs, logits = [], []
+    for prompt in prompts:
+        seq = Sequence(prompt, params or SamplingParams(NEW, temperature=0.0), tokenizer, frozenset(), lambda e: None)
+        if record_logits:
+            rows, sample = [], seq.sampler
+            seq.sampler = lambda x, rows=rows, sample=sample: rows.append(x.clone()) or sample(x)
+            logits.append(rows)
+        seqs.append(seq)
+        sched.submit(seq)
+        time.sleep(0.005)
+    deadline = time.monotonic() + 120
+    while not all(s.done for s in seqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.stop()
+    assert all(s.finish_reason == "length" for s in seqs)
+    return [s.generated for s in seqs], logits, steps.batches
+
+
+@pytest.mark.parametrize(
+    "arch, overrides", [("qwen3_moe", {}), ("gpt_oss", {"sliding_window": 6}), ("deepseek_v2", {})]
+)
+def test_batched_greedy_equals_each_request_alone(tiny_model, arch, overrides):
+    """gpt_oss with a 6-token window pads and trims sliding layers; deepseek_v2 caches MLA's K and V shapes."""
+    model_dir = tiny_model(arch, **overrides)
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    try:
+        alone = [solo_greedy(model, p) for p in PROMPTS]
+        tokens, logits, batches = run(model, tokenizer, PROMPTS, record_logits=True)
+    finally:
+        model.weightstream.close()
+    assert tokens == [t for t, _ in alone]
+    assert max(batches) >= 3, batches  # requests really decoded together
+    # Batched, the dense matmuls run with more rows than alone and round differently: close, not bitwise
+    for got, (_, want) in zip(logits, alone):
+        assert max(float((a - b).abs().max()) for a, b in zip(got, want)) < 1e-4
+
+
+def test_alone_the_scheduler_gives_generates_logits_bitwise(tiny_model):
+    model_dir = tiny_model("olmoe")
+    model = load_streaming_model(model_dir, expert_cache="1x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    try:
+        alone = [solo_greedy(model, p) for p in PROMPTS[:3]]
+        tokens, logits, batches = run(model, tokenizer, PROMPTS[:3], max_batch=1, record_logits=True)
+    finally:
+        model.weightstream.close()
+    assert set(batches) == {1}
+    for got_tokens, got, (want_tokens, want) in zip(tokens, logits, alone):
+        assert got_tokens == want_tokens
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_kv_budget_makes_requests_wait_and_all_finish(tiny_model):
+    """A budget for two padded rows of the longest reservation: the batch's KV bytes never exceed it, never more
+    than two sequences run, and every request finishes with its solo tokens."""
+    from transformers.cache_utils import DynamicCache
+
+    model_dir = tiny_model("qwen3_moe")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
+    per_token = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    budget = 2 * (max(len(p) for p in PROMPTS) + NEW) * per_token
+    peak = []
+    sched = Scheduler(model, 8, budget, per_token)
+
+    class Watch(Steps):
+        def decoded(self, batch, seconds):
+            super().decoded(batch, seconds)
+            peak.append(sched.batch.kv_bytes())
+
+    sched.observer = Watch()
+    try:
+        alone = [solo_greedy(model, p)[0] for p in PROMPTS]
+        seqs = [Sequence(p, SamplingParams(NEW, 0.0), tokenizer, frozenset(), lambda e: None) for p in PROMPTS]
+        sched.start()
+        for seq in seqs:
+            sched.submit(seq)
+        _wait(lambda: all(s.done for s in seqs))
+        with pytest.raises(Refused, match="larger --kv-cache"):
+            sched.check_fits(budget // per_token + 1)
+    finally:
+        sched.stop()
+        model.weightstream.close()
+    assert [s.generated for s in seqs] == alone
+    assert max(sched.observer.batches) == 2 and 0 < max(peak) <= budget
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    params = SamplingParams(NEW, temperature=0.9, top_p=0.8, seed=1234)
+    try:
+        alone, _, _ = run(model, tokenizer, PROMPTS[:1], params=params)
+        batched, _, batches = run(model, tokenizer, PROMPTS[1:4] + PROMPTS[:1], params=params)
+        other_seed, _, _ = run(model, tokenizer, PROMPTS[:1], params=SamplingParams(NEW, 0.9, 0.8, seed=99))
+    finally:
+        model.weightstream.close()
+    assert batched[-1] == alone[0] and max(batches) > 1
+    assert other_seed[0] != alone[0]
+
+
+def test_a_cancelled_sequence_leaves_and_the_others_are_unaffected(tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    events = []
+    sched = Scheduler(model, 8, 1 << 30, 1024)
+    try:
+        want = solo_greedy(model, PROMPTS[1], new=40)[0]
+        long = Sequence(PROMPTS[-1], SamplingParams(400, 0.0), tokenizer, frozenset(), events.append)
+        short = Sequence(PROMPTS[1], SamplingParams(40, 0.0), tokenizer, frozenset(), lambda e: None)
+        sched.start()
+        sched.submit(long)
+        sched.submit(short)
+        _wait(lambda: sched.running == 2)
+        n = len(events)
+        long.cancel()
+        _wait(lambda: long.done)
+        _wait(lambda: short.done)
+    finally:
+        sched.stop()
+        model.weightstream.close()
+    assert short.generated == want and len(long.generated) < 400
+    assert len(events) <= n + 1 and not any(isinstance(e, Finished) for e in events)  # nothing after the cancel
+
+
+def test_leaving_rows_take_their_padding_with_them(tiny_model):
+    """The longest row leaves: columns that only it used go, so the batch is as long as its longest sequence."""
+    from transformers.cache_utils import DynamicCache
+
+    model = load_streaming_model(tiny_model("gpt_oss", sliding_window=6), expert_cache="2x", io_threads=2)
+    batch = DecodeBatch()
+    try:
+        for prompt in (PROMPTS[-1], PROMPTS[1], PROMPTS[4]):  # 11, 3 and 1 tokens
+            cache = DynamicCache(config=model.config)
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+            seq = Sequence(prompt, SamplingParams(8, 0.0), None, frozenset(), lambda e: None)
+            seq.generated = [7]
+            batch.join(seq, cache)
+        for _ in range(2):
+            with torch.inference_mode():
+                model(**batch.step_inputs(), use_cache=True)
+        assert batch.length == 13 and batch.mask.sum(dim=1).tolist() == [13, 5, 3]
+        batch.leave({batch.seqs[0].id})
+    finally:
+        model.weightstream.close()
+    assert batch.length == 5 and batch.mask.sum(dim=1).tolist() == [5, 3]
+    stored = sorted({layer.keys.shape[-2] for layer in batch.cache.layers})
+    assert stored == [5]  # full layers: 5 positions; sliding layers (window 6) keep up to 5 as well
+
+
+def _wait(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_stop_strings_never_reach_the_stream(tiny_model):
+    """Released pieces concatenate to the final text, which ends before the first stop string."""
+    tokenizer = load_tokenizer(tiny_model("qwen3_moe"), required=True)
+    ids = tokenizer("The answer is 42. Hello, world! Paris is the capital").input_ids
+    tail = TextTail(tokenizer, ("world", "Paris"))
+    pieces, stopped = [], False
+    for n in range(1, len(ids) + 1):
+        piece, stopped = tail.push(ids[:n])
+        pieces.append(piece)
+        if stopped:
+            break
+    pieces.append(tail.finish())
+    assert stopped and "".join(pieces) == "The answer is 42. Hello, "
+
+
+def test_empty_batch_and_join_shapes():
+    batch = DecodeBatch()
+    assert len(batch) == 0 and batch.length == 0 and batch.kv_bytes() == 0
+
+
+def test_scheduler_threads_end(tiny_model):
+    model = load_streaming_model(tiny_model("qwen3_moe"), expert_cache="2x", io_threads=2)
+    sched = Scheduler(model, 4, 1 << 20, 1024)
+    sched.start()
+    sched.stop()
+    model.weightstream.close()
+    assert not any(t.name in ("ws-scheduler",) or t.name.startswith("ws-io-") for t in threading.enumerate())
+
+
+def test_batched_replay_gives_each_sequence_its_own_part_of_the_trace(tiny_model):
+    """Three sequences decoding together replay trace requests 0, 1, 0 from their starts, token after token."""
+    from weightstream.engine.routing import BatchRoutingReplay, per_token_choices
+
+    from _real_traces import mixtral
+
+    trace = mixtral(("gsm8k_2_routing.jsonl",))
+    model_dir = tiny_model("mixtral")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    runtime = model.weightstream
+    replay = BatchRoutingReplay(trace, runtime.layout)
+    seen: dict[int, list] = {}
+
+    class Capture:
+        def begin_step(self, seq_ids, tokens, phase):
+            self.owners = [s for s, n in zip(seq_ids, tokens) for _ in range(n)]
+
+        def __call__(self, layer, top_k_index, top_k_weights):
+            if layer == runtime.layout.layers[0]:
+                for owner, row in zip(self.owners, top_k_index.tolist()):
+                    seen.setdefault(owner, []).append(row)
+
+        def end_step(self, seconds):
+            pass
+
+        def end_sequence(self, seq_id):
+            pass
+
+    capture = Capture()
+    runtime.routing_override, runtime.routing_observer = replay, capture
+    sched = Scheduler(model, 8, 1 << 30, 1024, hooks=[replay, capture], observer=Steps())
+    seqs = [Sequence(p, SamplingParams(10, 0.0), tokenizer, frozenset(), lambda e: None) for p in PROMPTS[:3]]
+    try:
+        sched.start()
+        for seq in seqs:
+            sched.submit(seq)
+        _wait(lambda: all(s.done for s in seqs))
+    finally:
+        sched.stop()
+        model.weightstream.close()
+    assert max(sched.observer.batches) > 1
+    choices = per_token_choices(trace)[:, 0]  # (tokens, top-k) at the first routed layer
+    for seq, request in zip(seqs, (0, 1, 0)):
+        start = replay.request_starts[request]
+        n = len(seq.prompt_ids) + len(seq.generated) - 1  # the last token is sampled, never run
+        assert seen[seq.id] == choices[start : start + n].tolist()
+    assert replay.cursors == {}  # every sequence's cursor was dropped when it ended
