@@ -10,7 +10,7 @@ from weightstream import __version__
 from weightstream.errors import WeightstreamError
 
 # Each module under weightstream.commands defines register(subparsers); its parser's `func(args) -> int` runs it.
-COMMANDS = ("demo", "generate", "synth", "trace", "simulate", "bench", "prefetch", "clockfloor")
+COMMANDS = ("demo", "generate", "synth", "trace", "simulate", "tune", "bench", "prefetch", "clockfloor")
 
 
 def build_parser() -> argparse.ArgumentParser:
