@@ -43,6 +43,7 @@ TRUE = CostParams(
     read_s_per_mib=0.0008,
     nonoverlap_s_per_mib=0.00005,
     page_cache_s_per_mib=0.0031,
+    page_cached_per_byte=1.3,
 )
 
 
@@ -70,6 +71,7 @@ def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, 
         miss_per_layer=miss_per_layer,
         page_step_s=float(page_cache_step_s(p, page, mib)[0]),
         page_missed_mib=layers * k * mib,
+        page_cached_per_byte=p.page_cached_per_byte,
     )
 
 

@@ -101,6 +101,16 @@ def test_verdict_says_when_the_expert_cache_loses():
     assert v.winner == "page-cache" and "LOSES" in v.line and recommend(configs)[0].path == "page-cache"
     configs[1].predicted_decode_tokens_per_s = 2.8
     assert verdict(configs).winner == "tie"
+    # the gpt-oss lesson: a small expert cache loses to a page cache that uses all free memory, a big one wins
+    configs = [
+        _config("expert-cache", "lru", 2.69, size=2 * GIB),
+        _config("expert-cache", "slru", 2.5, size=2 * GIB),
+        _config("expert-cache", "lru", 4.6, size=5 * GIB),
+        _config("page-cache", "kernel", 3.97, size=5 * GIB),
+    ]
+    v = verdict(configs)
+    assert v.winner == "expert-cache" and v.loses_up_to_bytes == 2 * GIB
+    assert "an expert cache of 2.00 GiB or less loses to it" in v.line
 
 
 def test_n_cpu_moe_keeps_on_the_cpu_the_layers_the_gpu_cannot_hold():

@@ -1,7 +1,8 @@
 """`tune --calibrate`: seconds of the engine and the reader on this machine, the terms of `sim.overlap_model`.
 
 On one loaded model, with routing fixed by us (so that what is resident and what misses is known):
-1. page cache, cold: every step chooses experts no step chose before, through mmap (cost per missed MiB);
+1. page cache, cold: every step chooses experts no step chose before, through mmap (cost per missed MiB, and
+   how many bytes the kernel's readahead brings in per byte touched);
 2. the reader alone: batches of 1, 2, 4, ... top-k experts, as a layer's misses are queued (latency, bandwidth);
 3. expert cache, every expert missing: a fresh set each step at a 1x cache (what reads cost beyond overlap);
 4. compute only: the same top-k experts every step, resident after the first (dense and per-expert seconds),
@@ -10,6 +11,7 @@ On one loaded model, with routing fixed by us (so that what is resident and what
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from weightstream.bench.read_timing import read_timing
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.engine.page_cache_source import PageCacheSource
-from weightstream.io.pagecache import evict_file
+from weightstream.io.pagecache import cached_bytes, evict_file
 from weightstream.sim.overlap_model import Measurements
 from weightstream.units import MIB
 
@@ -95,6 +97,17 @@ def _median(spans: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(s for s, _ in spans), statistics.median(e for _, e in spans)
 
 
+def _cached(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            total += cached_bytes(fd)
+        finally:
+            os.close(fd)
+    return total
+
+
 def fresh_sets(n_experts: int, top_k: int, n_layers: int, seed: int) -> Callable[[int, int], list[int]]:
     """Step s takes the s-th group of top-k experts of a random order per layer: no two steps of a cycle overlap."""
     rng = np.random.default_rng(seed)
@@ -115,7 +128,7 @@ class Calibrator:
 
     def run(self) -> tuple[Measurements, dict]:
         self.runtime.cache.close()
-        page = self.page_cache()
+        page, page_amplification = self.page_cache()
         self.say("reader: batches of misses, O_DIRECT")
         reads = read_timing(self.layout, self.io_threads, self.chunk_bytes)
         self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
@@ -135,6 +148,7 @@ class Calibrator:
             **miss,
             page_step_s=page,
             page_missed_mib=len(self.layers) * self.k * nbytes / MIB if page is not None else None,
+            page_cached_per_byte=page_amplification,
         )
         return m, {"reader": reads, "compute_threads": torch.get_num_threads()}
 
@@ -144,21 +158,23 @@ class Calibrator:
     def _route(self, choose) -> None:
         self.runtime.routing_override = FixedRouting(self.layers, choose)
 
-    def page_cache(self) -> float | None:
-        """Median seconds of a decode step whose every expert is faulted in cold through mmap."""
+    def page_cache(self) -> tuple[float | None, float | None]:
+        """(median seconds of a decode step whose every expert is faulted in cold through mmap, bytes the page
+        cache took in per expert byte touched: the kernel's readahead reads around each fault)."""
         steps = min(PAGE_STEPS + 1, self.n_experts // self.k)
         if steps < 2:
-            return None
+            return None, None
         self.say("page cache: cold experts through mmap")
-        for path in sorted({p.path for e in self.layout.experts.values() for p in e.pieces}):
-            evict_file(path)
+        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
+        before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
         self._use(PageCacheSource(self.layout))
         self._route(fresh_sets(self.n_experts, self.k, len(self.layers), seed=1))
         try:
             _, decode = timed_steps(self.model, [1], steps)
         finally:
             self.runtime.cache.close()
-        return _median(decode)[0]
+        touched = steps * len(self.layers) * self.k * max(e.nbytes for e in self.layout.experts.values())
+        return _median(decode)[0], max((_cached(paths) - before) / touched, 1.0)
 
     def all_miss(self) -> dict:
         """Every chosen expert missing: a fresh top-k per layer each step at a 1x cache."""

@@ -40,7 +40,7 @@ def register(sub) -> None:
     src.add_argument("--trace", metavar="TRACE", help="routing to judge by (.npz from `weightstream trace`)")
     src.add_argument("--prompts", metavar="FILE", help="record routing on these prompts (one per line, or .jsonl)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=32, metavar="N", help="tokens per prompt when recording (default 32)"
+        "--max-new-tokens", type=int, default=16, metavar="N", help="tokens per prompt when recording (default 16)"
     )
     cal = p.add_mutually_exclusive_group()
     cal.add_argument("--calibrate", action="store_true", help="measure this machine again (else reuse the saved one)")

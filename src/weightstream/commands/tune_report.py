@@ -49,7 +49,12 @@ def build_report(session, trace, routing: dict, cost: dict, policies: list[str],
         "cost_model": "linear (bench)" if cost["linear"] is not None else "overlap",
         "configs": [c.to_dict() for c in configs],
         "recommendation": {**rec.to_dict(), "reason": reason, "command": command, "pinned_experts_file": pinned},
-        "page_cache_vs_expert_cache": {"winner": who_wins.winner, "ratio": who_wins.ratio, "line": who_wins.line},
+        "page_cache_vs_expert_cache": {
+            "winner": who_wins.winner,
+            "ratio": who_wins.ratio,
+            "expert_cache_loses_up_to_bytes": who_wins.loses_up_to_bytes,
+            "line": who_wins.line,
+        },
         "llama_cpp": llamacpp_advice(session.facts, session.budget, page, gpu, who_wins),
         "timings_s": {**session.timings, "total": elapsed},
     }

@@ -18,9 +18,10 @@ GPU_RUNTIME_BYTES = 512 * MIB  # CUDA context and llama.cpp's compute buffers, a
 class Verdict:
     """Page cache against the best expert-cache configuration."""
 
-    winner: str  # expert-cache, page-cache or tie
+    winner: str  # expert-cache, page-cache, tie or unknown
     ratio: float | None  # best expert-cache tok/s / page-cache tok/s
     line: str
+    loses_up_to_bytes: int | None = None  # the largest expert cache predicted slower than the page cache
 
 
 def candidates(configs: list[Config]) -> list[Config]:
@@ -48,7 +49,7 @@ def recommend(configs: list[Config]) -> tuple[Config, str]:
 
 
 def verdict(configs: list[Config]) -> Verdict:
-    """Which path is faster by the prediction, and by how much."""
+    """Which path is faster by the prediction, by how much, and up to which expert-cache size the page cache wins."""
     page = next(c for c in configs if c.path == "page-cache")
     expert = [c for c in candidates(configs) if c.path == "expert-cache" and c.predicted_decode_tokens_per_s]
     if page.predicted_decode_tokens_per_s is None or not expert:
@@ -60,15 +61,23 @@ def verdict(configs: list[Config]) -> Verdict:
         f"tok/s (hit {best.hit_rate:.0%}) vs page cache {page.predicted_decode_tokens_per_s:.2f} tok/s "
         f"(hit {page.hit_rate:.0%} with {page.cache_bytes / GIB:.2f} GiB)"
     )
-    if abs(ratio - 1) <= TIE:
-        return Verdict("tie", ratio, f"a tie within the model's 10%: {what}")
-    if ratio > 1:
-        return Verdict("expert-cache", ratio, f"the expert cache wins ({ratio:.2f}x): {what}")
-    return Verdict(
-        "page-cache",
-        ratio,
-        f"the expert cache LOSES here ({ratio:.2f}x): {what}; mmap and the page cache are the better choice",
+    losing = [c.cache_bytes for c in expert if _best_at(expert, c.cache_bytes) < page.predicted_decode_tokens_per_s]
+    loses_up_to = max(losing) if losing else None
+    smaller = (
+        f"; an expert cache of {loses_up_to / GIB:.2f} GiB or less loses to it"
+        if loses_up_to is not None and loses_up_to < best.cache_bytes
+        else ""
     )
+    if abs(ratio - 1) <= TIE:
+        return Verdict("tie", ratio, f"a tie within the model's 10%: {what}{smaller}", loses_up_to)
+    if ratio > 1:
+        return Verdict("expert-cache", ratio, f"the expert cache wins ({ratio:.2f}x): {what}{smaller}", loses_up_to)
+    line = f"the expert cache LOSES here ({ratio:.2f}x): {what}; mmap and the page cache are the better choice"
+    return Verdict("page-cache", ratio, line, loses_up_to)
+
+
+def _best_at(expert: list[Config], size: int) -> float:
+    return max(c.predicted_decode_tokens_per_s for c in expert if c.cache_bytes == size)
 
 
 def llamacpp_advice(

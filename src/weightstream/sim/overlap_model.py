@@ -39,6 +39,7 @@ class CostParams:
     read_s_per_mib: float  # 1 / the reader's bandwidth at the engine's I/O threads
     nonoverlap_s_per_mib: float = 0.0
     page_cache_s_per_mib: float | None = None
+    page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +115,7 @@ class Measurements:
     miss_per_layer: float  # misses per layer per step in that run
     page_step_s: float | None = None  # every chosen expert missing, through mmap, cold
     page_missed_mib: float | None = None  # MiB faulted in per step there
+    page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,4 +154,5 @@ def fit_cost_params(m: Measurements) -> CostParams:
     if m.page_step_s is not None and m.page_missed_mib:
         compute = dense + m.layers * m.top_k * per_expert
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
+        p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
     return p

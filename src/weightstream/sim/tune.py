@@ -142,16 +142,20 @@ class Search:
         )
 
     def page_cache(self, room_bytes: int) -> Config:
-        """mmap with `room_bytes` of page cache for experts, modelled as LRU over whole experts."""
-        slots = max(min(room_bytes // self.facts.expert_nbytes, self.facts.total_experts), 1)
+        """mmap with `room_bytes` of page cache for experts, modelled as LRU over whole experts; each miss takes
+        the calibrated readahead's share of room and of bytes read."""
+        known = self.params is not None and self.params.page_cache_s_per_mib is not None
+        spread = self.params.page_cached_per_byte if known else 1.0
+        slots = max(min(int(room_bytes / (self.facts.expert_nbytes * spread)), self.facts.total_experts), 1)
         hit = access_hits(self.w, "lru", max(slots, self.w.min_slots) * self.sim_expert_bytes, self.options)
         load = self.steps.load(hit)
         mib = self.facts.expert_nbytes / MIB
-        known = self.params is not None and self.params.page_cache_s_per_mib is not None
         seconds = page_cache_step_s(self.params, load, mib) if known else None
-        return self._config("page-cache", "kernel (lru model)", room_bytes, slots, hit, load, mib, seconds, False)
+        config = self._config("page-cache", "kernel (lru model)", room_bytes, slots, hit, load, mib * spread, seconds)
+        config.extra = {"page_cached_per_byte": spread}
+        return config
 
-    def _config(self, path, policy, cache_bytes, slots, hit, load, mib_per_miss, seconds, bound) -> Config:
+    def _config(self, path, policy, cache_bytes, slots, hit, load, mib_per_miss, seconds, bound=False) -> Config:
         decode = self.steps.decode
         steps_missed = load.misses.sum(axis=1)
         mib_per_token = float(steps_missed[decode].mean() * mib_per_miss) if decode.any() else 0.0
