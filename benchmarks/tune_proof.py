@@ -8,7 +8,7 @@ steps the bench will run (each prompt's prefill, then one token per step), and t
 Prints one JSON object with the targets checked (--out writes it too). Needs root (bench's cgroups).
 
     PYTHONPATH=src .venv/bin/python benchmarks/tune_proof.py --model .work/bench-models/olmoe-1b-7b-16l-bf16 \\
-        --limits 3GiB,5GiB,8GiB --routings own,deepseek,mixtral --tokens 16 \\
+        --limits 3GiB,5GiB,8GiB --routings own,deepseek,mixtral --tokens 16 --context 512 \\
         --gpt-oss-model .work/bench-models/gpt-oss-4l-bf16 --gpt-oss-limits 4GiB,5GiB --out docs/tune-proof.json
 """
 
@@ -72,8 +72,9 @@ def replay_file(model: str, routing: str, prompts, tokens: int, out: Path) -> st
     return str(path)
 
 
-def run_tune(model: str, limit: str, routing: dict, tokens: int, calibrate: bool) -> tuple[dict, float]:
-    args = [sys.executable, "-m", "weightstream.cli", "tune", model, "--memory", limit, "--max-new-tokens", str(tokens)]
+def run_tune(model: str, limit: str, routing: dict, args_in, calibrate: bool) -> tuple[dict, float]:
+    args = [sys.executable, "-m", "weightstream.cli", "tune", model, "--memory", limit]
+    args += ["--max-new-tokens", str(args_in.tokens), "--context", str(args_in.context)]
     if routing["trace"]:
         args += ["--trace", routing["trace"]]
     elif routing["prompts"]:
@@ -87,13 +88,15 @@ def run_tune(model: str, limit: str, routing: dict, tokens: int, calibrate: bool
 
 
 def grid(report: dict, trace_path: str, out: Path) -> list[dict]:
-    """The recommendation, three sizes around it x lru/slru/pinned, and the page cache."""
+    """The recommendation, three sizes around it x lru/slru/pinned (and the largest size tune says loses to the page
+    cache), and the page cache."""
     expert = [c for c in report["configs"] if c["path"] == "expert-cache" and not c["bound"]]
     sizes = sorted({c["cache_bytes"] for c in expert})
     rec = report["recommendation"]
     i = sizes.index(rec["cache_bytes"]) if rec["path"] == "expert-cache" else len(sizes) - 1
     lo = max(0, min(i - 1, len(sizes) - 3))
-    chosen = {(p, s) for s in sizes[lo : lo + 3] for p in GRID_POLICIES}
+    losing = report["page_cache_vs_expert_cache"].get("expert_cache_loses_up_to_bytes")
+    chosen = {(p, s) for s in sizes[lo : lo + 3] + ([losing] if losing else []) for p in GRID_POLICIES}
     if rec["path"] == "expert-cache":
         chosen.add((rec["policy"], rec["cache_bytes"]))
     w = Workload(load(trace_path), 0.0)
@@ -200,7 +203,7 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         spec = {"trace": None, "prompts": args.prompts}
     else:
         spec = {"trace": replay_file(model, routing, prompts, args.tokens, out), "prompts": None}
-    report, tune_s = run_tune(model, limit, spec, args.tokens, calibrate=first)
+    report, tune_s = run_tune(model, limit, spec, args, calibrate=first)
     trace = spec["trace"] or report["routing"]["saved_to"]
     configs = grid(report, trace, out)
     measure_grid(args, model, parse_size(limit), prompts, spec["trace"], configs)
@@ -234,6 +237,7 @@ def main() -> None:
     p.add_argument("--routings", default="own,deepseek,mixtral")
     p.add_argument("--prompts", help="prompts file for the model's own routing and the bench (default: built-in)")
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--context", type=int, default=512, help="tune's KV budget: the bench's prompts are short")
     p.add_argument("--repeats", type=int, default=2, help="extra runs of the configurations within 5%% of the best")
     p.add_argument("--gpt-oss-model", help="where the gpt-oss-shaped case lives (written if missing); '' skips it")
     p.add_argument("--gpt-oss-layers", type=int, default=4)
