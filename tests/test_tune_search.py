@@ -110,7 +110,7 @@ def test_verdict_says_when_the_expert_cache_loses():
     ]
     v = verdict(configs)
     assert v.winner == "expert-cache" and v.loses_up_to_bytes == 2 * GIB
-    assert "an expert cache of 2.00 GiB or less loses to it" in v.line
+    assert "an expert cache of 2.0 GiB or less loses to it" in v.line
 
 
 def test_n_cpu_moe_keeps_on_the_cpu_the_layers_the_gpu_cannot_hold():

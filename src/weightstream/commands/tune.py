@@ -85,9 +85,10 @@ def run(args) -> int:
         trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)
         cost = session.cost(args.calibrate, args.cost_model)
         policies = [n.strip() for n in args.policies.split(",") if n.strip()]
-        report = session.answer(trace, routing, cost, policies, args, time.perf_counter() - started)
+        report = session.answer(trace, routing, cost, policies, args)
     finally:
         session.close()
+    report["timings_s"]["total"] = time.perf_counter() - started
     if args.plot:
         tune_report.plot(report, args.plot)
     tune_report.emit(report, as_json=args.json)

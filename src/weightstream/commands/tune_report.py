@@ -25,7 +25,7 @@ def generate_command(model_dir: str, rec: Config, io_threads: int, max_new_token
     return argv + ["--max-new-tokens", str(max_new_tokens), "--prompt", EXAMPLE_PROMPT]
 
 
-def build_report(session, trace, routing: dict, cost: dict, policies: list[str], args, elapsed: float) -> dict:
+def build_report(session, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
     """Search, recommend and advise; everything `--json` prints."""
     search = Search(trace, session.facts, cost["params"], cost["linear"])
     configs = search.run(session.budget.expert_bytes, policies)
@@ -56,7 +56,6 @@ def build_report(session, trace, routing: dict, cost: dict, policies: list[str],
             "line": who_wins.line,
         },
         "llama_cpp": llamacpp_advice(session.facts, session.budget, page, gpu, who_wins),
-        "timings_s": {**session.timings, "total": elapsed},
     }
 
 
@@ -68,7 +67,7 @@ def table(report: dict) -> list[str]:
     ws = report["budget"]["working_set_bytes"]
     rec = report["recommendation"]
     lines = [
-        f"{'':2}{'path':<13}{'policy':<19}{'cache GiB':>10}{'x WS':>6}{'hit rate':>9}{'MiB/token':>10}"
+        f"{'':2}{'path':<13}{'policy':<19}{'cache GiB':>10}{'x WS':>8}{'hit rate':>9}{'MiB/token':>10}"
         f"{'tok/s':>8}{'prefill s':>10}{'of Belady':>10}"
     ]
     for c in report["configs"]:
@@ -79,7 +78,7 @@ def table(report: dict) -> list[str]:
         )
         lines.append(
             f"{mark:<2}{c['path']:<13}{c['policy'] + (' (bound)' if c['bound'] else ''):<19}"
-            f"{c['cache_bytes'] / GIB:>10.2f}{c['cache_bytes'] / ws:>6.2f}{c['hit_rate']:>9.1%}"
+            f"{c['cache_bytes'] / GIB:>10.2f}{c['cache_bytes'] / ws:>8.2f}{c['hit_rate']:>9.1%}"
             f"{c['mib_read_per_token']:>10.1f}{_fmt(c['predicted_decode_tokens_per_s'], '.2f'):>8}"
             f"{_fmt(c['predicted_prefill_s'], '.2f'):>10}{_fmt(c.get('of_belady_tokens_per_s'), '.2f'):>10}"
         )

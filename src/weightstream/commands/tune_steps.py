@@ -64,13 +64,13 @@ class TuneSession:
         self.model = None
         self.timings: dict[str, float] = {}
 
-    def engine(self):
-        """The streaming model, loaded once, with an expert cache of the whole budget (what the user can afford)."""
+    def engine(self, cache_bytes: int | None = None):
+        """The streaming model, loaded once; its cache defaults to the whole budget (what the user can afford)."""
         if self.model is None:
             from weightstream.engine.loader import load_streaming_model
 
             say("loading the engine")
-            cache = min(self.budget.expert_bytes, len(self.layout.experts) * self.layout.slot_bytes)
+            cache = cache_bytes or min(self.budget.expert_bytes, len(self.layout.experts) * self.layout.slot_bytes)
             self.model = load_streaming_model(self.model_dir, expert_cache=cache, io_threads=self.io_threads)
         return self.model
 
@@ -145,7 +145,7 @@ class TuneSession:
         from weightstream.sim.overlap_model import fit_cost_params
 
         say("calibrating this machine (once per model and setting; --calibrate measures again)")
-        model = self.engine()
+        model = self.engine(self.layout.working_set_bytes)  # calibration brings its own caches
         measurements, extra = Calibrator(model, self.io_threads, None, progress=say).run()
         self.close()  # the calibration replaced the engine's cache: it is spent
         params = fit_cost_params(measurements)
@@ -157,10 +157,13 @@ class TuneSession:
             info["not_saved"] = f"{self.store}: {exc.strerror}"
         return params, info
 
-    def answer(self, trace, routing: dict, cost: dict, policies: list[str], args, elapsed: float) -> dict:
+    def answer(self, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
         from weightstream.commands.tune_report import build_report
 
-        return build_report(self, trace, routing, cost, policies, args, elapsed)
+        start = time.perf_counter()
+        report = build_report(self, trace, routing, cost, policies, args)
+        report["timings_s"] = {**self.timings, "search_s": time.perf_counter() - start}
+        return report
 
     def write_pinned(self, keys: list[tuple[int, int]], slots: int) -> str:
         """Save a pinned set for `generate --pinned-experts` next to the calibration; returns its path."""

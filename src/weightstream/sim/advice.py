@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from weightstream.sim.budget import Budget
 from weightstream.sim.tune import Config, ModelFacts
-from weightstream.units import GIB, MIB
+from weightstream.units import MIB, format_bytes
 
 LRU_PREFERENCE = 0.01  # LRU within 1% of the best is recommended instead: no pinned set, no tuning knob
 TIE = 0.10  # page cache and expert cache within 10% of each other: the model cannot tell them apart
@@ -57,14 +57,14 @@ def verdict(configs: list[Config]) -> Verdict:
     best = max(expert, key=lambda c: c.predicted_decode_tokens_per_s)
     ratio = best.predicted_decode_tokens_per_s / page.predicted_decode_tokens_per_s
     what = (
-        f"best expert cache {best.policy} {best.cache_bytes / GIB:.2f} GiB {best.predicted_decode_tokens_per_s:.2f} "
+        f"best expert cache {best.policy} {format_bytes(best.cache_bytes)} {best.predicted_decode_tokens_per_s:.2f} "
         f"tok/s (hit {best.hit_rate:.0%}) vs page cache {page.predicted_decode_tokens_per_s:.2f} tok/s "
-        f"(hit {page.hit_rate:.0%} with {page.cache_bytes / GIB:.2f} GiB)"
+        f"(hit {page.hit_rate:.0%} with {format_bytes(page.cache_bytes)})"
     )
     losing = [c.cache_bytes for c in expert if _best_at(expert, c.cache_bytes) < page.predicted_decode_tokens_per_s]
     loses_up_to = max(losing) if losing else None
     smaller = (
-        f"; an expert cache of {loses_up_to / GIB:.2f} GiB or less loses to it"
+        f"; an expert cache of {format_bytes(loses_up_to)} or less loses to it"
         if loses_up_to is not None and loses_up_to < best.cache_bytes
         else ""
     )
@@ -90,13 +90,13 @@ def llamacpp_advice(
     lines = []
     if experts_total <= room:
         lines.append(
-            f"llama.cpp: plain mmap (its default): all {experts_total / GIB:.1f} GiB of experts fit in the "
-            f"{room / GIB:.1f} GiB the memory leaves, so after the first pass nothing is read from disk"
+            f"llama.cpp: plain mmap (its default): all {format_bytes(experts_total)} of experts fit in the "
+            f"{format_bytes(room)} the memory leaves, so after the first pass nothing is read from disk"
         )
     else:
         lines.append(
             f"llama.cpp on the CPU: mmap alone (its default; no --mlock, no --no-mmap): the page cache holds "
-            f"{room / GIB:.1f} GiB = {room / experts_total:.0%} of the {experts_total / GIB:.1f} GiB of experts; "
+            f"{format_bytes(room)} = {room / experts_total:.0%} of the {format_bytes(experts_total)} of experts; "
             f"simulated hit rate {page.hit_rate:.0%}, {page.mib_read_per_token:.0f} MiB read per token; llama.cpp "
             f"has no expert cache of its own for CPU experts, so this is what it gets"
         )
@@ -119,19 +119,19 @@ def _n_cpu_moe_line(facts: ModelFacts, budget: Budget, gpu_memory: int, layer_by
     cpu_bytes = n_cpu * layer_bytes
     if n_cpu == 0:
         return (
-            f"llama.cpp with a GPU: -ngl 99 and no --n-cpu-moe: every layer's experts fit in {gpu_memory / GIB:.1f} GiB"
+            f"llama.cpp with a GPU: -ngl 99 and no --n-cpu-moe: every layer's experts fit in {format_bytes(gpu_memory)}"
         )
     # with dense weights on the GPU, RAM keeps only the CPU layers' experts (and llama.cpp itself)
     ram_room = room + budget.dense_bytes
     fit = (
-        f"they fit in the {ram_room / GIB:.1f} GiB of RAM left for the page cache, so after warm-up no disk reads"
+        f"they fit in the {format_bytes(ram_room)} of RAM left for the page cache, so after warm-up no disk reads"
         if cpu_bytes <= ram_room
-        else f"they exceed the {ram_room / GIB:.1f} GiB of RAM left for the page cache, so mmap reads their misses "
+        else f"they exceed the {format_bytes(ram_room)} of RAM left for the page cache, so mmap reads their misses "
         f"from disk every token (the page-cache row above bounds the hit rate)"
     )
     return (
-        f"llama.cpp with a GPU: -ngl 99 --n-cpu-moe {n_cpu}: {gpu_memory / GIB:.1f} GiB of GPU memory holds the "
-        f"dense weights and KV ({(budget.dense_bytes + budget.kv_cache_bytes) / GIB:.1f} GiB) plus the experts of "
-        f"{on_gpu} layers ({layer_bytes / GIB:.2f} GiB each); the first {n_cpu} layers' experts "
-        f"({cpu_bytes / GIB:.1f} GiB) stay on the CPU: {fit}"
+        f"llama.cpp with a GPU: -ngl 99 --n-cpu-moe {n_cpu}: {format_bytes(gpu_memory)} of GPU memory holds the "
+        f"dense weights and KV ({format_bytes(budget.dense_bytes + budget.kv_cache_bytes)}) plus the experts of "
+        f"{on_gpu} layers ({format_bytes(layer_bytes)} each); the first {n_cpu} layers' experts "
+        f"({format_bytes(cpu_bytes)}) stay on the CPU: {fit}"
     )
