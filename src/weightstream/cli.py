@@ -10,7 +10,19 @@ from weightstream import __version__
 from weightstream.errors import WeightstreamError
 
 # Each module under weightstream.commands defines register(subparsers); its parser's `func(args) -> int` runs it.
-COMMANDS = ("demo", "generate", "serve", "synth", "quantize", "trace", "simulate", "bench", "prefetch", "clockfloor")
+COMMANDS = (
+    "demo",
+    "generate",
+    "serve",
+    "synth",
+    "quantize",
+    "trace",
+    "simulate",
+    "tune",
+    "bench",
+    "prefetch",
+    "clockfloor",
+)
 
 
 SIZES_EPILOG = """\

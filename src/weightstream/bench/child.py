@@ -18,8 +18,9 @@ def peak_rss() -> int:
 
 def run_streaming(cfg: dict) -> dict:
     from weightstream.engine.generate import generate
-    from weightstream.engine.loader import load_streaming_model
+    from weightstream.engine.loader import load_streaming_model, read_pinned_experts
 
+    pinned = cfg.get("pinned_experts")
     start = time.perf_counter()
     model = load_streaming_model(
         cfg["model_dir"],
@@ -27,6 +28,7 @@ def run_streaming(cfg: dict) -> dict:
         io_threads=cfg["io_threads"],
         chunk_bytes=cfg.get("chunk_bytes"),
         policy=cfg.get("policy", "lru"),
+        policy_options={"pinned_keys": read_pinned_experts(pinned)} if pinned else None,
         expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
         predict_next=cfg.get("predict_next", False),
         expert_kernel=cfg.get("expert_kernel", "auto"),

@@ -44,6 +44,8 @@ class BenchConfig:
     expert_kernel: str = "auto"
     long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
     overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run
+    policy: str = "lru"  # expert-cache runs' policy
+    pinned_experts: str | None = None  # policy pinned: the file of experts to keep
     extra: dict = field(default_factory=dict)
 
 
@@ -94,6 +96,7 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
     run = {
         "mode": mode,
         "expert_cache": cache if mode == "expert-cache" else None,
+        "policy": config.policy if mode == "expert-cache" else None,
         "wall_s": time.perf_counter() - start,
         "cgroup_peak_bytes": peak,
         "page_cache_dropped_globally": dropped_globally,
@@ -121,6 +124,8 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
         "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
         "predict_next": config.predict_next and mode == "expert-cache",
         "expert_kernel": config.expert_kernel,
+        "policy": config.policy if mode == "expert-cache" else "lru",
+        "pinned_experts": config.pinned_experts if mode == "expert-cache" else None,
         "long_prompt": config.long_prompt if mode in ("expert-cache", "page-cache") else None,
         "warm_all": mode == "compute-only",
         "offload_dir": os.path.join(

@@ -259,7 +259,13 @@ def make_policy(name: str, capacity_slots: int, working_set_slots: int | None = 
                 "policy 'pinned' needs pinned_keys (the experts to keep); the simulator picks "
                 "them from the most frequent experts of a training share of a trace"
             )
-        return PinnedPolicy(capacity_slots, opts["pinned_keys"])
+        keys = {(int(layer), int(expert)) for layer, expert in opts["pinned_keys"]}
+        if len(keys) >= capacity_slots:
+            raise WeightstreamError(
+                f"policy 'pinned': {len(keys)} pinned experts leave no free slot in a cache of {capacity_slots}; "
+                "pin fewer or use a bigger cache"
+            )
+        return PinnedPolicy(capacity_slots, keys)
     if name == "adaptive":
         if not working_set_slots:
             raise WeightstreamError("policy 'adaptive' needs working_set_slots (experts one token uses, all layers)")

@@ -69,6 +69,8 @@ def register(sub) -> None:
         action="store_true",
         help="expert-cache runs read ahead each next layer's guessed experts (see `weightstream generate --help`)",
     )
+    p.add_argument("--policy", default="lru", help="expert-cache runs' cache policy (default lru)")
+    p.add_argument("--pinned-experts", metavar="FILE", help="--policy pinned: the experts to keep (from `tune`)")
     add_expert_kernel_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
@@ -94,6 +96,8 @@ def run(args) -> int:
         predict_next=args.predict_next,
         expert_kernel=args.expert_kernel,
         overlap=not args.no_overlap,
+        policy=args.policy,
+        pinned_experts=args.pinned_experts,
         long_prompt=long_prompt(args.model, args.prefill_tokens) if args.prefill_tokens > 0 else None,
     )
     say = lambda m: print(f"[bench] {m} ...", file=sys.stderr, flush=True)  # noqa: E731  (stderr: JSON stays clean)

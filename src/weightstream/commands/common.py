@@ -19,7 +19,17 @@ def add_engine_options(p) -> None:
         help=f"expert cache budget: {CACHE_SIZE_HELP}; below 1x is refused (default 1.5x)",
     )
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="dedicated I/O threads (default 4)")
-    p.add_argument("--policy", default="lru", help="cache policy (default lru)")
+    p.add_argument(
+        "--policy",
+        default="lru",
+        help="cache policy: lru (default), slru, lfu, adaptive, pinned (needs --pinned-experts)",
+    )
+    p.add_argument(
+        "--pinned-experts",
+        metavar="FILE",
+        help='--policy pinned: the experts to keep, {"pinned_experts": [[layer, expert], ...]} (`weightstream tune` '
+        "writes one for its recommendation)",
+    )
     p.add_argument(
         "--no-o-direct",
         "--no-direct",
@@ -64,11 +74,24 @@ def engine_kwargs(args) -> dict:
         "expert_cache": args.expert_cache,
         "io_threads": args.io_threads,
         "policy": args.policy,
+        "policy_options": _policy_options(args.policy, args.pinned_experts),
         "o_direct": not args.no_o_direct,
         "expert_source": args.expert_source,
         "predict_next": args.predict_next,
         "expert_kernel": args.expert_kernel,
     }
+
+
+def _policy_options(policy: str, pinned_experts: str | None) -> dict | None:
+    from weightstream.engine.loader import read_pinned_experts
+
+    if pinned_experts and policy != "pinned":
+        raise WeightstreamError(f"--pinned-experts goes with --policy pinned, not --policy {policy}")
+    if policy == "pinned" and not pinned_experts:
+        raise WeightstreamError(
+            "--policy pinned needs --pinned-experts FILE (the experts to keep; `weightstream tune` writes one)"
+        )
+    return {"pinned_keys": read_pinned_experts(pinned_experts)} if pinned_experts else None
 
 
 def _expert_source(text: str) -> str:

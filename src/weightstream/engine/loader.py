@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -77,6 +78,28 @@ def load_streaming_model(
         cache.close()  # stops the I/O threads
         raise
     return model.eval()
+
+
+def read_layout(model_dir: str):
+    """(transformers config, ModelLayout) of a checkpoint without loading any weight: a meta model and its index."""
+    mapped = map_model(model_dir)
+    return mapped.config, mapped.layout
+
+
+def read_pinned_experts(path: str) -> list[tuple[int, int]]:
+    """The (layer, expert) keys of a pinned-experts file: {"pinned_experts": [[layer, expert], ...]}."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        keys = [(int(layer), int(expert)) for layer, expert in data["pinned_experts"]]
+    except OSError as exc:
+        raise WeightstreamError(f"--pinned-experts {path}: cannot read it ({exc.strerror})") from None
+    except (ValueError, KeyError, TypeError):
+        raise WeightstreamError(
+            f'--pinned-experts {path}: expected {{"pinned_experts": [[layer, expert], ...]}} (as `weightstream '
+            "tune` writes it)"
+        ) from None
+    return keys
 
 
 def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -> str:

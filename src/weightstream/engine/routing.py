@@ -134,6 +134,21 @@ class BatchRoutingReplay:
         return self.replay.replayed(self.rows, layer, top_k_index, top_k_weights)
 
 
+def record_routing(model, tokenizer, prompts: list[str], max_new_tokens: int, name: str) -> Trace:
+    """Greedy generation over `prompts` with a loaded streaming model, recording prefill and decode routing."""
+    from weightstream.engine.generate import generate
+
+    recorder = RoutingRecorder(model.weightstream.layout, name=name)
+    model.weightstream.routing_observer = recorder
+    try:
+        for i, prompt in enumerate(prompts):
+            recorder.request = f"prompt-{i}"
+            generate(model, torch.tensor([tokenizer(prompt).input_ids]), max(max_new_tokens, 1))
+    finally:
+        model.weightstream.routing_observer = None
+    return recorder.finish()
+
+
 def record_trace(
     model_dir: str,
     prompts: list[str],
@@ -143,20 +158,14 @@ def record_trace(
     io_threads: int = 4,
 ) -> Trace:
     """Greedy generation over real prompts with the streaming engine, recording prefill and decode routing."""
-    from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model, load_tokenizer
     from weightstream.trace import save
 
     tokenizer = load_tokenizer(model_dir, required=True)
     model = load_streaming_model(model_dir, expert_cache=expert_cache, io_threads=io_threads)
-    recorder = RoutingRecorder(model.weightstream.layout, name=model.config.model_type)
-    model.weightstream.routing_observer = recorder
     try:
-        for i, prompt in enumerate(prompts):
-            recorder.request = f"prompt-{i}"
-            generate(model, torch.tensor([tokenizer(prompt).input_ids]), max(max_new_tokens, 1))
+        trace = record_routing(model, tokenizer, prompts, max_new_tokens, model.config.model_type)
     finally:
         model.weightstream.close()
-    trace = recorder.finish()
     save(trace, out_path)
     return trace

@@ -45,3 +45,39 @@ def plot_results(results: Sequence[Result], working_set_bytes: int, out: str | P
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+
+
+def plot_predictions(configs: Sequence[dict], working_set_bytes: int, out: str | Path, title: str = "") -> None:
+    """Write a PNG of `tune`'s predicted decode tok/s against expert cache size, one line per policy, the page
+    cache (which uses the whole expert budget) as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    expert = [c for c in configs if c["path"] == "expert-cache" and c["predicted_decode_tokens_per_s"]]
+    for policy in dict.fromkeys(c["policy"] for c in expert):
+        rows = sorted((c for c in expert if c["policy"] == policy), key=lambda c: c["cache_bytes"])
+        style = {"linestyle": "--", "color": "black"} if rows[0]["bound"] else {}
+        ax.plot(
+            [c["cache_bytes"] / GIB for c in rows],
+            [c["predicted_decode_tokens_per_s"] for c in rows],
+            marker="o",
+            markersize=3,
+            label=f"{policy} (bound)" if rows[0]["bound"] else policy,
+            **style,
+        )
+    for c in configs:
+        if c["path"] == "page-cache" and c["predicted_decode_tokens_per_s"]:
+            ax.axhline(c["predicted_decode_tokens_per_s"], color="grey", linestyle=":", label="page cache (all of it)")
+    ax.axvline(working_set_bytes / GIB, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("expert cache size (GiB)")
+    ax.set_ylabel("predicted decode tok/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

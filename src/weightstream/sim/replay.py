@@ -100,7 +100,8 @@ def _adaptive_inner(w: Workload, cache_bytes: int, slots: int | None, opts: Opti
     return "lru" if ratio < opts.threshold else "slru"
 
 
-def _pinned_set(w: Workload, slots: int, opts: Options) -> list[tuple[int, int]]:
+def pinned_set(w: Workload, slots: int, opts: Options) -> list[tuple[int, int]]:
+    """The experts `pinned` keeps at `slots`: the given ones, else the most used that leave room for any group."""
     # Keep enough unpinned slots for the largest wave; the rest hold the training share's favourites.
     return opts.pinned_keys if opts.pinned_keys is not None else w.pinned_keys(slots - min(slots, w.min_slots))
 
@@ -119,7 +120,7 @@ def _fast_hits(w: Workload, name: str, slots: int, cache_bytes: int, opts: Optio
         return belady_hits(w.keys, calls, w.n_keys, slots, w.next_use)
     static = np.zeros(w.n_keys, np.uint8)
     layer_pos = {layer: i for i, layer in enumerate(w.trace.shape.layers)}
-    for layer, expert in _pinned_set(w, slots, opts):
+    for layer, expert in pinned_set(w, slots, opts):
         static[layer_pos[layer] * w.trace.shape.n_experts + expert] = 1
     return kernels.pinned_hits(w.keys, calls, w.n_keys, slots, static)
 
@@ -136,7 +137,7 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
         keys = opts.pinned_keys
         if keys is None:
             keys = (
-                _pinned_set(w, slots, opts)
+                pinned_set(w, slots, opts)
                 if slots is not None
                 else w.pinned_keys(capacity, byte_limit=cache_bytes - w.min_bytes)
             )
@@ -155,21 +156,44 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
     return policy
 
 
-def _reference_misses(w: Workload, policy) -> tuple[int, np.ndarray]:
-    """Replay every group through access_layer in order (in waves when it outgrows the cache, as the runtime does)."""
+def _reference_hit_mask(w: Workload, policy) -> np.ndarray:
+    """Every access's hit (True) or miss through access_layer, groups in order (in waves when a group outgrows the
+    cache, as the runtime does); within a wave an expert listed again after its miss is a hit."""
     t = w.trace
     offsets, layers, experts = t.group_offsets.tolist(), t.group_layer.tolist(), t.experts.tolist()
-    layer_pos = {layer: i for i, layer in enumerate(t.shape.layers)}
-    misses, hits = np.zeros(len(t.shape.layers), np.int64), 0
+    hit = np.ones(len(experts), bool)
     waves = not isinstance(policy, ByteBudget)  # byte budgets are refused below the largest group instead
     for g in range(len(layers)):
         a, b = offsets[g], offsets[g + 1]
+        pos = a
         for wave in split_waves(experts[a:b], policy.capacity) if waves else [experts[a:b]]:
-            out = access_layer(policy, layers[g], wave)
-            if a >= w.count_from:
-                hits += len(out.hits)
-                misses[layer_pos[layers[g]]] += len(out.misses)
-    return hits, misses
+            missed = {e for _, e in access_layer(policy, layers[g], wave).misses}
+            for i, e in enumerate(wave):
+                if e in missed:
+                    hit[pos + i] = False
+                    missed.discard(e)
+            pos += len(wave)
+    return hit
+
+
+def _reference_misses(w: Workload, policy) -> tuple[int, np.ndarray]:
+    """Judged hits, and judged misses per layer, of the reference replay."""
+    hit = _reference_hit_mask(w, policy)[w.count_from :]
+    return int(hit.sum()), np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
+
+
+def access_hits(w: Workload, name: str, cache_bytes: int, opts: Options | None = None) -> np.ndarray:
+    """Hit (True) or miss of every access of `w` (warm-up part included) for one policy at one size.
+
+    The fast path where experts have one size, else the reference path; both decide what `run_one` counts.
+    """
+    opts = opts or Options()
+    if name not in SIM_POLICIES:
+        raise WeightstreamError(f"unknown policy {name!r}; choose from {', '.join(SIM_POLICIES)}")
+    slots = _capacity(w, int(cache_bytes))
+    if slots is not None:
+        return _fast_hits(w, name, slots, int(cache_bytes), opts).astype(bool)
+    return _reference_hit_mask(w, build_policy(w, name, slots, int(cache_bytes), opts))
 
 
 def run_one(w: Workload, name: str, cache_bytes: int, opts: Options | None = None, method: str = "auto") -> Result:

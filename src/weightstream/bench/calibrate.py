@@ -1,0 +1,237 @@
+"""`tune --calibrate`: seconds of the engine and the reader on this machine, the terms of `sim.overlap_model`.
+
+On one loaded model, with routing fixed by us (so that what is resident and what misses is known):
+1. the reader alone: batches of 1, 2, 4, ... top-k experts, as a layer's misses are queued (latency, bandwidth),
+   each read twice: where the second read is faster (a disk with a cache of its own, as a VM's host has), the
+   experts of the timed steps below are read once beforehand, as decode's misses were read before;
+2. page cache: every step chooses experts no step chose before, none in the page cache, through mmap (cost per
+   missed MiB, and how many bytes the kernel's readahead brings in per byte touched);
+3. compute only: the same top-k experts every step, resident after the first (dense and per-expert seconds),
+   alternating with the expert cache with every expert missing: a fresh set each step at a 1x cache (what reads
+   cost beyond overlap), so that a neighbour's burst of load hits both alike;
+4. a prefill of `PREFILL_TOKENS` tokens on resident experts (per-row seconds, dense seconds per token).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from weightstream.bench.read_timing import ExpertReads, read_timing
+from weightstream.cache.expert_cache import ExpertCache
+from weightstream.engine.page_cache_source import PageCacheSource
+from weightstream.io.pagecache import cached_bytes, evict_file
+from weightstream.sim.overlap_model import Measurements
+from weightstream.units import MIB
+
+ROUNDS = 2  # compute-only and all-miss runs alternate this many times
+DECODE_STEPS = 4  # compute-only decode steps timed per round (after the step that reads them in)
+MISS_STEPS = 3  # all-miss decode steps timed per round, expert cache
+PAGE_STEPS = 2  # all-miss decode steps timed, page cache (each reads a whole token's experts through faults)
+PREFILL_TOKENS = 32
+REPEAT_FASTER = 1.15  # the disk serves a repeated read this much faster than a first one: it caches (a VM's host)
+
+
+class FixedRouting:
+    """Routing override: at step s every token of routed layer i chooses `choose(s, i)` (a list of top-k experts)."""
+
+    def __init__(self, layers: list[int], choose: Callable[[int, int], list[int]]):
+        self.pos = {layer: i for i, layer in enumerate(layers)}
+        self.first, self.choose, self.step = layers[0], choose, -1
+
+    def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if layer == self.first:
+            self.step += 1
+        chosen = torch.tensor(self.choose(self.step, self.pos[layer]), dtype=top_k_index.dtype)
+        chosen = chosen.expand(top_k_index.shape[0], -1)
+        weights = torch.full(chosen.shape, 1.0 / chosen.shape[1], dtype=top_k_weights.dtype)
+        return chosen, weights
+
+
+class StepTimer(StoppingCriteria):
+    """Marks (time, seconds spent inside the experts so far) after every forward step of `generate`."""
+
+    def __init__(self, runtime):
+        self.runtime, self.expert_s, self.marks = runtime, 0.0, []
+        inner = runtime.experts_forward
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.expert_s += time.perf_counter() - start
+
+        runtime.experts_forward = timed  # an instance attribute: every experts module calls through it
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.marks.append((time.perf_counter(), self.expert_s))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def close(self) -> None:
+        del self.runtime.experts_forward
+
+
+def timed_steps(model, prompt: list[int], steps: int) -> tuple[tuple[float, float], list[tuple[float, float]]]:
+    """(prefill (seconds, expert seconds), [each decode step's (seconds, expert seconds)]) of `steps` forward steps."""
+    timer = StepTimer(model.weightstream)
+    try:
+        start = (time.perf_counter(), 0.0)
+        with torch.inference_mode():
+            model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                stopping_criteria=StoppingCriteriaList([timer]),
+            )
+    finally:
+        timer.close()
+    marks = [start, *timer.marks]
+    spans = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+    return spans[0], spans[1:]
+
+
+def _median(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(s for s, _ in spans), statistics.median(e for _, e in spans)
+
+
+def _cached(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            total += cached_bytes(fd)
+        finally:
+            os.close(fd)
+    return total
+
+
+def fresh_sets(n_experts: int, top_k: int, n_layers: int, seed: int) -> Callable[[int, int], list[int]]:
+    """Step s takes the s-th group of top-k experts of a random order per layer: no two steps of a cycle overlap."""
+    rng = np.random.default_rng(seed)
+    orders = [rng.permutation(n_experts).tolist() for _ in range(n_layers)]
+    return lambda step, pos: [orders[pos][(step * top_k + j) % n_experts] for j in range(top_k)]
+
+
+class Calibrator:
+    """Runs the four measurements on one loaded streaming model (its expert source is replaced as it goes)."""
+
+    def __init__(self, model, io_threads: int, chunk_bytes: int | None, progress=lambda msg: None):
+        self.model, self.runtime = model, model.weightstream
+        self.layout = self.runtime.layout
+        self.io_threads, self.chunk_bytes, self.say = io_threads, chunk_bytes, progress
+        self.layers = self.layout.layers
+        self.n_experts = min(self.layout.num_experts.values())
+        self.k = self.layout.top_k
+
+    def run(self) -> tuple[Measurements, dict]:
+        # dense weights are mapped from the checkpoint: touch them all before the page cache is measured, so that
+        # their first faults count neither as expert faults nor as expert pages brought in
+        self._route(fresh_sets(self.n_experts, self.k, len(self.layers), seed=0))
+        timed_steps(self.model, [1], 2)
+        self.runtime.cache.close()
+        self.say("reader: batches of misses, O_DIRECT")
+        reads = read_timing(self.layout, self.io_threads, self.chunk_bytes)
+        self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
+        page, page_amplification = self.page_cache()
+        self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
+        try:
+            decode = self.compute_and_misses()
+            prefill = self.prefill()
+        finally:
+            self.runtime.cache.close()
+        nbytes = max(e.nbytes for e in self.layout.experts.values())
+        m = Measurements(
+            layers=len(self.layers),
+            top_k=self.k,
+            **decode,
+            **prefill,
+            read_batches=reads["batches"],
+            read_seconds=reads["seconds"],
+            read_mib_per_expert=reads["mib_per_expert"],
+            page_step_s=page,
+            page_missed_mib=len(self.layers) * self.k * nbytes / MIB if page is not None else None,
+            page_cached_per_byte=page_amplification,
+        )
+        return m, {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
+
+    def _use(self, source) -> None:
+        self.runtime.cache = source
+
+    def _route(self, choose) -> None:
+        self.runtime.routing_override = FixedRouting(self.layers, choose)
+
+    def _prime(self, choose, steps: range) -> None:
+        """Where the disk serves repeated reads faster, read the experts of the timed steps once beforehand:
+        decode's misses are mostly experts read before, and the timed run should see them as decode does."""
+        if not self.prime:
+            return
+        keys = [(layer, e) for s in steps for pos, layer in enumerate(self.layers) for e in choose(s, pos)]
+        reads = ExpertReads(self.layout, self.io_threads, self.chunk_bytes, max_batch=2 * self.k)
+        try:
+            reads.prime(keys)
+        finally:
+            reads.close()
+
+    def page_cache(self) -> tuple[float | None, float | None]:
+        """(median seconds of a decode step whose every expert is faulted in cold through mmap, bytes the page
+        cache took in per expert byte touched: the kernel's readahead reads around each fault)."""
+        steps = min(PAGE_STEPS + 1, self.n_experts // self.k)
+        if steps < 2:
+            return None, None
+        self.say("page cache: experts through mmap, none of them in the page cache")
+        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=1)
+        self._prime(choose, range(1, steps))
+        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
+        before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
+        self._use(PageCacheSource(self.layout))
+        self._route(choose)
+        try:
+            _, decode = timed_steps(self.model, [1], steps)
+        finally:
+            self.runtime.cache.close()
+        touched = steps * len(self.layers) * self.k * max(e.nbytes for e in self.layout.experts.values())
+        return _median(decode)[0], max((_cached(paths) - before) / touched, 1.0)
+
+    def compute_and_misses(self) -> dict:
+        """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh
+        top-k per layer every step at a 1x cache), in alternating rounds so that both see the same machine."""
+        fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
+        resident, missing, misses = [], [], []
+        for round_ in range(ROUNDS):
+            self.say(f"compute only and every expert missing, round {round_ + 1} of {ROUNDS}")
+            self._route(lambda step, pos: fixed(0, pos))
+            resident += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
+            choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=10 + round_)
+            self._prime(choose, range(1, MISS_STEPS + 1))
+            self._route(choose)
+            before = self.runtime.cache.stats.misses
+            missing += timed_steps(self.model, [1], MISS_STEPS + 1)[1]
+            misses.append((self.runtime.cache.stats.misses - before) / (MISS_STEPS + 1) / len(self.layers))
+        step_s, expert_s = _median(resident)
+        return {
+            "decode_step_s": step_s,
+            "decode_expert_s": expert_s,
+            "miss_step_s": _median(missing)[0],
+            "miss_per_layer": statistics.mean(misses),
+        }
+
+    def prefill(self) -> dict:
+        """A prefill of `PREFILL_TOKENS` tokens on resident experts (every token choosing the same ones)."""
+        self.say("compute only: a prefill")
+        fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
+        self._route(lambda step, pos: fixed(0, pos))
+        timed_steps(self.model, [1], 1)  # reads them in
+        prefills = []
+        for _ in range(3):
+            self._route(lambda step, pos: fixed(0, pos))
+            prefills.append(timed_steps(self.model, [1] * PREFILL_TOKENS, 1)[0])
+        prefill_s, prefill_expert_s = _median(prefills)
+        return {"prefill_tokens": PREFILL_TOKENS, "prefill_step_s": prefill_s, "prefill_expert_s": prefill_expert_s}

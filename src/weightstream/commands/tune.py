@@ -1,0 +1,95 @@
+"""`weightstream tune`: what to run with this much memory, and how fast it will be.
+
+Budget from the checkpoint, routing from a trace or a short recording, a short calibration of this machine (saved
+next to the model), a search over policies and cache sizes and the page cache with the simulator, and the answer:
+a table, the exact `weightstream generate` command, and the llama.cpp equivalent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from weightstream.errors import WeightstreamError
+from weightstream.units import SIZE_HELP
+
+EPILOG = """\
+examples:
+  weightstream tune models/olmoe --memory 5GiB                          # built-in prompts, calibrate once
+  weightstream tune models/olmoe --memory 5GiB --prompts my.txt --json  # your prompts' routing
+  weightstream tune models/olmoe --memory 5GiB --trace ds.npz --plot tune.png
+  weightstream tune models/olmoe --memory 5GiB --cost-model bench.json  # bench's linear fit instead
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="recommend the expert cache size and policy (or the page cache) for a memory limit, with predicted speed",
+        description="Divides --memory into dense weights, KV cache, the runtime's overhead and an expert budget; "
+        "takes routing from a trace or records it on prompts; calibrates this machine briefly (saved next to the "
+        "model); replays the routing through every policy at every cache size that fits and through the page "
+        "cache; predicts decode tok/s with a cost model that overlaps reads with compute; recommends.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL_DIR")
+    p.add_argument("--memory", required=True, metavar="SIZE", help=f"memory the run may use in all: {SIZE_HELP}")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", metavar="TRACE", help="routing to judge by (.npz from `weightstream trace`)")
+    src.add_argument("--prompts", metavar="FILE", help="record routing on these prompts (one per line, or .jsonl)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=16, metavar="N", help="tokens per prompt when recording (default 16)"
+    )
+    cal = p.add_mutually_exclusive_group()
+    cal.add_argument("--calibrate", action="store_true", help="measure this machine again (else reuse the saved one)")
+    cal.add_argument("--cost-model", metavar="FILE", help="the linear cost model of a `weightstream bench --json`")
+    p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache to budget for (default 4096)")
+    p.add_argument("--io-threads", type=int, default=4, metavar="N", help="the engine's I/O threads (default 4)")
+    p.add_argument(
+        "--policies",
+        default="lru,slru,lfu,pinned,adaptive",
+        help="policies to search (default all; belady is the bound)",
+    )
+    p.add_argument("--gpu-memory", metavar="SIZE", help="llama.cpp advice: GPU memory, for --n-cpu-moe")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw predicted tok/s against cache size per policy")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def _check_args(args) -> None:
+    from weightstream.cache.policies import POLICY_NAMES
+
+    if args.max_new_tokens < 2:
+        raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: need at least 2 (one decode step)")
+    if args.context < 1:
+        raise WeightstreamError(f"--context {args.context}: need at least 1 token")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise WeightstreamError(f"--plot {args.plot}: its directory does not exist")
+    unknown = [n for n in args.policies.split(",") if n.strip() and n.strip() not in POLICY_NAMES]
+    if unknown or not args.policies.strip():
+        raise WeightstreamError(f"--policies: unknown {unknown}; choose from {', '.join(POLICY_NAMES)}")
+
+
+def run(args) -> int:
+    from weightstream.commands import tune_report
+    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.units import parse_size
+
+    _check_args(args)
+    started = time.perf_counter()
+    session = TuneSession(args.model, parse_size(args.memory, what="--memory"), args.context, args.io_threads)
+    try:
+        session.budget.check()
+        trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)
+        cost = session.cost(args.calibrate, args.cost_model)
+        policies = [n.strip() for n in args.policies.split(",") if n.strip()]
+        report = session.answer(trace, routing, cost, policies, args)
+    finally:
+        session.close()
+    report["timings_s"]["total"] = time.perf_counter() - started
+    if args.plot:
+        tune_report.plot(report, args.plot)
+    tune_report.emit(report, as_json=args.json)
+    return 0

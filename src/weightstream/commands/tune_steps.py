@@ -1,0 +1,178 @@
+"""The steps of `weightstream tune` on one model: budget, routing, cost model, search and answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from weightstream.bench.calibration_store import calibration_key, load_saved, read_cost_model, save, store_path
+from weightstream.engine.loader import read_layout
+from weightstream.errors import WeightstreamError
+from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, kv_cache_bytes
+from weightstream.sim.tune import ModelFacts
+from weightstream.store.checkpoint import open_checkpoint
+from weightstream.store.layout import ModelLayout
+
+BUILTIN_NOTE = (
+    "recorded on the built-in prompts: real prompts (--prompts FILE) or a trace of your workload give a better answer"
+)
+
+
+def say(msg: str) -> None:
+    print(f"[tune] {msg}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout to one object
+
+
+def model_facts(layout: ModelLayout) -> ModelFacts:
+    """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans."""
+    from weightstream.cache.slot_plan import plan_slot
+
+    file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+    firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
+    return ModelFacts(
+        layers=len(layout.layers),
+        n_experts=min(layout.num_experts.values()),
+        top_k=layout.top_k,
+        expert_nbytes=max(e.nbytes for e in layout.experts.values()),
+        slot_bytes=layout.slot_bytes,
+        read_bytes=max(plan_slot(e, file_sizes).aligned_bytes for e in firsts),
+        working_set_bytes=layout.working_set_bytes,
+    )
+
+
+class TuneSession:
+    """One model, one memory limit; loads the engine only when routing must be recorded or the machine measured."""
+
+    def __init__(self, model_dir: str, memory_bytes: int, context: int, io_threads: int):
+        if not os.path.isdir(model_dir):
+            raise WeightstreamError(f"{model_dir}: not a model directory (config.json + *.safetensors)")
+        self.model_dir, self.io_threads = model_dir, io_threads
+        self.config, self.layout = read_layout(model_dir)
+        self.ckpt = open_checkpoint(model_dir)
+        self.facts = model_facts(self.layout)
+        dtype_bytes = next(iter(self.layout.experts.values())).params[0].dtype.itemsize
+        self.budget = Budget(
+            memory_bytes,
+            sum(t.nbytes for t in self.layout.dense.values()),
+            kv_cache_bytes(self.config.get_text_config(), context, dtype_bytes),
+            RUNTIME_OVERHEAD_BYTES,
+            self.layout.working_set_bytes,
+            context,
+        )
+        self.store = store_path(model_dir)
+        self.model = None
+        self.timings: dict[str, float] = {}
+
+    def engine(self, cache_bytes: int | None = None):
+        """The streaming model, loaded once; its cache defaults to the whole budget (what the user can afford)."""
+        if self.model is None:
+            from weightstream.engine.loader import load_streaming_model
+
+            say("loading the engine")
+            cache = cache_bytes or min(self.budget.expert_bytes, len(self.layout.experts) * self.layout.slot_bytes)
+            self.model = load_streaming_model(self.model_dir, expert_cache=cache, io_threads=self.io_threads)
+        return self.model
+
+    def routing(self, trace_path: str | None, prompts_path: str | None, max_new_tokens: int):
+        """(routing trace in this model's shape, what it is) from a trace file, or recorded on prompts."""
+        from weightstream.engine.routing import layout_shape
+        from weightstream.trace import load
+        from weightstream.trace.remap import onto_shape
+
+        start = time.perf_counter()
+        shape = layout_shape(self.layout, self.config.model_type)
+        if trace_path:
+            source = load(trace_path)
+            trace = onto_shape(source, shape)
+            info = {"source": "trace", "file": trace_path, "trace_shape": source.shape.name}
+            if source.shape.to_dict() != {**shape.to_dict(), "name": source.shape.name}:
+                info["replayed"] = (
+                    f"{source.shape.name} routing replayed on this model as `bench --routing-trace` does: model "
+                    f"layer i takes trace layer i mod {len(source.shape.layers)}, top-{source.shape.top_k} of the trace"
+                )
+        else:
+            trace, info = self._record(prompts_path, max_new_tokens)
+        info.update(requests=len(trace.requests), tokens=trace.n_tokens, steps=trace.n_steps)
+        self.timings["routing_s"] = time.perf_counter() - start
+        return trace, info
+
+    def _record(self, prompts_path: str | None, max_new_tokens: int):
+        from weightstream.engine.loader import load_tokenizer
+        from weightstream.engine.prompts import BUILTIN_PROMPTS, read_prompts
+        from weightstream.engine.routing import record_routing
+        from weightstream.trace import save as save_trace
+
+        prompts = read_prompts(prompts_path) if prompts_path else list(BUILTIN_PROMPTS)
+        tokenizer = load_tokenizer(self.model_dir, required=True)
+        model = self.engine()
+        say(f"recording routing: {len(prompts)} prompt(s) x {max_new_tokens} tokens")
+        trace = record_routing(model, tokenizer, prompts, max_new_tokens, self.config.model_type)
+        info = {"source": "recorded", "prompts": prompts_path or "built-in", "max_new_tokens": max_new_tokens}
+        if not prompts_path:
+            info["note"] = BUILTIN_NOTE
+        try:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            save_trace(trace, self.store.parent / "routing-recorded.npz")
+            info["saved_to"] = str(self.store.parent / "routing-recorded.npz")
+        except OSError:
+            pass
+        return trace, info
+
+    def cost(self, calibrate: bool, cost_model_path: str | None) -> dict:
+        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}."""
+        from weightstream.sim.overlap_model import CostParams
+
+        start = time.perf_counter()
+        key = calibration_key(self.ckpt, self.io_threads, None)
+        saved = None if calibrate else load_saved(self.store, key)
+        if cost_model_path:
+            linear = read_cost_model(cost_model_path)
+            params = CostParams.from_dict(saved["params"]) if saved else None
+            info = {"source": f"bench cost model {cost_model_path}", "linear": linear.to_dict()}
+            if params is None:
+                info["page_cache"] = "not predicted: no saved calibration (run tune --calibrate once)"
+            return {"params": params, "linear": linear, "info": info}
+        if saved:
+            info = {"source": f"saved {self.store}", "created": saved["created"], "params": saved["params"]}
+            return {"params": CostParams.from_dict(saved["params"]), "linear": None, "info": info}
+        params, info = self._calibrate(key)
+        self.timings["calibration_s"] = time.perf_counter() - start
+        return {"params": params, "linear": None, "info": info}
+
+    def _calibrate(self, key: dict):
+        from weightstream.bench.calibrate import Calibrator
+        from weightstream.sim.overlap_model import fit_cost_params
+
+        say("calibrating this machine (once per model and setting; --calibrate measures again)")
+        model = self.engine(self.layout.working_set_bytes)  # calibration brings its own caches
+        measurements, extra = Calibrator(model, self.io_threads, None, progress=say).run()
+        self.close()  # the calibration replaced the engine's cache: it is spent
+        params = fit_cost_params(measurements)
+        info = {"source": "measured now", "params": params.to_dict(), "measurements": measurements.to_dict()}
+        try:
+            save(self.store, key, params, measurements.to_dict(), extra)
+            info["saved_to"] = str(self.store)
+        except OSError as exc:
+            info["not_saved"] = f"{self.store}: {exc.strerror}"
+        return params, info
+
+    def answer(self, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
+        from weightstream.commands.tune_report import build_report
+
+        start = time.perf_counter()
+        report = build_report(self, trace, routing, cost, policies, args)
+        report["timings_s"] = {**self.timings, "search_s": time.perf_counter() - start}
+        return report
+
+    def write_pinned(self, keys: list[tuple[int, int]], slots: int) -> str:
+        """Save a pinned set for `generate --pinned-experts` next to the calibration; returns its path."""
+        path = self.store.parent / f"pinned-{slots}-slots.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pinned_experts": [list(k) for k in keys], "slots": slots}))
+        return str(path)
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.weightstream.close()
+            self.model = None

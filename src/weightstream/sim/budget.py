@@ -1,0 +1,131 @@
+"""The memory budget `tune` divides: dense weights, KV cache for a context, the runtime's overhead, and experts.
+
+What is left after the first three is the expert budget: the most an expert cache may hold, and the room the
+kernel's page cache gets for expert pages on the page-cache path. Both count against a cgroup memory limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightstream.errors import WeightstreamError
+from weightstream.units import GIB, MIB, format_bytes
+
+# Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
+# and heap), the tokenizer, activations and the reader's bookkeeping. Measured with benchmarks/tune_overhead.py
+# (docs/tune.md): 465 MiB on a tiny OLMoE (all of it libraries and heap), 348 MiB on the 4-layer OLMoE-shaped
+# model, 256-token prompt; `bench` runs of the 16-layer one show 377-446 MiB. Stated with 10% headroom.
+RUNTIME_OVERHEAD_BYTES = 512 * MIB
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Bytes by part for one memory limit; `expert_bytes` is what is left for experts (cache or page cache)."""
+
+    memory_bytes: int
+    dense_bytes: int
+    kv_cache_bytes: int
+    runtime_overhead_bytes: int
+    working_set_bytes: int  # one decode token's experts as the cache holds them (the runtime's 1x)
+    context_tokens: int
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.memory_bytes - self.dense_bytes - self.kv_cache_bytes - self.runtime_overhead_bytes
+
+    @property
+    def min_memory_bytes(self) -> int:
+        """The smallest memory limit whose expert budget holds one token's working set."""
+        return self.memory_bytes - self.expert_bytes + self.working_set_bytes
+
+    def check(self) -> None:
+        """Raise a clear error when the expert budget is below one token's working set."""
+        if self.expert_bytes >= self.working_set_bytes:
+            return
+        raise WeightstreamError(
+            f"--memory {format_bytes(self.memory_bytes)} leaves {format_bytes(max(self.expert_bytes, 0))} for "
+            f"experts after dense weights ({format_bytes(self.dense_bytes)}), the KV cache of "
+            f"{self.context_tokens} tokens ({format_bytes(self.kv_cache_bytes)}) and the runtime "
+            f"({format_bytes(self.runtime_overhead_bytes)}); one token's working set is "
+            f"{format_bytes(self.working_set_bytes)}, so no expert cache fits. Use --memory "
+            f"{self.min_memory_bytes / GIB:.2f}GiB or more (or a shorter --context); below that only the "
+            "page cache (mmap) can run this model, reading most of every token's experts from disk"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "memory_bytes": self.memory_bytes,
+            "dense_bytes": self.dense_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "runtime_overhead_bytes": self.runtime_overhead_bytes,
+            "expert_bytes": self.expert_bytes,
+            "working_set_bytes": self.working_set_bytes,
+            "context_tokens": self.context_tokens,
+        }
+
+
+def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
+    """Bytes transformers' DynamicCache holds for `context` tokens of one sequence.
+
+    Per layer and token: keys and values of every KV head (2 x kv_heads x head_dim), or for multi-head latent
+    attention (DeepSeek V2/V3) the compressed latent and the rotary key (kv_lora_rank + qk_rope_head_dim), which is
+    what transformers caches for them. Sliding-window layers keep at most their window.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    per_token = _kv_elements_per_token(text_config) * dtype_bytes
+    total = 0
+    for kind, kwargs in zip(layer_types, layer_kwargs):
+        if kind == "dummy":
+            continue
+        window = kwargs.get("sliding_window")
+        total += per_token * (min(context, window) if window else context)
+    return total
+
+
+def _kv_elements_per_token(cfg) -> int:
+    if getattr(cfg, "kv_lora_rank", None):
+        return int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * int(heads) * int(head_dim)
+
+
+def dense_bytes_of_config(fields: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of every parameter and buffer outside the experts modules, from config fields alone (a meta model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightstream.store.layout import experts_modules
+
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    experts = set(experts_modules(model))
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return sum(t.numel() * t.element_size() for name, t in tensors if name.rpartition(".")[0] not in experts)
+
+
+def budget_of_config(
+    fields: dict, memory_bytes: int, context: int = DEFAULT_CONTEXT, dtype_bytes: int = 2, overhead: int | None = None
+) -> Budget:
+    """The budget of a model known only by its config fields (working set from the config's expert shape)."""
+    from transformers import AutoConfig
+
+    from weightstream.trace.shapes import shape_from_config
+
+    rest = {k: v for k, v in fields.items() if k != "model_type"}
+    text_config = AutoConfig.for_model(fields["model_type"], **rest).get_text_config()
+    shape = shape_from_config(fields, "config", dtype_bytes=dtype_bytes)
+    return Budget(
+        memory_bytes,
+        dense_bytes_of_config(fields, dtype_bytes),
+        kv_cache_bytes(text_config, context, dtype_bytes),
+        RUNTIME_OVERHEAD_BYTES if overhead is None else overhead,
+        shape.working_set_bytes,
+        context,
+    )

@@ -1,0 +1,158 @@
+"""Time per step from what the simulator says each layer misses, with reads overlapped with compute as the engine does.
+
+The engine computes a layer's resident experts while the I/O threads read its misses, then each late expert as soon
+as its own bytes land; a layer's reads are all awaited before the next layer. With n experts to compute in a layer,
+m of them missing, c seconds of compute per expert, the first miss landing after `lat` and each further one `r`
+later (r = read MiB per expert x seconds per MiB at the reader's bandwidth):
+
+    layer(n, 0) = n c
+    layer(n, m) = max(n c,  lat + m r + c,  lat + r + m c)
+
+(all compute; the last read then its expert; the first read then every late expert back to back). Per step:
+
+    expert cache:  T = dense(tokens) + sum over layers of layer(n, m) + g x MiB missed
+    page cache:    T = dense(tokens) + sum over layers of n c        + p x MiB missed
+
+where g is the reads' cost that does not overlap (I/O threads' CPU, packs), p the page cache's cost per missed MiB
+(mmap faults stall the computing thread, no overlap), dense(tokens) = dense_s + (tokens - 1) dense_per_token_s and
+c = expert_call_s + rows per expert x expert_row_s. `docs/tune.md` derives it and says how each term is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from weightstream.sim.cost_model import CostModel
+
+
+@dataclass(slots=True)
+class CostParams:
+    """Calibrated seconds for one model on one machine at one I/O setting."""
+
+    dense_s: float  # per decode step, outside the experts: attention, norms, routers, lm_head, the loop
+    dense_per_token_s: float  # extra dense seconds per further token of a batched (prefill) step
+    expert_call_s: float  # per expert computed in a layer
+    expert_row_s: float  # per token row through one expert
+    read_latency_s: float  # from queueing a layer's misses to the first one landing
+    read_s_per_mib: float  # 1 / the reader's bandwidth at the engine's I/O threads
+    nonoverlap_s_per_mib: float = 0.0
+    page_cache_s_per_mib: float | None = None
+    page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostParams:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(slots=True)
+class StepLoad:
+    """What each step makes a cache do, from the simulator: experts computed and missed per (step, layer)."""
+
+    tokens: np.ndarray  # [S] tokens each step computes
+    distinct: np.ndarray  # [S, L] distinct experts computed per layer
+    misses: np.ndarray  # [S, L] of those, missed
+    top_k: int  # choices per token per layer
+
+    def rows_per_expert(self) -> np.ndarray:
+        """[S, L] mean token rows through each computed expert."""
+        return self.tokens[:, None] * self.top_k / np.maximum(self.distinct, 1)
+
+
+def layer_seconds(n, m, c, latency: float, r) -> np.ndarray:
+    """One layer's time: n experts of c seconds each, m of them read (first after `latency`, then one per r)."""
+    n, m, c, r = (np.asarray(x, float) for x in (n, m, c, r))
+    overlapped = np.maximum.reduce([n * c, latency + m * r + c, latency + r + m * c])
+    return np.where(m > 0, overlapped, n * c)
+
+
+def dense_seconds(p: CostParams, tokens: np.ndarray) -> np.ndarray:
+    return p.dense_s + (np.asarray(tokens, float) - 1) * p.dense_per_token_s
+
+
+def expert_cache_step_s(p: CostParams, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
+    """[S] predicted seconds of each step through the expert cache."""
+    c = p.expert_call_s + load.rows_per_expert() * p.expert_row_s
+    r = read_mib_per_expert * p.read_s_per_mib
+    layers = layer_seconds(load.distinct, load.misses, c, p.read_latency_s, r).sum(axis=1)
+    missed_mib = load.misses.sum(axis=1) * read_mib_per_expert
+    return dense_seconds(p, load.tokens) + layers + p.nonoverlap_s_per_mib * missed_mib
+
+
+def page_cache_step_s(p: CostParams, load: StepLoad, mib_per_expert: float) -> np.ndarray:
+    """[S] predicted seconds of each step through mmap and the page cache (faults are not overlapped)."""
+    if p.page_cache_s_per_mib is None:
+        raise ValueError("no page-cache calibration")
+    c = p.expert_call_s + load.rows_per_expert() * p.expert_row_s
+    compute = (load.distinct * c).sum(axis=1)
+    return dense_seconds(p, load.tokens) + compute + p.page_cache_s_per_mib * load.misses.sum(axis=1) * mib_per_expert
+
+
+def linear_step_s(model: CostModel, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
+    """[S] the fallback: bench's fitted line, fixed + per MiB read (fitted on decode steps only)."""
+    return model.fixed_s + model.per_mib_s * load.misses.sum(axis=1) * read_mib_per_expert
+
+
+@dataclass(slots=True)
+class Measurements:
+    """Raw calibration timings (medians, seconds) that `fit_cost_params` turns into CostParams."""
+
+    layers: int
+    top_k: int
+    decode_step_s: float  # compute only: every expert resident
+    decode_expert_s: float  # of which inside the experts
+    prefill_tokens: int
+    prefill_step_s: float  # compute only, every token choosing the same top-k experts
+    prefill_expert_s: float
+    read_batches: list[int]  # experts per batch queued at once
+    read_seconds: list[float]  # time until each batch had landed
+    read_mib_per_expert: float
+    miss_step_s: float  # every chosen expert missing (a fresh set each step), through the expert cache
+    miss_per_layer: float  # misses per layer per step in that run
+    page_step_s: float | None = None  # every chosen expert missing, through mmap, cold
+    page_missed_mib: float | None = None  # MiB faulted in per step there
+    page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_read_line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(latency, seconds per expert) of t = latency + experts x per expert, least squares, neither below 0."""
+    x, y = np.asarray(batches, float), np.asarray(seconds, float)
+    if len(x) < 2 or np.ptp(x) == 0:
+        raise ValueError("the read line needs batches of at least two sizes")
+    slope, intercept = np.polyfit(x, y, 1)
+    if intercept < 0:  # a negative latency is noise: refit through the origin
+        return 0.0, float((x @ y) / (x @ x))
+    return float(intercept), max(float(slope), 0.0)
+
+
+def fit_cost_params(m: Measurements) -> CostParams:
+    """Solve the model's terms from the calibration runs (each clamped at 0: timing noise is not a negative cost)."""
+    per_expert = m.decode_expert_s / (m.layers * m.top_k)  # one call with one row
+    per_expert_prefill = m.prefill_expert_s / (m.layers * m.top_k)  # one call with `prefill_tokens` rows
+    row = max((per_expert_prefill - per_expert) / max(m.prefill_tokens - 1, 1), 0.0)
+    dense = max(m.decode_step_s - m.decode_expert_s, 0.0)
+    dense_prefill = m.prefill_step_s - m.prefill_expert_s
+    latency, per_read = fit_read_line(m.read_batches, m.read_seconds)
+    p = CostParams(
+        dense_s=dense,
+        dense_per_token_s=max((dense_prefill - dense) / max(m.prefill_tokens - 1, 1), 0.0),
+        expert_call_s=max(per_expert - row, 0.0),
+        expert_row_s=row,
+        read_latency_s=latency,
+        read_s_per_mib=per_read / m.read_mib_per_expert,
+    )
+    overlapped = dense + m.layers * float(layer_seconds(m.top_k, m.miss_per_layer, per_expert, latency, per_read))
+    missed_mib = m.layers * m.miss_per_layer * m.read_mib_per_expert
+    p.nonoverlap_s_per_mib = max((m.miss_step_s - overlapped) / missed_mib, 0.0) if missed_mib else 0.0
+    if m.page_step_s is not None and m.page_missed_mib:
+        compute = dense + m.layers * m.top_k * per_expert
+        p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
+        p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
+    return p

@@ -1,0 +1,198 @@
+"""`tune`'s search: every policy at every cache size that fits, and the page cache, replayed and turned into speed.
+
+The routing is a trace in the model's shape (`trace.remap.onto_shape`), replayed from an empty cache with every
+access counted, as a fresh engine would run it. Each (policy, size) gives misses per step and layer; the cost model
+(`overlap_model`, or bench's linear fit) turns them into seconds per step. Decode figures count the single-token
+steps after each request's first step; prefill is each request's first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from weightstream.cache.policies import POLICY_NAMES
+from weightstream.sim.cost_model import CostModel
+from weightstream.sim.overlap_model import (
+    CostParams,
+    StepLoad,
+    expert_cache_step_s,
+    linear_step_s,
+    page_cache_step_s,
+)
+from weightstream.sim.replay import Options, access_hits
+from weightstream.sim.workload import Workload
+from weightstream.trace import Trace
+from weightstream.units import MIB
+
+TUNE_POLICIES = POLICY_NAMES  # lru, slru, lfu, pinned, adaptive; belady is the bound
+MULTIPLES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+ADAPTIVE_THRESHOLD = 1.8
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the search needs of the checkpoint and the runtime."""
+
+    layers: int  # routed layers
+    n_experts: int  # per layer
+    top_k: int  # the model's own
+    expert_nbytes: int  # one expert's bytes (what the page cache holds of it)
+    slot_bytes: int  # one cache slot
+    read_bytes: int  # what the reader fetches for one miss (4 KiB-aligned spans)
+    working_set_bytes: int  # one token's working set as the runtime counts it (its 1x)
+
+    @property
+    def total_experts(self) -> int:
+        return self.layers * self.n_experts
+
+
+@dataclass(slots=True)
+class Config:
+    """One configuration's simulated reads and predicted speed."""
+
+    path: str  # expert-cache or page-cache
+    policy: str
+    cache_bytes: int
+    slots: int
+    hit_rate: float  # decode lookups
+    mib_read_per_token: float  # decode
+    predicted_decode_tokens_per_s: float | None
+    predicted_prefill_s: float | None
+    bound: bool = False  # Belady: what no policy can beat
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "policy": self.policy,
+            "cache_bytes": self.cache_bytes,
+            "slots": self.slots,
+            "hit_rate": self.hit_rate,
+            "mib_read_per_token": self.mib_read_per_token,
+            "predicted_decode_tokens_per_s": self.predicted_decode_tokens_per_s,
+            "predicted_prefill_s": self.predicted_prefill_s,
+            "bound": self.bound,
+            **self.extra,
+        }
+
+
+class Steps:
+    """Per-access step and layer indices of a workload, and which steps are decode and which prefill."""
+
+    def __init__(self, w: Workload):
+        t = w.trace
+        self.n_steps, self.n_layers = t.n_steps, len(t.shape.layers)
+        gid = np.repeat(np.arange(len(t.group_layer)), np.diff(t.group_offsets))
+        step_of_group = np.repeat(np.arange(t.n_steps), np.diff(t.step_groups))
+        layer_of_group = np.searchsorted(np.asarray(t.shape.layers), t.group_layer)
+        self.cell = (step_of_group * self.n_layers + layer_of_group)[gid]  # (step, layer) of each access
+        pairs = np.unique(gid.astype(np.int64) * w.n_keys + w.keys)  # distinct (group, expert)
+        cells = (step_of_group * self.n_layers + layer_of_group)[pairs // w.n_keys]
+        self.distinct = np.bincount(cells, minlength=self.n_steps * self.n_layers).reshape(self.n_steps, -1)
+        first = np.r_[True, t.step_request[1:] != t.step_request[:-1]]
+        self.prefill = first
+        self.decode = ~first & (t.step_tokens == 1)
+        self.tokens, self.top_k = t.step_tokens.astype(np.int64), t.shape.top_k
+
+    def load(self, hit: np.ndarray) -> StepLoad:
+        misses = np.bincount(self.cell[~hit], minlength=self.n_steps * self.n_layers).reshape(self.n_steps, -1)
+        return StepLoad(self.tokens, self.distinct, misses, self.top_k)
+
+    def decode_hit_rate(self, hit: np.ndarray) -> float:
+        mask = self.decode[self.cell // self.n_layers]
+        return float(hit[mask].mean()) if mask.any() else float(hit.mean())
+
+
+def cache_sizes(facts: ModelFacts, expert_budget: int) -> list[int]:
+    """Cache sizes from 1x to the budget (each a distinct slot count), the budget itself last."""
+    all_experts = facts.total_experts * facts.slot_bytes
+    top = min(expert_budget, all_experts)
+    sizes = [int(m * facts.working_set_bytes) for m in MULTIPLES if m * facts.working_set_bytes <= top] + [top]
+    by_slots = {min(s // facts.slot_bytes, facts.total_experts): s for s in sizes}
+    return sorted(by_slots.values())
+
+
+class Search:
+    """Replays one routing trace (in the model's shape) and predicts each configuration's speed."""
+
+    def __init__(self, trace: Trace, facts: ModelFacts, params: CostParams | None, linear: CostModel | None = None):
+        self.w, self.facts, self.params, self.linear = Workload(trace, 0.0), facts, params, linear
+        self.steps = Steps(self.w)
+        self.sim_expert_bytes = trace.shape.expert_bytes[0]
+        # the runtime's adaptive compares slots with the model's top-k working set, the simulator with the trace's
+        ratio = facts.top_k * facts.layers / trace.shape.working_set_slots
+        self.options = Options(threshold=ADAPTIVE_THRESHOLD * ratio)
+
+    def expert_cache(self, policy: str, cache_bytes: int) -> Config:
+        """`policy` at `cache_bytes` of runtime budget (slots as the runtime counts them)."""
+        slots = min(cache_bytes // self.facts.slot_bytes, self.facts.total_experts)
+        hit = access_hits(self.w, policy, slots * self.sim_expert_bytes, self.options)
+        load = self.steps.load(hit)
+        read_mib = self.facts.read_bytes / MIB
+        if self.linear is not None:
+            seconds = linear_step_s(self.linear, load, read_mib)
+        elif self.params is not None:
+            seconds = expert_cache_step_s(self.params, load, read_mib)
+        else:
+            seconds = None
+        return self._config(
+            "expert-cache", policy, cache_bytes, slots, hit, load, read_mib, seconds, policy == "belady"
+        )
+
+    def page_cache(self, room_bytes: int) -> Config:
+        """mmap with `room_bytes` of page cache for experts, modelled as LRU over whole experts; each miss takes
+        the calibrated readahead's share of room and of bytes read."""
+        known = self.params is not None and self.params.page_cache_s_per_mib is not None
+        spread = self.params.page_cached_per_byte if known else 1.0
+        slots = max(min(int(room_bytes / (self.facts.expert_nbytes * spread)), self.facts.total_experts), 1)
+        hit = access_hits(self.w, "lru", max(slots, self.w.min_slots) * self.sim_expert_bytes, self.options)
+        load = self.steps.load(hit)
+        mib = self.facts.expert_nbytes / MIB
+        seconds = page_cache_step_s(self.params, load, mib) if known else None
+        config = self._config("page-cache", "kernel (lru model)", room_bytes, slots, hit, load, mib * spread, seconds)
+        config.extra = {"page_cached_per_byte": spread}
+        return config
+
+    def _config(self, path, policy, cache_bytes, slots, hit, load, mib_per_miss, seconds, bound=False) -> Config:
+        decode = self.steps.decode
+        steps_missed = load.misses.sum(axis=1)
+        mib_per_token = float(steps_missed[decode].mean() * mib_per_miss) if decode.any() else 0.0
+        tok_s = prefill = None
+        if seconds is not None and decode.any():
+            tok_s = float(decode.sum() / seconds[decode].sum())
+            prefill = None if self.linear is not None else float(seconds[self.steps.prefill].mean())
+        return Config(
+            path,
+            policy,
+            int(cache_bytes),
+            int(slots),
+            self.steps.decode_hit_rate(hit),
+            mib_per_token,
+            tok_s,
+            prefill,
+            bound,
+        )
+
+    def run(self, expert_budget: int, policies=TUNE_POLICIES, sizes: list[int] | None = None) -> list[Config]:
+        """Every policy (and Belady) at every size, then the page cache with the whole expert budget."""
+        sizes = sizes or cache_sizes(self.facts, expert_budget)
+        configs = []
+        for size in sizes:
+            bound = self.expert_cache("belady", size)
+            for policy in policies:
+                config = self.expert_cache(policy, size)
+                config.extra = _distance(config, bound)
+                configs.append(config)
+            configs.append(bound)
+        configs.append(self.page_cache(expert_budget))
+        return configs
+
+
+def _distance(config: Config, bound: Config) -> dict:
+    """How far a configuration is from Belady's bound at its size."""
+    out = {"belady_mib_read_per_token": bound.mib_read_per_token}
+    if config.predicted_decode_tokens_per_s and bound.predicted_decode_tokens_per_s:
+        out["of_belady_tokens_per_s"] = config.predicted_decode_tokens_per_s / bound.predicted_decode_tokens_per_s
+    return out

@@ -1,0 +1,102 @@
+"""tune's budget arithmetic: KV bytes against transformers' own cache, real configs against published sizes."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from weightstream.errors import WeightstreamError
+from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of_config, kv_cache_bytes
+from weightstream.store.presets import REAL, TINY, preset_config
+from weightstream.trace.shapes import shape_from_config
+from weightstream.units import GIB, MIB
+
+
+def _cache_storage_bytes(cache) -> int:
+    """Bytes of the distinct storages behind a DynamicCache (a sliding layer's view keeps its whole tensor alive)."""
+    seen = {}
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None and t.numel():
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_kv_bytes_equal_what_transformers_caches_after_a_decode_step(arch):
+    fields = preset_config("tiny", arch)
+    if arch == "gpt_oss":
+        fields["sliding_window"] = 8  # shorter than the context, so the window is what is kept
+    fields.pop("model_type")
+    config = AutoConfig.for_model(TINY[arch]["model_type"], **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompt = 13
+    with torch.inference_mode():
+        out = model(torch.arange(1, 1 + prompt).unsqueeze(0), use_cache=True)
+        out = model(torch.tensor([[5]]), cache=out.past_key_values, use_cache=True)
+    expected = kv_cache_bytes(config.get_text_config(), prompt + 1, 4)
+    assert _cache_storage_bytes(out.past_key_values) == expected
+
+
+# Published parameter counts (bf16 here: 2 bytes each); gpt-oss-20b's experts are MXFP4 upstream, bf16 here.
+PUBLISHED_PARAMS = {
+    "olmoe-1b-7b": 6.92e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "deepseek-v2-lite": 15.7e9,
+    "mixtral-8x7b": 46.7e9,
+    "gpt-oss-20b": 20.9e9,
+}
+KV_PER_TOKEN = {  # bytes per token, by hand from each config.json
+    "olmoe-1b-7b": 16 * 2 * 16 * 128 * 2,  # layers x (k, v) x kv heads x head dim x bf16
+    "qwen3-30b-a3b": 48 * 2 * 4 * 128 * 2,
+    "deepseek-v2-lite": 27 * (512 + 64) * 2,  # MLA: the compressed latent and the rotary key, per layer
+    "mixtral-8x7b": 32 * 2 * 8 * 128 * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_configs_dense_plus_experts_is_the_published_size(name):
+    budget = budget_of_config(REAL[name], 64 * GIB, context=4096)
+    shape = shape_from_config(REAL[name], name)
+    experts = shape.n_experts * sum(shape.expert_bytes)
+    assert (budget.dense_bytes + experts) / 2 == pytest.approx(PUBLISHED_PARAMS[name], rel=0.02)
+    assert budget.expert_bytes == 64 * GIB - budget.dense_bytes - budget.kv_cache_bytes - RUNTIME_OVERHEAD_BYTES
+    assert budget.working_set_bytes == shape.working_set_bytes
+
+
+@pytest.mark.parametrize("name", sorted(KV_PER_TOKEN))
+def test_real_configs_kv_bytes_by_hand(name):
+    assert budget_of_config(REAL[name], 64 * GIB, context=4096).kv_cache_bytes == 4096 * KV_PER_TOKEN[name]
+
+
+def test_gpt_oss_sliding_layers_keep_their_window_only():
+    fields = dict(REAL["gpt-oss-20b"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    per_layer_token = 2 * 8 * 64 * 2
+    assert kv_cache_bytes(config, 4096, 2) == 12 * 4096 * per_layer_token + 12 * 128 * per_layer_token
+
+
+def test_olmoe_dense_bytes_by_hand():
+    h, v, layers, experts = 2048, 50304, 16, 64
+    per_layer = 4 * h * h + 2 * h + 2 * h + experts * h  # q k v o, q/k norms, two layer norms, router
+    rotary = 2 * 64 * 4  # inv_freq and original_inv_freq buffers, fp32, head dim 128 / 2
+    expected = 2 * (2 * v * h + layers * per_layer + h) + rotary  # embeddings, lm_head, layers, final norm
+    assert budget_of_config(REAL["olmoe-1b-7b"], 8 * GIB).dense_bytes == expected
+
+
+def test_a_budget_below_one_working_set_is_refused_with_the_minimum():
+    budget = budget_of_config(REAL["gpt-oss-20b"], 6 * GIB, context=4096)
+    with pytest.raises(WeightstreamError, match=r"no expert cache fits. Use --memory (\d+\.\d+)GiB") as info:
+        budget.check()
+    minimum = float(info.value.args[0].split("Use --memory ")[1].split("GiB")[0])
+    assert minimum * GIB == pytest.approx(budget.min_memory_bytes, abs=0.01 * GIB)
+    fits = budget_of_config(REAL["gpt-oss-20b"], int(minimum * GIB) + 16 * MIB, context=4096)
+    fits.check()  # the stated minimum is enough
+    assert fits.expert_bytes >= fits.working_set_bytes
+
+
+def test_budget_parts_add_up():
+    b = Budget(8 * GIB, 1 * GIB, 512 * MIB, 512 * MIB, 2 * GIB, 4096)
+    assert b.expert_bytes == 6 * GIB
+    assert b.to_dict()["expert_bytes"] == 6 * GIB
+    b.check()

@@ -1,0 +1,122 @@
+"""`weightstream tune` as a user runs it: one JSON answer, a command that runs, a saved calibration, clear errors."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from weightstream.cli import main
+from weightstream.store.presets import preset_config
+from weightstream.store.synth import synthesize
+
+from _real_traces import deepseek
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny OLMoE of its own: tune writes its calibration next to it."""
+    out = str(tmp_path_factory.mktemp("tune") / "model")
+    synthesize(out, preset_config("tiny", "olmoe"), dtype="bf16", seed=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_tune(model_dir, tmp_path_factory):
+    plot = tmp_path_factory.mktemp("plot") / "tune.png"
+    r = run_cli("tune", model_dir, "--memory", "1GiB", "--max-new-tokens", "6", "--plot", str(plot), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr, plot
+
+
+def test_tune_answers_in_one_json_object(first_tune):
+    report, stderr, plot = first_tune
+    assert "built-in prompts" in report["routing"]["note"]  # says that real prompts give a better answer
+    assert set(report["budget"]) >= {"dense_bytes", "kv_cache_bytes", "runtime_overhead_bytes", "expert_bytes"}
+    assert report["calibration"]["source"] == "measured now" and report["cost_model"] == "overlap"
+    paths = {c["path"] for c in report["configs"]}
+    assert paths == {"expert-cache", "page-cache"}
+    policies = {c["policy"] for c in report["configs"] if c["path"] == "expert-cache"}
+    assert policies == {"lru", "slru", "lfu", "pinned", "adaptive", "belady"}
+    for c in report["configs"]:
+        assert {"cache_bytes", "hit_rate", "mib_read_per_token", "predicted_decode_tokens_per_s"} <= set(c)
+        assert c["predicted_decode_tokens_per_s"] > 0 and 0 <= c["hit_rate"] <= 1
+        assert c["cache_bytes"] <= report["budget"]["expert_bytes"]
+    rec = report["recommendation"]
+    assert rec["command"][:3] == ["weightstream", "generate", report["model"]]
+    assert (
+        rec["predicted_decode_tokens_per_s"]
+        == max(c["predicted_decode_tokens_per_s"] for c in report["configs"] if not c["bound"])
+        or "LRU within" in rec["reason"]
+    )
+    assert any("llama.cpp" in line for line in report["llama_cpp"])
+    assert plot.stat().st_size > 0 and "[tune] calibrating" in stderr
+
+
+def test_the_recommended_command_runs(first_tune):
+    command = first_tune[0]["recommendation"]["command"]
+    r = run_cli(*command[1:], "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == int(command[command.index("--max-new-tokens") + 1])
+
+
+def test_the_next_tune_reuses_the_calibration_and_a_pinned_answer_runs(first_tune, model_dir, capsys):
+    assert main(["tune", model_dir, "--memory", "1GiB", "--max-new-tokens", "6", "--policies", "pinned", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["calibration"]["source"].startswith("saved ")
+    rec = report["recommendation"]
+    if rec["path"] == "expert-cache":  # the page cache may be predicted faster on this tiny model
+        assert rec["policy"] == "pinned" and rec["pinned_experts_file"] in rec["command"]
+        r = run_cli(*rec["command"][1:])
+        assert r.returncode == 0, r.stderr
+
+
+def test_a_trace_of_the_model_and_a_bench_cost_model(first_tune, model_dir, tmp_path, capsys):
+    trace = first_tune[0]["routing"]["saved_to"]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"cost_model": {"fixed_s": 0.02, "per_mib_s": 0.001, "r2": 0.9, "points": 8}}))
+    assert main(["tune", model_dir, "--memory", "1GiB", "--trace", trace, "--cost-model", str(bench), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cost_model"] == "linear (bench)" and report["routing"]["source"] == "trace"
+    expert = [c for c in report["configs"] if c["path"] == "expert-cache"]
+    c = expert[0]
+    assert 1 / c["predicted_decode_tokens_per_s"] == pytest.approx(0.02 + 0.001 * c["mib_read_per_token"])
+
+
+def test_clear_errors(model_dir, tmp_path, capsys):
+    def error(*args) -> str:
+        assert main(["tune", model_dir, *args]) == 2
+        return capsys.readouterr().err
+
+    assert "no expert cache fits. Use --memory" in error("--memory", "300MiB")
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    assert str(bad) in error("--memory", "1GiB", "--trace", str(bad))
+    ds = tmp_path / "ds.npz"
+    from weightstream.trace import save
+
+    save(deepseek(1), ds)
+    assert "64 experts per layer; this model has 8" in error("--memory", "1GiB", "--trace", str(ds))
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    assert "no cost model in it" in error("--memory", "1GiB", "--cost-model", str(junk))
+    assert "unknown ['fifo']" in error("--memory", "1GiB", "--policies", "lru,fifo")
+
+
+def test_pinned_policy_needs_its_experts(model_dir, tmp_path, capsys):
+    assert main(["generate", model_dir, "--prompt-ids", "1,2", "--policy", "pinned"]) == 2
+    assert "--pinned-experts FILE" in capsys.readouterr().err
+    keys = tmp_path / "pinned.json"
+    keys.write_text(json.dumps({"pinned_experts": np.array([[0, 1], [1, 2]]).tolist()}))
+    args = ["generate", model_dir, "--prompt-ids", "1,2", "--policy", "pinned", "--pinned-experts", str(keys)]
+    assert main([*args, "--expert-cache", "2x", "--max-new-tokens", "3"]) == 0
+    keys.write_text(json.dumps({"pinned_experts": [[0, e] for e in range(8)] + [[1, e] for e in range(8)]}))
+    assert main([*args, "--expert-cache", "2x"]) == 2
+    assert "leave no free slot" in capsys.readouterr().err

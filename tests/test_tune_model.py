@@ -1,0 +1,122 @@
+"""tune's cost models: the overlap formula against a step-by-step schedule, and fits that recover their parameters."""
+
+import numpy as np
+import pytest
+
+from weightstream.sim.cost_model import fit_cost_model
+from weightstream.sim.overlap_model import (
+    CostParams,
+    Measurements,
+    StepLoad,
+    dense_seconds,
+    expert_cache_step_s,
+    fit_cost_params,
+    fit_read_line,
+    layer_seconds,
+    page_cache_step_s,
+)
+
+
+def scheduled(n: int, m: int, c: float, lat: float, r: float) -> float:
+    """One compute thread: resident experts first, then each miss once it has landed (FIFO arrivals)."""
+    finish = (n - m) * c
+    for i in range(1, m + 1):
+        finish = max(finish, lat + i * r) + c
+    return finish
+
+
+def test_layer_formula_is_the_schedule():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 12))
+        m = int(rng.integers(0, n + 1))
+        c, lat, r = rng.uniform(0.0001, 0.02, 3)
+        assert float(layer_seconds(n, m, c, lat, r)) == pytest.approx(scheduled(n, m, c, lat, r), rel=1e-12)
+
+
+TRUE = CostParams(
+    dense_s=0.040,
+    dense_per_token_s=0.0015,
+    expert_call_s=0.0007,
+    expert_row_s=0.00004,
+    read_latency_s=0.0009,
+    read_s_per_mib=0.0008,
+    nonoverlap_s_per_mib=0.00005,
+    page_cache_s_per_mib=0.0031,
+    page_cached_per_byte=1.3,
+)
+
+
+def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, miss_per_layer=8.0) -> Measurements:
+    """What calibration would time on a machine that follows the model exactly with parameters `p`."""
+    one = StepLoad(np.array([1]), np.full((1, layers), k), np.zeros((1, layers)), k)
+    pre = StepLoad(np.array([prefill]), np.full((1, layers), k), np.zeros((1, layers)), k)
+    miss = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), miss_per_layer), k)
+    page = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), k), k)
+    expert_decode = layers * k * (p.expert_call_s + p.expert_row_s)
+    expert_prefill = layers * k * (p.expert_call_s + prefill * p.expert_row_s)
+    batches = [1, 2, 4, 8, 1, 2, 4, 8]
+    return Measurements(
+        layers=layers,
+        top_k=k,
+        decode_step_s=float(expert_cache_step_s(p, one, mib)[0]),
+        decode_expert_s=expert_decode,
+        prefill_tokens=prefill,
+        prefill_step_s=float(expert_cache_step_s(p, pre, mib)[0]),
+        prefill_expert_s=expert_prefill,
+        read_batches=batches,
+        read_seconds=[p.read_latency_s + b * mib * p.read_s_per_mib for b in batches],
+        read_mib_per_expert=mib,
+        miss_step_s=float(expert_cache_step_s(p, miss, mib)[0]),
+        miss_per_layer=miss_per_layer,
+        page_step_s=float(page_cache_step_s(p, page, mib)[0]),
+        page_missed_mib=layers * k * mib,
+        page_cached_per_byte=p.page_cached_per_byte,
+    )
+
+
+@pytest.mark.parametrize("miss_per_layer", [8.0, 3.5])
+def test_fit_recovers_the_parameters_from_synthetic_timings(miss_per_layer):
+    fitted = fit_cost_params(synthetic_measurements(TRUE, miss_per_layer=miss_per_layer))
+    for name, value in TRUE.to_dict().items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
+
+
+def test_read_line_recovers_latency_and_bandwidth_through_noise():
+    rng = np.random.default_rng(1)
+    batches = [1, 2, 4, 8] * 5
+    seconds = [0.002 + b * 0.009 + rng.normal(0, 0.0005) for b in batches]
+    latency, per_expert = fit_read_line(batches, seconds)
+    assert latency == pytest.approx(0.002, abs=0.0006) and per_expert == pytest.approx(0.009, rel=0.03)
+    latency, per_expert = fit_read_line([1, 2, 4], [0.01, 0.019, 0.041])  # a line through below the origin
+    assert latency == 0.0 and per_expert > 0
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_read_line([4, 4], [0.1, 0.1])
+
+
+def test_linear_fallback_recovers_fixed_and_per_mib():
+    rng = np.random.default_rng(2)
+    mib = rng.uniform(20, 400, 30)
+    model = fit_cost_model(list(mib), list(0.15 + 0.0008 * mib + rng.normal(0, 0.002, 30)))
+    assert model.fixed_s == pytest.approx(0.15, abs=0.003) and model.per_mib_s == pytest.approx(0.0008, rel=0.03)
+    assert model.r2 > 0.95
+
+
+def test_noise_is_not_a_negative_cost():
+    m = synthetic_measurements(TRUE)
+    m.miss_step_s = m.decode_step_s * 0.5  # reads faster than calibrated: nothing left to charge
+    m.page_step_s = m.decode_step_s * 0.5
+    fitted = fit_cost_params(m)
+    assert fitted.nonoverlap_s_per_mib == 0.0 and fitted.page_cache_s_per_mib == 0.0
+
+
+def test_prefill_and_page_cache_steps():
+    load = StepLoad(np.array([1, 20]), np.array([[8, 8], [40, 40]]), np.array([[0, 8], [40, 10]]), 8)
+    seconds = expert_cache_step_s(TRUE, load, 12.0)
+    c = TRUE.expert_call_s + 20 * 8 / 40 * TRUE.expert_row_s
+    r = 12.0 * TRUE.read_s_per_mib
+    expected = dense_seconds(TRUE, 20) + scheduled(40, 40, c, TRUE.read_latency_s, r) + scheduled(40, 10, c, 0.0009, r)
+    assert seconds[1] == pytest.approx(expected + TRUE.nonoverlap_s_per_mib * 50 * 12.0)
+    page = page_cache_step_s(TRUE, load, 12.0)
+    one = TRUE.expert_call_s + TRUE.expert_row_s
+    assert page[0] == pytest.approx(TRUE.dense_s + 16 * one + TRUE.page_cache_s_per_mib * 8 * 12.0)
