@@ -158,28 +158,31 @@ def bench(
         "-o",
         "json",
     ]
-    group = None
-    if memory_limit is not None:
-        from weightstream.bench.cgroup import MemoryCgroup
-        from weightstream.bench.coldstart import drop_page_cache
+    from weightstream.bench.reclaim import paused_proactive_reclaim
 
-        drop_page_cache([gguf])
-        group = MemoryCgroup.create(memory_limit, name="ws-llama")
-    start = time.perf_counter()
-    try:
-        proc = (group.popen if group else subprocess.Popen)(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+    with paused_proactive_reclaim():  # as for weightstream's runs: memory limits alone decide what stays cached
+        group = None
+        if memory_limit is not None:
+            from weightstream.bench.cgroup import MemoryCgroup
+            from weightstream.bench.coldstart import drop_page_cache
+
+            drop_page_cache([gguf])
+            group = MemoryCgroup.create(memory_limit, name="ws-llama")
+        start = time.perf_counter()
         try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            return {"timeout_s": timeout, "error": f"no {tokens}-token run finished in {timeout:.0f} s"}
-        peak = group.peak_bytes if group else None
-    finally:
-        if group:
-            group.remove()
+            proc = (group.popen if group else subprocess.Popen)(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                return {"timeout_s": timeout, "error": f"no {tokens}-token run finished in {timeout:.0f} s"}
+            peak = group.peak_bytes if group else None
+        finally:
+            if group:
+                group.remove()
     if proc.returncode != 0:
         return {"error": f"llama-bench exit {proc.returncode}: {err.strip()[-500:]}"}
     rows = json.loads(out)

@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.bench.coldstart import drop_page_cache
 from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
+from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.engine.prompts import BUILTIN_PROMPTS
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.units import parse_size
@@ -176,6 +177,8 @@ def union_by_batch(step_log: str, window: tuple[float, float]) -> dict[int, dict
 def run_routing(args, routing_trace: str | None, files: list[str], device: str) -> dict:
     """One server, one warm-up request, then a phase per client count."""
     prompts = [f"Request {i}: {BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]}" for i in range(args.requests)]
+    pause = paused_proactive_reclaim()  # the limit alone decides what stays cached (bench.reclaim)
+    pause.__enter__()
     cold = drop_page_cache(files) if args.cgroup else None
     cgroup = MemoryCgroup.create(args.memory_limit) if args.cgroup else None
     step_log = tempfile.NamedTemporaryFile(prefix="serve-steps-", suffix=".jsonl", delete=False).name
@@ -200,6 +203,7 @@ def run_routing(args, routing_trace: str | None, files: list[str], device: str) 
         os.unlink(step_log)
         if cgroup is not None:
             cgroup.remove()
+        pause.__exit__(None, None, None)
 
 
 def versus_sequential(phases: list[dict]) -> list[dict]:

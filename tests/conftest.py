@@ -22,3 +22,13 @@ def tiny_model(tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def no_proactive_reclaim():
+    """For tests that count pages in the page cache or bytes read from disk: the kernel's idle-page reclaim
+    (DAMON pageout, on these VMs) would evict pages, or the interpreter's own code, behind their back."""
+    from weightstream.bench.reclaim import paused_proactive_reclaim
+
+    with paused_proactive_reclaim():
+        yield

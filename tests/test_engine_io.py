@@ -10,6 +10,8 @@ import pytest
 from weightstream.store.presets import preset_config
 from weightstream.store.synth import synthesize
 
+pytestmark = pytest.mark.usefixtures("no_proactive_reclaim")  # counts cached pages or bytes read
+
 FIXED_OVERHEAD = 64 * 2**20  # stated in README: buffers, activations, allocator slack beyond dense + cache
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "measure_engine.py")
 

@@ -11,7 +11,10 @@ import pytest
 
 from prefetch_support import cli, drop, files, loader, make_checkpoint, tracefs_ok
 
-pytestmark = pytest.mark.skipif(not tracefs_ok(), reason="needs root and tracefs (the fallback has its own tests)")
+pytestmark = [
+    pytest.mark.skipif(not tracefs_ok(), reason="needs root and tracefs (the fallback has its own tests)"),
+    pytest.mark.usefixtures("no_proactive_reclaim"),
+]
 SPEC = ["--spec", "model=test", "loader=read"]
 
 

@@ -18,6 +18,7 @@ from weightstream.prefetch.template import LoadTemplate, WorkerTemplate
 from prefetch_support import drop, make_checkpoint
 
 MIB = 1 << 20
+pytestmark = pytest.mark.usefixtures("no_proactive_reclaim")  # they count pages in the page cache
 
 
 @pytest.fixture()

@@ -17,6 +17,8 @@ from weightstream.prefetch.memory import CgroupMemory
 
 from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
 
+pytestmark = pytest.mark.usefixtures("no_proactive_reclaim")  # counts cached pages or bytes read
+
 SPEC = ["--spec", "model=fallback"]
 
 

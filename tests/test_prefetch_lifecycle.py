@@ -13,7 +13,10 @@ import pytest
 
 from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint, tracefs_ok
 
-pytestmark = pytest.mark.skipif(not tracefs_ok(), reason="needs root and tracefs")
+pytestmark = [
+    pytest.mark.skipif(not tracefs_ok(), reason="needs root and tracefs"),
+    pytest.mark.usefixtures("no_proactive_reclaim"),
+]
 SPEC = ["--spec", "model=life"]
 HARNESS = str(Path(__file__).with_name("prefetch_harness.py"))
 

@@ -14,6 +14,8 @@ from weightstream.prefetch.events import ACCESS, MISS, READ
 
 from prefetch_support import drop, loader, make_checkpoint, tracefs_ok
 
+pytestmark = pytest.mark.usefixtures("no_proactive_reclaim")  # counts cached pages or bytes read
+
 MIB = 1 << 20
 FORMATS = {
     600: rawtrace.EventFormat(MISS, ino=16, dev=32, index=24, order=36),

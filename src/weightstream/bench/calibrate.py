@@ -24,6 +24,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from weightstream.bench.read_timing import ExpertReads, read_timing
+from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.io.pagecache import cached_bytes, evict_file
@@ -140,7 +141,8 @@ class Calibrator:
         self.say("reader: batches of misses, O_DIRECT")
         reads = read_timing(self.layout, self.io_threads, self.chunk_bytes)
         self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
-        page, page_amplification = self.page_cache()
+        with paused_proactive_reclaim():  # idle-page reclaim would count as page-cache misses (bench.reclaim)
+            page, page_amplification = self.page_cache()
         self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
         try:
             decode = self.compute_and_misses()

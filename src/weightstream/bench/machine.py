@@ -30,8 +30,11 @@ def machine_info(device: str) -> dict:
     if os.path.exists(model_path):
         with open(model_path) as f:
             disk = f.read().strip()
+    from weightstream.bench.reclaim import proactive_reclaim_state
+
     return {
         "cpus": os.cpu_count(),
+        "proactive_reclaim": proactive_reclaim_state(),  # DAMON pageout: measured runs pause it (bench.reclaim)
         "memory_bytes": psutil.virtual_memory().total,
         "kernel": platform.release(),
         "python": platform.python_version(),

@@ -17,6 +17,7 @@ from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.bench.coldstart import drop_page_cache
 from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
 from weightstream.bench.overlap import OVERLAP_TARGET, judge_overlap, reader_bandwidth
+from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.errors import WeightstreamError
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint
@@ -82,22 +83,24 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
             "error": "routing replay is not available for accelerate's offload (its experts "
             "run transformers' own code with the model's router); run without --routing-trace",
         }
-    dropped_globally = drop_page_cache(files)
-    before = device_bytes_read(device)
-    group = MemoryCgroup.create(config.memory_limit, name=f"ws-bench-{mode}")
-    start = time.perf_counter()
-    try:
-        result, err, rc = run_child(cfg, group)
-        peak = group.peak_bytes
-    finally:
-        group.remove()
-        shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
+    with paused_proactive_reclaim() as paused:  # the limit decides what stays cached, not idle-page reclaim
+        dropped_globally = drop_page_cache(files)
+        before = device_bytes_read(device)
+        group = MemoryCgroup.create(config.memory_limit, name=f"ws-bench-{mode}")
+        start = time.perf_counter()
+        try:
+            result, err, rc = run_child(cfg, group)
+            peak = group.peak_bytes
+        finally:
+            group.remove()
+            shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
     after = device_bytes_read(device)
     run = {
         "mode": mode,
         "expert_cache": cache if mode == "expert-cache" else None,
         "policy": config.policy if mode == "expert-cache" else None,
         "wall_s": time.perf_counter() - start,
+        "proactive_reclaim_paused": paused,
         "cgroup_peak_bytes": peak,
         "page_cache_dropped_globally": dropped_globally,
     }
