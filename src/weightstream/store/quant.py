@@ -30,8 +30,8 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """w ~ q * s, in the scales' dtype."""
-    return (q.float() * scales.float()[:, None]).to(scales.dtype)
+    """w ~ q * s, in the scales' dtype (q is exact in it; the product is rounded once, as in float32 then cast)."""
+    return q.to(scales.dtype) * scales[:, None]
 
 
 def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +49,9 @@ def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torc
 def dequantize_int4(q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
     """w ~ (q - 8) * scale + zero, in the scales' dtype; q is int (N, K) in 0..15."""
     n, k = q.shape
-    scale, zero = sz.float().transpose(0, 1).unsqueeze(-1).unbind(dim=2)  # (N, K/g, 1) each
-    w = (q.float().reshape(n, k // group, group) - 8) * scale + zero
-    return w.reshape(n, k).to(sz.dtype)
+    scale, zero = sz.transpose(0, 1).unsqueeze(-1).unbind(dim=2)  # (N, K/g, 1) each
+    w = q.to(sz.dtype).reshape(n, k // group, group).sub_(8).mul_(scale).add_(zero)
+    return w.reshape(n, k)
 
 
 def pack_int4(q: torch.Tensor, layout: str) -> torch.Tensor:
