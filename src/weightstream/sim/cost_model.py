@@ -16,7 +16,8 @@ class CostModel:
     r2: float
     points: int
 
-    def predict_s_per_token(self, mib_per_token: float) -> float:
+    def predict_s_per_token(self, mib_per_token):
+        """Seconds per token at `mib_per_token` read (a number or a numpy array of them)."""
         return self.fixed_s + self.per_mib_s * mib_per_token
 
     def to_dict(self) -> dict:

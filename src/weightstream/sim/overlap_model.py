@@ -94,7 +94,7 @@ def page_cache_step_s(p: CostParams, load: StepLoad, mib_per_expert: float) -> n
 
 def linear_step_s(model: CostModel, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
     """[S] the fallback: bench's fitted line, fixed + per MiB read (fitted on decode steps only)."""
-    return model.fixed_s + model.per_mib_s * load.misses.sum(axis=1) * read_mib_per_expert
+    return model.predict_s_per_token(load.misses.sum(axis=1) * read_mib_per_expert)
 
 
 @dataclass(slots=True)
