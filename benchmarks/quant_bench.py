@@ -2,11 +2,14 @@
 
 1. bytes: one expert's bytes in each format (scales included), as ratios to bf16.
 2. in memory: decode with every expert resident (own process, no limit, repeats interleaved), per format.
-3. under --limit (default 5 GiB) with expert caches of equal bytes (--equal-bytes, default 1.5GiB,3GiB): decode
-   tok/s and device bytes read per token of each format; tokens against each format's own in-memory reference.
+3. under --limit (default 5 GiB) with expert caches of equal bytes (--equal-bytes, default bf16's working set,
+   1.50 GiB here, then 3 GiB): decode tok/s and device bytes read per token of each format, median of
+   --limited-repeats; tokens against each format's own in-memory reference.
 4. under --small-limit (default 2 GiB, below the int4 model's size): weightstream int4 at --small-cache against
    llama.cpp Q4_K_M of the same weights through mmap (GGUF made by llama.cpp's converter and quantizer, run time
-   capped at --llama-timeout; a timeout is reported as such). `--llamacpp` also times llama.cpp in memory.
+   capped at --llama-timeout; a timeout is reported as such), both as llama.cpp runs by default (it repacks
+   Q4_K into anonymous memory at load) and with `--repack 0` (weights stay in the mapped file).
+   `--llamacpp` also times llama.cpp in memory.
 
     .venv/bin/python benchmarks/quant_bench.py .work/bench-models/olmoe-16l-bf16 \\
         --int8 .work/bench-models/olmoe-16l-int8 --int4 .work/bench-models/olmoe-16l-int4 --llamacpp
@@ -72,18 +75,60 @@ def in_memory(models: dict[str, str], prompts, tokens: int, repeats: int) -> dic
     }
 
 
-def limited(models: dict[str, str], prompts, tokens: int, limit: int, caches: list[str], trace: str | None) -> dict:
+def equal_bytes(spec: str, bf16_model: str) -> list[str]:
+    """--equal-bytes entries as byte sizes every format gets; `bf16-1x` is bf16's own working set (its smallest
+    cache, a hair over 1.5 GiB on the 16-layer OLMoE shape)."""
+    ws = map_model(bf16_model).layout.working_set_bytes
+    return [str(ws) if s.strip() == "bf16-1x" else s.strip() for s in spec.split(",")]
+
+
+def limited(
+    models: dict[str, str], prompts, tokens: int, limit: int, caches: list[str], trace: str | None, repeats: int
+) -> dict:
+    """Each format at each cache `repeats` times (formats interleaved, tokens checked on the first pass);
+    the median run of each (format, cache) is kept, with every run's tok/s beside it."""
+    passes = defaultdict(list)
+    for r in range(repeats):
+        for name, path in models.items():
+            config = BenchConfig(
+                path,
+                limit,
+                caches,
+                ["expert-cache"],
+                prompts,
+                tokens,
+                routing_trace=trace,
+                overlap=False,
+                reference=(r == 0),
+            )
+            report = run_bench(
+                config, progress=lambda m, n=name, r=r: print(f"[{n} pass {r + 1}] {m}", file=sys.stderr, flush=True)
+            )
+            passes[name].append(report)
     out = {}
-    for name, path in models.items():
-        config = BenchConfig(path, limit, caches, ["expert-cache"], prompts, tokens, routing_trace=trace, overlap=False)
-        report = run_bench(config, progress=lambda m, n=name: print(f"[{n}] {m}", file=sys.stderr, flush=True))
-        out[name] = {"reference": report["reference"], "runs": [{k: r.get(k) for k in KEEP} for r in report["runs"]]}
+    for name, reports in passes.items():
+        runs = []
+        for i in range(len(caches)):
+            tries = [rep["runs"][i] for rep in reports]
+            ok = [t for t in tries if t.get("error") is None]
+            if not ok:
+                runs.append({k: tries[0].get(k) for k in KEEP})
+                continue
+            ok.sort(key=lambda t: t["decode_tokens_per_s"])
+            run = {k: ok[len(ok) // 2].get(k) for k in KEEP}
+            run["token_ids_equal_to_reference"] = tries[0].get("token_ids_equal_to_reference")
+            run["decode_tokens_per_s_runs"] = [t.get("decode_tokens_per_s") for t in tries]
+            runs.append(run)
+        out[name] = {"reference": reports[0]["reference"], "runs": runs}
     for i in range(len(caches)):
         base = out["bf16"]["runs"][i]
         for name in models:
             run = out[name]["runs"][i]
-            if "error" not in run and "error" not in base:
+            if run.get("error") is None and base.get("error") is None:
                 run["tok_s_ratio_to_bf16"] = run["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                run["decode_device_bytes_per_token_ratio_to_bf16"] = (
+                    run["decode_bytes_read_per_token"] / base["decode_bytes_read_per_token"]
+                )
                 run["device_bytes_per_token_ratio_to_bf16"] = run["bytes_read_per_token"] / base["bytes_read_per_token"]
     return out
 
@@ -105,20 +150,24 @@ def small_limit(args, prompts) -> dict:
     if q4 is None:
         out["llamacpp_q4_k_m"] = {"skipped": "llama.cpp is not built here (no compiler or cmake)"}
         return out
-    print("[small limit] llama.cpp Q4_K_M through mmap", file=sys.stderr, flush=True)
-    out["llamacpp_q4_k_m"] = llamacpp.bench(
-        q4,
-        threads=args.threads,
-        tokens=args.tokens,
-        repeats=1,
-        memory_limit=parse_size(args.small_limit),
-        timeout=args.llama_timeout,
-    )
-    ours, theirs = out["weightstream_int4"][0].get("decode_tokens_per_s"), out["llamacpp_q4_k_m"]
-    if ours and "decode_tokens_per_s" in theirs:
-        out["ratio"] = ours / theirs["decode_tokens_per_s"]
-    elif ours and "timeout_s" in theirs:  # llama.cpp produced fewer than `tokens` tokens in the whole time
-        out["ratio_at_least"] = ours / (args.tokens / theirs["timeout_s"])
+    for key, repack in (("llamacpp_q4_k_m", True), ("llamacpp_q4_k_m_no_repack", False)):
+        print(f"[small limit] llama.cpp Q4_K_M through mmap, repack {int(repack)}", file=sys.stderr, flush=True)
+        out[key] = llamacpp.bench(
+            q4,
+            threads=args.threads,
+            tokens=args.tokens,
+            repeats=1,
+            memory_limit=parse_size(args.small_limit),
+            timeout=args.llama_timeout,
+            repack=repack,
+        )
+    ours = out["weightstream_int4"][0].get("decode_tokens_per_s")
+    for key in ("llamacpp_q4_k_m", "llamacpp_q4_k_m_no_repack"):
+        theirs = out[key]
+        if ours and "decode_tokens_per_s" in theirs:
+            theirs["weightstream_ratio"] = ours / theirs["decode_tokens_per_s"]
+        elif ours and "timeout_s" in theirs:  # fewer than `tokens` tokens in the whole time: a bound
+            theirs["weightstream_ratio_at_least"] = ours / (args.tokens / theirs["timeout_s"])
     return out
 
 
@@ -150,7 +199,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--limit", default="5GiB")
-    ap.add_argument("--equal-bytes", default="1.5GiB,3GiB")
+    ap.add_argument(
+        "--equal-bytes",
+        default="bf16-1x,3GiB",
+        help="expert caches every format gets, in bytes; bf16-1x is bf16's working set (its smallest cache)",
+    )
+    ap.add_argument("--limited-repeats", type=int, default=3)
     ap.add_argument("--small-limit", default="2GiB")
     ap.add_argument("--small-cache", default="1.5x", help="int4 expert cache under --small-limit")
     ap.add_argument("--llama-timeout", type=float, default=900)
@@ -175,7 +229,13 @@ def main() -> None:
         report["llamacpp_in_memory"] = llama_in_memory(args)
     if "limited" not in skip:
         report["limited"] = limited(
-            models, prompts, args.tokens, parse_size(args.limit), args.equal_bytes.split(","), args.routing_trace
+            models,
+            prompts,
+            args.tokens,
+            parse_size(args.limit),
+            equal_bytes(args.equal_bytes, args.model),
+            args.routing_trace,
+            args.limited_repeats,
         )
     if "small" not in skip:
         report["small_limit"] = small_limit(args, prompts)

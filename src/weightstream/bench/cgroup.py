@@ -63,6 +63,18 @@ class MemoryCgroup:
         except (OSError, ValueError):
             return None
 
+    @property
+    def oom_kills(self) -> int | None:
+        """Processes the kernel killed for running out of this cgroup's memory (v2 `memory.events`)."""
+        try:
+            for line in (self.path / "memory.events").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return None
+
     def remove(self) -> None:
         """Delete the cgroup; waits up to 5 s for the kernel to let go of its exited processes."""
         for _ in range(50):
