@@ -233,6 +233,8 @@ def main() -> None:
     b.add_argument("--tokens", type=int, default=32)
     b.add_argument("--memory-limit")
     b.add_argument("--timeout", type=float, default=900)
+    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--repack", type=int, choices=(0, 1), default=1, help="llama-bench --repack (default 1, its own)")
     args = ap.parse_args()
     if args.what == "build":
         print(build())
@@ -244,7 +246,19 @@ def main() -> None:
         from weightstream.units import parse_size
 
         limit = parse_size(args.memory_limit, "--memory-limit") if args.memory_limit else None
-        print(json.dumps(bench(args.gguf, args.threads, args.tokens, memory_limit=limit, timeout=args.timeout)))
+        print(
+            json.dumps(
+                bench(
+                    args.gguf,
+                    args.threads,
+                    args.tokens,
+                    repeats=args.repeats,
+                    memory_limit=limit,
+                    timeout=args.timeout,
+                    repack=bool(args.repack),
+                )
+            )
+        )
 
 
 if __name__ == "__main__":

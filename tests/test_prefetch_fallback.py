@@ -138,3 +138,15 @@ def test_run_inside_a_memory_limited_cgroup(tmp_path):
     finally:
         cg.remove()
     assert not cg.path.exists()
+
+
+def test_cgroup_counts_its_oom_kills():
+    """Benchmarks tell an out-of-memory kill from any other death by the cgroup's own counter."""
+    cg = _cgroup_or_skip(64 << 20)
+    try:
+        assert cg.oom_kills == 0
+        proc = cg.popen([sys.executable, "-c", "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])"])
+        assert proc.wait(timeout=60) == -9
+        assert cg.oom_kills == 1
+    finally:
+        cg.remove()

@@ -65,9 +65,10 @@ class MemoryCgroup:
 
     @property
     def oom_kills(self) -> int | None:
-        """Processes the kernel killed for running out of this cgroup's memory (v2 `memory.events`)."""
+        """Processes the kernel killed for running out of this cgroup's memory (v2 `memory.events`, v1
+        `memory.oom_control`)."""
         try:
-            for line in (self.path / "memory.events").read_text().splitlines():
+            for line in (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text().splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
                     return int(value)
