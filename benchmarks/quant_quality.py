@@ -168,7 +168,11 @@ def main() -> None:
     from weightstream.store.quantize import quantize_checkpoint
 
     bf16 = CACHE / "bf16"
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": CONFIG, "checkpoint": str(bf16).replace(str(Path.home()), "~", 1)}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "config": CONFIG,
+        "checkpoint": str(bf16).replace(str(Path.home()), "~", 1),
+    }
     if args.retrain or not (bf16 / "config.json").exists():
         bf16.mkdir(parents=True, exist_ok=True)
         report["training"] = train(args, bf16)

@@ -46,6 +46,10 @@ from weightstream.units import parse_size
 MODEL = "bench"
 
 
+def say(msg: str) -> None:
+    print(f"[serve bench] {msg}", file=sys.stderr, flush=True)
+
+
 class Server:
     """A `weightstream serve` child (in `cgroup` when given) with its step log; `stop()` sends SIGTERM."""
 
@@ -54,6 +58,7 @@ class Server:
         cmd += ["--served-model-name", MODEL, "--max-batch", str(max(args.clients)), "--kv-cache", args.kv_cache]
         cmd += ["--expert-cache", args.expert_cache, "--io-threads", str(args.io_threads), "--step-log", step_log]
         cmd += ["--routing-trace", routing_trace] if routing_trace else []
+        cmd += ["--batch-beyond-cache"] if args.batch_beyond_cache else []
         spawn = cgroup.popen if cgroup is not None else subprocess.Popen
         self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
@@ -183,10 +188,15 @@ def run_routing(args, routing_trace: str | None, files: list[str], device: str) 
     cgroup = MemoryCgroup.create(args.memory_limit) if args.cgroup else None
     step_log = tempfile.NamedTemporaryFile(prefix="serve-steps-", suffix=".jsonl", delete=False).name
     try:
+        say(f"routing {routing_trace or 'model'}: starting the server")
         server = Server(args, routing_trace, cgroup, step_log)
         try:
             request(server.url, "warm-up", 4)  # first-call costs (JIT, allocator) stay out of the phases
-            phases = [phase(server, prompts, c, args.max_tokens, device) for c in args.clients]
+            phases = []
+            for c in args.clients:
+                say(f"routing {routing_trace or 'model'}: {args.requests} requests, {c} concurrent client(s)")
+                phases.append(phase(server, prompts, c, args.max_tokens, device))
+                say(f"  {phases[-1]['aggregate_tokens_per_s']:.2f} tok/s aggregate")
         finally:
             rc = server.stop()
         for p in phases:
@@ -240,6 +250,11 @@ def main() -> None:
     ap.add_argument("--kv-cache", default="512MiB")
     ap.add_argument("--memory-limit", help="cgroup limit (default: model bytes / 2.75)")
     ap.add_argument("--no-cgroup", dest="cgroup", action="store_false", help="no cgroup, no cache drop (smoke test)")
+    ap.add_argument(
+        "--batch-beyond-cache",
+        action="store_true",
+        help="let batches outgrow the expert cache (serve's flag): shows what the cap avoids",
+    )
     ap.add_argument("-o", "--out", help="also write the JSON here")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -253,6 +268,8 @@ def main() -> None:
         "model": args.model_dir,
         "model_bytes": ckpt.total_bytes(),
         "memory_limit_bytes": args.memory_limit if args.cgroup else None,
+        "expert_cache": args.expert_cache,
+        "batch_beyond_cache": args.batch_beyond_cache,
         "runs": [run_routing(args, r, ckpt.files, device) for r in routings],
     }
     text = json.dumps(result, indent=1)

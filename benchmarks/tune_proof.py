@@ -7,7 +7,7 @@ of the best measured are measured again (--repeats). Replayed routing (DeepSeek-
 steps the bench will run (each prompt's prefill, then one token per step), and the same file goes to tune and bench.
 Prints one JSON object with the targets checked (--out writes it too). Needs root (bench's cgroups).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/tune_proof.py --model .work/bench-models/olmoe-1b-7b-16l-bf16 \\
+    PYTHONPATH=src .venv/bin/python benchmarks/tune_proof.py --model .work/bench-models/olmoe-16l-bf16 \\
         --limits 3GiB,5GiB,8GiB --routings own,deepseek,mixtral --tokens 16 --context 512 \\
         --gpt-oss-model .work/bench-models/gpt-oss-4l-bf16 --gpt-oss-limits 4GiB,5GiB --out docs/tune-proof.json
 """
@@ -244,15 +244,8 @@ def main() -> None:
     p.add_argument("--gpt-oss-limits", default="4GiB,5GiB")
     p.add_argument("--out", help="also write the JSON report here")
     args = p.parse_args()
-    work = Path(args.out).resolve().parent / "tune-proof-files" if args.out else Path(".work/tune-proof")
+    work = Path(".work/tune-proof")  # replay traces and pinned sets: scratch, never beside the report
     work.mkdir(parents=True, exist_ok=True)
-    cases = []
-    for i, (limit, routing) in enumerate((lim, r) for lim in args.limits.split(",") for r in args.routings.split(",")):
-        cases.append(case(args, args.model, limit, routing, i == 0, work))
-    if args.gpt_oss_model:
-        model = gpt_oss_model(args.gpt_oss_model, args.gpt_oss_layers)
-        for i, limit in enumerate(args.gpt_oss_limits.split(",")):
-            cases.append(case(args, model, limit, "own", i == 0, work) | {"expert_cache_should_lose": True})
     report = {
         "machine": machine_info(block_device_of(args.model)),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -261,12 +254,26 @@ def main() -> None:
         ).stdout.strip(),
         "command": " ".join(sys.argv),
         "targets": TARGETS,
-        "cases": cases,
+        "cases": [],
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+
+    def run_case(*case_args, **extra) -> None:
+        try:
+            report["cases"].append(case(args, *case_args) | extra)
+        except (Exception, SystemExit) as exc:  # one case's failure is reported, the others still run
+            model, limit, routing = case_args[:3]
+            say(f"  failed: {exc}")
+            report["cases"].append({"model": model, "limit": limit, "routing": routing, "error": str(exc)} | extra)
+        if args.out:  # written after every case: a long proof cut short keeps what it measured
+            Path(args.out).write_text(json.dumps(report, indent=1))
+
+    for i, (limit, routing) in enumerate((lim, r) for lim in args.limits.split(",") for r in args.routings.split(",")):
+        run_case(args.model, limit, routing, i == 0, work)
+    if args.gpt_oss_model:
+        model = gpt_oss_model(args.gpt_oss_model, args.gpt_oss_layers)
+        for i, limit in enumerate(args.gpt_oss_limits.split(",")):
+            run_case(model, limit, "own", i == 0, work, expert_cache_should_lose=True)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ import torch
 from weightstream.engine.loader import load_streaming_model, load_tokenizer
 from weightstream.engine.serve.batch import DecodeBatch
 from weightstream.engine.serve.sampling import SamplingParams
-from weightstream.engine.serve.scheduler import Refused, Scheduler
+from weightstream.engine.serve.scheduler import ExpertCacheFit, Refused, Scheduler
 from weightstream.engine.serve.sequence import Finished, Sequence
+from weightstream.engine.serve.steps import StepRecorder
 from weightstream.engine.serve.text import TextTail
 
 PROMPTS = [
@@ -55,10 +56,21 @@ def solo_greedy(model, prompt, new=NEW):
     return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
-def run(model, tokenizer, prompts, max_batch=8, params=None, kv_budget=1 << 30, kv_per_token=1024, record_logits=False):
+def run(
+    model,
+    tokenizer,
+    prompts,
+    max_batch=8,
+    params=None,
+    kv_budget=1 << 30,
+    kv_per_token=1024,
+    record_logits=False,
+    hooks=(),
+    expert_fit=None,
+):
     """Submit `prompts` a few ms apart (so they join a running batch at different steps); (tokens, logits, steps)."""
     steps = Steps()
-    sched = Scheduler(model, max_batch, kv_budget, kv_per_token, observer=steps)
+    sched = Scheduler(model, max_batch, kv_budget, kv_per_token, hooks, observer=steps, expert_fit=expert_fit)
     sched.start()
     seqs, logits = [], []
     for prompt in prompts:
@@ -301,3 +313,38 @@ def test_batched_replay_gives_each_sequence_its_own_part_of_the_trace(tiny_model
         n = len(seq.prompt_ids) + len(seq.generated) - 1  # the last token is sampled, never run
         assert seen[seq.id] == choices[start : start + n].tolist()
     assert replay.cursors == {}  # every sequence's cursor was dropped when it ended
+
+
+def test_expert_cache_fit_arithmetic():
+    """rows x per-row experts x the union measured below `rows`, against the slots."""
+    measured = {1: 1.0, 2: 0.75, 3: 0.6}
+    fit = ExpertCacheFit(256, 128, lambda b: measured[min(b, 3)])
+    assert fit(1) and fit(2)  # 2 x 128 x 1.0 = 256
+    assert not fit(3)  # 3 x 128 x 0.75 = 288
+    assert fit.largest(8) == 2 and fit.largest(1) == 1
+    assert ExpertCacheFit(191, 128, lambda b: 1.0).largest(8) == 1
+
+
+@pytest.mark.parametrize("cache, most", [("1.5x", 1), ("2x", 2)])
+def test_batches_grow_only_while_their_experts_fit_the_cache(tiny_model, cache, most):
+    """A 1.5x cache cannot hold two rows' experts, so the requests decode one at a time; 2x holds two rows before
+    any union is measured. Tokens are each request's own either way."""
+    model_dir = tiny_model("qwen3_moe")
+    model = load_streaming_model(model_dir, expert_cache=cache, io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    runtime = model.weightstream
+    try:
+        alone = [solo_greedy(model, p)[0] for p in PROMPTS]
+        recorder = StepRecorder(runtime)
+        runtime.routing_observer = recorder
+        per_row = runtime.layout.top_k * len(runtime.layout.num_experts)
+        fit = ExpertCacheFit(runtime.cache.n_slots, per_row, recorder.union_ratio)
+        tokens, _, batches = run(model, tokenizer, PROMPTS, hooks=[recorder], expert_fit=fit)
+    finally:
+        runtime.routing_observer = None
+        model.weightstream.close()
+    assert tokens == alone
+    assert max(batches) <= most, batches
+    if most > 1:
+        assert max(batches) == most, batches  # it does batch as far as the cache allows
+        assert recorder.union_ratio(most) <= 1.0

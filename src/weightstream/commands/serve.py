@@ -36,7 +36,20 @@ def register(sub) -> None:
     p.add_argument(
         "--served-model-name", metavar="NAME", help="the model name clients send (default: the directory's name)"
     )
-    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded together (default 8)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded together (default 8); with an expert cache smaller than the model, fewer: a "
+        "sequence joins only while the batch's measured expert union fits the cache, since a batch that does not "
+        "rereads most of its experts every step",
+    )
+    p.add_argument(
+        "--batch-beyond-cache",
+        action="store_true",
+        help="batch up to --max-batch even when the batch's experts overflow the expert cache",
+    )
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -83,6 +96,7 @@ def run(args) -> int:
         engine=engine_kwargs(args),
         model_name=args.served_model_name or _default_name(args.model),
         max_batch=args.max_batch,
+        batch_beyond_cache=args.batch_beyond_cache,
         max_model_len=args.max_model_len,
         kv_cache=args.kv_cache,
         api_key=args.api_key or None,

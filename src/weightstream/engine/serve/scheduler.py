@@ -5,6 +5,11 @@ Admission is first come, first served, bounded by `max_batch` rows and by the KV
 whose longest sequence may reach N positions holds at most B x N x (KV bytes per position), and a request joins
 only when that bound, counted with its own reservation (prompt + max_tokens), stays within the budget. Requests
 that do not fit wait; one that could never fit is refused before it is queued (`check_fits`).
+
+With an expert cache smaller than the model, a third bound (`ExpertCacheFit`): a row joins only while the batch's
+expected distinct experts per step fit the cache's slots. A step that needs more evicts, within the step, what the
+next step needs again, and every step rereads most of its experts: on the 16-layer OLMoE shape with a 1.5x cache,
+4 rows read 3.3 GB per step against 24 MB for one row alone, and served 2.3x fewer tokens per second.
 """
 
 from __future__ import annotations
@@ -30,11 +35,41 @@ class Refused(Exception):
         self.status = status
 
 
-class Scheduler:
-    """Runs submitted sequences to completion on `model`; `hooks` see each step (routing replay, step records)."""
+class ExpertCacheFit:
+    """Whether a decode batch of `rows` rows is expected to fit an expert cache of `slots` slots: rows x
+    `per_row` (MoE layers x top-k) x the union ratio (distinct / choices) measured at the largest batch size seen
+    below `rows` (1 before any), at most `slots`. Union ratios fall as batches grow, so the estimate errs towards
+    smaller batches. `union_ratio(b)` gives the measured ratio at batch size b or below (a `StepRecorder`)."""
 
-    def __init__(self, model, max_batch: int, kv_budget_bytes: int, kv_bytes_per_token: int, hooks=(), observer=None):
-        self.model, self.max_batch = model, max_batch
+    def __init__(self, slots: int, per_row: int, union_ratio):
+        self.slots, self.per_row, self.union_ratio = slots, per_row, union_ratio
+
+    def __call__(self, rows: int) -> bool:
+        return rows <= 1 or rows * self.per_row * self.union_ratio(rows - 1) <= self.slots
+
+    def largest(self, limit: int) -> int:
+        """The largest batch, up to `limit`, expected to fit now."""
+        rows = 1
+        while rows < limit and self(rows + 1):
+            rows += 1
+        return rows
+
+
+class Scheduler:
+    """Runs submitted sequences to completion on `model`; `hooks` see each step (routing replay, step records);
+    `expert_fit` (an `ExpertCacheFit`, or None for no such bound) caps the batch by the expert cache."""
+
+    def __init__(
+        self,
+        model,
+        max_batch: int,
+        kv_budget_bytes: int,
+        kv_bytes_per_token: int,
+        hooks=(),
+        observer=None,
+        expert_fit=None,
+    ):
+        self.model, self.max_batch, self.expert_fit = model, max_batch, expert_fit
         self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
         self.hooks, self.observer = list(hooks), observer
         self.batch = DecodeBatch()
@@ -125,7 +160,9 @@ class Scheduler:
     def _fits(self, seq: Sequence) -> bool:
         rows = len(self.batch) + 1
         longest = max([s.kv_tokens for s in self.batch.seqs] + [seq.kv_tokens])
-        return rows <= self.max_batch and rows * longest * self.kv_bytes_per_token <= self.kv_budget_bytes
+        if rows > self.max_batch or rows * longest * self.kv_bytes_per_token > self.kv_budget_bytes:
+            return False
+        return self.expert_fit is None or self.expert_fit(rows)
 
     def _admit(self) -> None:
         while self.waiting and not self._stop and self._fits(self.waiting[0]):

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache
 from weightstream.engine.serve.batch import batchable
 from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, message_dicts
 from weightstream.engine.serve.sampling import SamplingParams
-from weightstream.engine.serve.scheduler import Refused, Scheduler
+from weightstream.engine.serve.scheduler import ExpertCacheFit, Refused, Scheduler
 from weightstream.engine.serve.sequence import Sequence
 from weightstream.engine.serve.steps import StepRecorder
 from weightstream.errors import WeightstreamError
@@ -29,6 +29,7 @@ class ServeSettings:
     engine: dict = field(default_factory=dict)  # load_streaming_model keyword arguments
     model_name: str | None = None  # the name clients send as `model` (default: the directory's name)
     max_batch: int = 8
+    batch_beyond_cache: bool = False  # batch past what the expert cache holds (scheduler.ExpertCacheFit)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache: str = "1GiB"
     api_key: str | None = None
@@ -130,8 +131,27 @@ class ModelService:
         self.recorder = StepRecorder(model.weightstream, s.step_log)
         model.weightstream.routing_observer = self.recorder
         hooks = [self._replay(), self.recorder] if s.routing_trace else [self.recorder]
-        self.scheduler = Scheduler(model, s.max_batch, s.kv_budget_bytes, self.kv_bytes_per_token, hooks, self.observer)
+        self.scheduler = Scheduler(
+            model, s.max_batch, s.kv_budget_bytes, self.kv_bytes_per_token, hooks, self.observer, self._expert_fit()
+        )
         self.scheduler.start()
+
+    def _expert_fit(self) -> ExpertCacheFit | None:
+        """The expert cache's bound on the batch (scheduler.py), unless every expert fits or it was turned off."""
+        runtime = self.model.weightstream
+        slots, experts = runtime.cache.n_slots, len(runtime.layout.experts)
+        if self.settings.batch_beyond_cache or self.settings.max_batch == 1 or slots >= experts:
+            return None
+        per_row = runtime.layout.top_k * len(runtime.layout.num_experts)
+        fit = ExpertCacheFit(slots, per_row, self.recorder.union_ratio)
+        if not fit(2):
+            print(
+                f"weightstream serve: the expert cache holds {slots} experts and one sequence's step uses {per_row}: "
+                "sequences are decoded one at a time until the cache holds two sequences' experts "
+                "(a larger --expert-cache batches them; --batch-beyond-cache batches anyway)",
+                file=sys.stderr,
+            )
+        return fit
 
     def _warm_up(self) -> int:
         """Run one position through the model (it proves the model runs); KV bytes that position took."""

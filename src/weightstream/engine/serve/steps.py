@@ -59,6 +59,16 @@ class StepRecorder:
     def end_sequence(self, seq_id: int) -> None:
         pass
 
+    def union_ratio(self, batch: int) -> float:
+        """Distinct / choices over the decode steps of the largest batch size up to `batch` seen so far; 1.0 before
+        any (every row's experts its own)."""
+        with self._lock:
+            seen = [b for b in self.totals.by_batch if b <= batch]
+            if not seen:
+                return 1.0
+            _, choices, distinct = self.totals.by_batch[max(seen)]
+            return distinct / choices if choices else 1.0
+
     def snapshot(self) -> DecodeTotals:
         with self._lock:
             t = self.totals
