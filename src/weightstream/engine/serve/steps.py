@@ -33,11 +33,11 @@ class StepRecorder:
         self.totals = DecodeTotals()
         self._lock = threading.Lock()
         self._log = open(log_path, "a", encoding="utf-8") if log_path else None  # closed in close()
-        self._phase, self._rows, self._layers = "", 0, []
+        self._phase, self._rows, self._layers, self._seqs = "", 0, [], []
         self._before = (0, 0.0)
 
     def begin_step(self, seq_ids: list[int], tokens: list[int], phase: str) -> None:
-        self._phase, self._rows, self._layers = phase, len(seq_ids), []
+        self._phase, self._rows, self._layers, self._seqs = phase, len(seq_ids), [], list(seq_ids)
         self._before = self._io()
 
     def __call__(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -89,6 +89,7 @@ class StepRecorder:
             "t": time.time(),
             "phase": self._phase,
             "batch": self._rows,
+            "seqs": self._seqs,  # each gets one token from this step: their inter-token times come from the log
             "seconds": round(seconds, 6),
             "distinct_per_layer": [d for d, _ in self._layers],
             "choices_per_layer": [c for _, c in self._layers],
