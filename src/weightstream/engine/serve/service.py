@@ -146,9 +146,9 @@ class ModelService:
         fit = ExpertCacheFit(slots, per_row, self.recorder.union_ratio)
         if not fit(2):
             print(
-                f"weightstream serve: the expert cache holds {slots} experts and one sequence's step uses {per_row}: "
-                "sequences are decoded one at a time until the cache holds two sequences' experts "
-                "(a larger --expert-cache batches them; --batch-beyond-cache batches anyway)",
+                f"weightstream serve: the expert cache holds {slots} experts and one sequence's step uses {per_row}, "
+                f"so sequences are decoded one at a time (two would need {2 * per_row}); a larger --expert-cache "
+                "lets them batch, --batch-beyond-cache batches anyway",
                 file=sys.stderr,
             )
         return fit
