@@ -44,6 +44,7 @@ TRUE = CostParams(
     nonoverlap_s_per_mib=0.00005,
     page_cache_s_per_mib=0.0031,
     page_cached_per_byte=1.3,
+    layer_fixed_s=0.0011,
 )
 
 
@@ -53,14 +54,16 @@ def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, 
     pre = StepLoad(np.array([prefill]), np.full((1, layers), k), np.zeros((1, layers)), k)
     miss = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), miss_per_layer), k)
     page = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), k), k)
-    expert_decode = layers * k * (p.expert_call_s + p.expert_row_s)
-    expert_prefill = layers * k * (p.expert_call_s + prefill * p.expert_row_s)
+    expert_decode = layers * (p.layer_fixed_s + k * (p.expert_call_s + p.expert_row_s))
+    expert_one = layers * (p.layer_fixed_s + p.expert_call_s + p.expert_row_s)
+    expert_prefill = layers * (p.layer_fixed_s + k * (p.expert_call_s + prefill * p.expert_row_s))
     batches = [1, 2, 4, 8, 1, 2, 4, 8]
     return Measurements(
         layers=layers,
         top_k=k,
         decode_step_s=float(expert_cache_step_s(p, one, mib)[0]),
         decode_expert_s=expert_decode,
+        decode_one_expert_s=expert_one,
         prefill_tokens=prefill,
         prefill_step_s=float(expert_cache_step_s(p, pre, mib)[0]),
         prefill_expert_s=expert_prefill,
@@ -116,7 +119,19 @@ def test_prefill_and_page_cache_steps():
     c = TRUE.expert_call_s + 20 * 8 / 40 * TRUE.expert_row_s
     r = 12.0 * TRUE.read_s_per_mib
     expected = dense_seconds(TRUE, 20) + scheduled(40, 40, c, TRUE.read_latency_s, r) + scheduled(40, 10, c, 0.0009, r)
-    assert seconds[1] == pytest.approx(expected + TRUE.nonoverlap_s_per_mib * 50 * 12.0)
+    fixed = 2 * TRUE.layer_fixed_s
+    assert seconds[1] == pytest.approx(expected + fixed + TRUE.nonoverlap_s_per_mib * 50 * 12.0)
     page = page_cache_step_s(TRUE, load, 12.0)
     one = TRUE.expert_call_s + TRUE.expert_row_s
-    assert page[0] == pytest.approx(TRUE.dense_s + 16 * one + TRUE.page_cache_s_per_mib * 8 * 12.0)
+    assert page[0] == pytest.approx(TRUE.dense_s + fixed + 16 * one + TRUE.page_cache_s_per_mib * 8 * 12.0)
+
+
+def test_a_layer_of_fewer_experts_still_pays_the_blocks_fixed_seconds():
+    # a replayed top-2 routing on a top-8 model (Mixtral's trace on the OLMoE shape): the fixed part of a layer,
+    # spread over 8 experts at calibration, must not shrink to a quarter when only 2 are computed
+    two = StepLoad(np.array([1]), np.full((1, 16), 2), np.zeros((1, 16)), 2)
+    one = TRUE.expert_call_s + TRUE.expert_row_s
+    expected = TRUE.dense_s + 16 * (TRUE.layer_fixed_s + 2 * one)
+    assert expert_cache_step_s(TRUE, two, 12.0)[0] == pytest.approx(expected)
+    skipped = StepLoad(np.array([1]), np.zeros((1, 16)), np.zeros((1, 16)), 2)  # no layer computes an expert
+    assert expert_cache_step_s(TRUE, skipped, 12.0)[0] == pytest.approx(TRUE.dense_s)

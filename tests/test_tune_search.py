@@ -123,6 +123,9 @@ def test_n_cpu_moe_keeps_on_the_cpu_the_layers_the_gpu_cannot_hold():
     on_gpu = (24 * GIB - 3 * GIB - GIB // 2 - 512 * MIB) // layer
     assert f"--n-cpu-moe {32 - on_gpu}:" in lines[1]
     assert "not predicted: llama.cpp's own tok/s" in lines[-1]
+    assert any("--no-repack" in line for line in lines)  # 84 GiB of experts in 21 GiB: a repacked GGUF would not fit
+    roomy = Budget(128 * GIB, 3 * GIB, GIB // 2, GIB // 2, 90 * GIB, 4096)
+    assert not any("--no-repack" in line for line in llamacpp_advice(facts, roomy, page, None, verdict([page])))
     assert "pass --gpu-memory" in llamacpp_advice(facts, budget, page, None, verdict([page]))[1]
 
 

@@ -6,9 +6,10 @@ On one loaded model, with routing fixed by us (so that what is resident and what
    experts of the timed steps below are read once beforehand, as decode's misses were read before;
 2. page cache: every step chooses experts no step chose before, none in the page cache, through mmap (cost per
    missed MiB, and how many bytes the kernel's readahead brings in per byte touched);
-3. compute only: the same top-k experts every step, resident after the first (dense and per-expert seconds),
-   alternating with the expert cache with every expert missing: a fresh set each step at a 1x cache (what reads
-   cost beyond overlap), so that a neighbour's burst of load hits both alike;
+3. compute only: the same top-k experts every step, resident after the first, then one of them per layer (dense
+   seconds, per-expert seconds and the MoE block's own per-layer seconds), alternating with the expert cache with
+   every expert missing: a fresh set each step at a 1x cache (what reads cost beyond overlap), so that a
+   neighbour's burst of load hits both alike;
 4. a prefill of `PREFILL_TOKENS` tokens on resident experts (per-row seconds, dense seconds per token).
 """
 
@@ -32,7 +33,8 @@ from weightstream.sim.overlap_model import Measurements
 from weightstream.units import MIB
 
 ROUNDS = 2  # compute-only and all-miss runs alternate this many times
-DECODE_STEPS = 4  # compute-only decode steps timed per round (after the step that reads them in)
+DECODE_STEPS = 12  # compute-only decode steps timed per round (after the step that reads them in); 4 gave
+# calibrations 30 minutes apart that differed by 30% on this VM (156 vs 202 ms per token), and they are cheap
 MISS_STEPS = 3  # all-miss decode steps timed per round, expert cache
 PAGE_STEPS = 2  # all-miss decode steps timed, page cache (each reads a whole token's experts through faults)
 PREFILL_TOKENS = 32
@@ -206,11 +208,13 @@ class Calibrator:
         """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh
         top-k per layer every step at a 1x cache), in alternating rounds so that both see the same machine."""
         fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
-        resident, missing, misses = [], [], []
+        resident, one, missing, misses = [], [], [], []
         for round_ in range(ROUNDS):
             self.say(f"compute only and every expert missing, round {round_ + 1} of {ROUNDS}")
             self._route(lambda step, pos: fixed(0, pos))
             resident += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
+            self._route(lambda step, pos: fixed(0, pos)[:1])  # resident: one of the experts just timed
+            one += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
             choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=10 + round_)
             self._prime(choose, range(1, MISS_STEPS + 1))
             self._route(choose)
@@ -221,6 +225,7 @@ class Calibrator:
         return {
             "decode_step_s": step_s,
             "decode_expert_s": expert_s,
+            "decode_one_expert_s": _median(one)[1],
             "miss_step_s": _median(missing)[0],
             "miss_per_layer": statistics.mean(misses),
         }

@@ -104,6 +104,12 @@ def llamacpp_advice(
         lines.append(_n_cpu_moe_line(facts, budget, gpu_memory, layer_bytes, room))
     else:
         lines.append("llama.cpp with a GPU: pass --gpu-memory SIZE to get the --n-cpu-moe layer count")
+    if experts_total > room:
+        lines.append(
+            "llama.cpp with a Q4_0, Q4_K or IQ4_NL GGUF on the CPU: add --no-repack (llama-bench: --repack 0): "
+            "by default it copies those weights into anonymous memory at load, which the page cache cannot give "
+            "back, so a model larger than the memory is killed instead of streamed (docs/tune.md)"
+        )
     lines.append(f"this engine's answer to the same question: {cpu_only_verdict.line}")
     lines.append(
         "not predicted: llama.cpp's own tok/s (its kernels, quantization and threads differ from this engine's); "

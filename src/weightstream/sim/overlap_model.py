@@ -5,13 +5,14 @@ as its own bytes land; a layer's reads are all awaited before the next layer. Wi
 m of them missing, c seconds of compute per expert, the first miss landing after `lat` and each further one `r`
 later (r = read MiB per expert x seconds per MiB at the reader's bandwidth):
 
-    layer(n, 0) = n c
-    layer(n, m) = max(n c,  lat + m r + c,  lat + r + m c)
+    layer(n, 0) = f + n c
+    layer(n, m) = f + max(n c,  lat + m r + c,  lat + r + m c)
 
-(all compute; the last read then its expert; the first read then every late expert back to back). Per step:
+(all compute; the last read then its expert; the first read then every late expert back to back), f being the
+MoE block's own seconds whatever the number of experts (lookups, token grouping, the call itself). Per step:
 
-    expert cache:  T = dense(tokens) + sum over layers of layer(n, m) + g x MiB missed
-    page cache:    T = dense(tokens) + sum over layers of n c        + p x MiB missed
+    expert cache:  T = dense(tokens) + sum over layers of layer(n, m)  + g x MiB missed
+    page cache:    T = dense(tokens) + sum over layers of (f + n c)    + p x MiB missed
 
 where g is the reads' cost that does not overlap (I/O threads' CPU, packs), p the page cache's cost per missed MiB
 (mmap faults stall the computing thread, no overlap), dense(tokens) = dense_s + (tokens - 1) dense_per_token_s and
@@ -40,6 +41,7 @@ class CostParams:
     nonoverlap_s_per_mib: float = 0.0
     page_cache_s_per_mib: float | None = None
     page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
+    layer_fixed_s: float = 0.0  # per MoE layer that computes any expert, whatever their number
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +80,7 @@ def expert_cache_step_s(p: CostParams, load: StepLoad, read_mib_per_expert: floa
     """[S] predicted seconds of each step through the expert cache."""
     c = p.expert_call_s + load.rows_per_expert() * p.expert_row_s
     r = read_mib_per_expert * p.read_s_per_mib
-    layers = layer_seconds(load.distinct, load.misses, c, p.read_latency_s, r).sum(axis=1)
+    layers = layer_seconds(load.distinct, load.misses, c, p.read_latency_s, r).sum(axis=1) + _fixed(p, load)
     missed_mib = load.misses.sum(axis=1) * read_mib_per_expert
     return dense_seconds(p, load.tokens) + layers + p.nonoverlap_s_per_mib * missed_mib
 
@@ -88,8 +90,13 @@ def page_cache_step_s(p: CostParams, load: StepLoad, mib_per_expert: float) -> n
     if p.page_cache_s_per_mib is None:
         raise ValueError("no page-cache calibration")
     c = p.expert_call_s + load.rows_per_expert() * p.expert_row_s
-    compute = (load.distinct * c).sum(axis=1)
+    compute = (load.distinct * c).sum(axis=1) + _fixed(p, load)
     return dense_seconds(p, load.tokens) + compute + p.page_cache_s_per_mib * load.misses.sum(axis=1) * mib_per_expert
+
+
+def _fixed(p: CostParams, load: StepLoad) -> np.ndarray:
+    """[S] the MoE blocks' fixed seconds: one per layer that computes any expert."""
+    return p.layer_fixed_s * (load.distinct > 0).sum(axis=1)
 
 
 def linear_step_s(model: CostModel, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
@@ -105,6 +112,7 @@ class Measurements:
     top_k: int
     decode_step_s: float  # compute only: every expert resident
     decode_expert_s: float  # of which inside the experts
+    decode_one_expert_s: float  # inside the experts, compute only, with one expert per layer instead of top-k
     prefill_tokens: int
     prefill_step_s: float  # compute only, every token choosing the same top-k experts
     prefill_expert_s: float
@@ -134,8 +142,11 @@ def fit_read_line(batches: list[int], seconds: list[float]) -> tuple[float, floa
 
 def fit_cost_params(m: Measurements) -> CostParams:
     """Solve the model's terms from the calibration runs (each clamped at 0: timing noise is not a negative cost)."""
-    per_expert = m.decode_expert_s / (m.layers * m.top_k)  # one call with one row
-    per_expert_prefill = m.prefill_expert_s / (m.layers * m.top_k)  # one call with `prefill_tokens` rows
+    # a layer's experts cost f + n c: top-k of them against one gives c (one call, one row) and f
+    per_layer, per_layer_one = m.decode_expert_s / m.layers, m.decode_one_expert_s / m.layers
+    per_expert = max((per_layer - per_layer_one) / max(m.top_k - 1, 1), 0.0)
+    fixed = max(per_layer_one - per_expert, 0.0)
+    per_expert_prefill = (m.prefill_expert_s / m.layers - fixed) / m.top_k  # one call with `prefill_tokens` rows
     row = max((per_expert_prefill - per_expert) / max(m.prefill_tokens - 1, 1), 0.0)
     dense = max(m.decode_step_s - m.decode_expert_s, 0.0)
     dense_prefill = m.prefill_step_s - m.prefill_expert_s
@@ -147,12 +158,14 @@ def fit_cost_params(m: Measurements) -> CostParams:
         expert_row_s=row,
         read_latency_s=latency,
         read_s_per_mib=per_read / m.read_mib_per_expert,
+        layer_fixed_s=fixed,
     )
-    overlapped = dense + m.layers * float(layer_seconds(m.top_k, m.miss_per_layer, per_expert, latency, per_read))
+    layer = fixed + float(layer_seconds(m.top_k, m.miss_per_layer, per_expert, latency, per_read))
+    overlapped = dense + m.layers * layer
     missed_mib = m.layers * m.miss_per_layer * m.read_mib_per_expert
     p.nonoverlap_s_per_mib = max((m.miss_step_s - overlapped) / missed_mib, 0.0) if missed_mib else 0.0
     if m.page_step_s is not None and m.page_missed_mib:
-        compute = dense + m.layers * m.top_k * per_expert
+        compute = dense + m.layers * (fixed + m.top_k * per_expert)
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
         p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
     return p
