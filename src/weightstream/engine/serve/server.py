@@ -32,9 +32,11 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, service: ModelService):
         super().__init__(config)
         self.service = service
+        self.exit_signal: int | None = None  # the first exit signal, which sets the command's exit status
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
+            self.exit_signal = sig
             grace = self.service.settings.shutdown_grace_s
             if self.service.scheduler is not None:
                 self.service.scheduler.drain(grace)
@@ -60,17 +62,25 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, lo
     service.on_ready = lambda: say(ready_line(service))
     bound_host, bound_port = sock.getsockname()[:2]
     say(f"listening on http://{bound_host}:{bound_port}; loading {settings.model_dir} (GET /health is 503 until ready)")
-    # uvicorn re-raises the signal it handled once it has shut down; after a clean shutdown SIGTERM means exit 0
-    previous = signal.signal(signal.SIGTERM, lambda sig, frame: _after_uvicorn(server, sig))
+    # uvicorn re-raises the signal it handled once it has shut down, and whether asyncio's own Ctrl-C handler then
+    # turns that into KeyboardInterrupt depends on timing (CI saw exit 0 after Ctrl-C). So our handlers stand
+    # under uvicorn's, ignore the re-raised signal, and the exit status comes from the signal recorded below.
+    previous = {sig: signal.signal(sig, lambda s, frame: _after_uvicorn(server, s)) for sig in EXIT_SIGNALS}
     try:
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         service.close()
         sock.close()
         say(stopped_line(metrics))
     if service.error is not None:
         raise service.error
+    if server.exit_signal == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C: the CLI's "interrupted" status (130); after a clean shutdown SIGTERM is 0
+
+
+EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _after_uvicorn(server: _Server, sig: int) -> None:
