@@ -1,9 +1,13 @@
 """Proof for `weightstream tune` (issue 14): its recommendation and predictions against `bench` measurements.
 
-For each model, memory limit and routing: `tune --json` (the first run per model with --calibrate, timed), then
-`bench` (each configuration in its own cgroup at the limit, cold page cache) on the recommended configuration and a
-grid around it (three cache sizes x lru/slru/pinned, and the page cache), back to back; the configurations within 5%
-of the best measured are measured again (--repeats). Replayed routing (DeepSeek-V2-Lite, Mixtral) is cut into the
+For each model, memory limit and routing: `tune --calibrate --json` (timed; every case calibrates anew, so that the
+machine it predicts for is the one of the minutes that follow), then `bench` (each configuration in its own cgroup
+at the limit, cold page cache) on the recommended configuration and a grid around it (three cache sizes x
+lru/slru/pinned, and the page cache): every configuration `--runs` times in rounds (each round in the reverse order
+of the one before, so that a drifting machine weighs on all alike; the median counts), then the ones within 5% of the
+best measured again (--repeats). Before calibration and before every bench run a one-second probe times a fixed
+decode-like workload (bf16 matrix-vector products, `machine_drift.py`): how fast the machine itself was then.
+Replayed routing (DeepSeek-V2-Lite, Mixtral) is cut into the
 steps the bench will run (each prompt's prefill, then one token per step), and the same file goes to tune and bench.
 Prints one JSON object with the targets checked (--out writes it too). Needs root (bench's cgroups).
 
@@ -22,6 +26,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from machine_drift import probe_workload
+from machine_drift import sample as probe_sample
 
 from weightstream.bench.machine import block_device_of, machine_info
 from weightstream.bench.runner import BenchConfig, run_bench
@@ -115,8 +122,19 @@ def grid(report: dict, trace_path: str, out: Path) -> list[dict]:
     return configs + [page_entry | {"recommended": rec["path"] == "page-cache"}]
 
 
+PROBE = {}
+
+
+def probe() -> float:
+    """Passes per second of the fixed decode-like workload over one second: the machine's speed now."""
+    if not PROBE:
+        PROBE["weights"], PROBE["x"] = probe_workload(256)
+    return probe_sample(PROBE["weights"], PROBE["x"], 1.0)["passes_per_s"]
+
+
 def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, entry: dict) -> dict:
-    """One bench run of one configuration: its own cgroup at the limit, cold page cache."""
+    """One bench run of one configuration: its own cgroup at the limit, cold page cache; the probe just before."""
+    speed = probe()
     config = BenchConfig(
         model_dir=model,
         memory_limit=limit,
@@ -133,14 +151,18 @@ def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, ent
     run = run_bench(config, progress=lambda m: None)["runs"][0]
     full = all(len(ids) == tokens for ids in run.get("token_ids", []))  # an early EOS would shift replayed rows
     keep = ("decode_tokens_per_s", "expert_hit_rate", "decode_bytes_read_per_token", "cgroup_peak_bytes", "error")
-    return {**{k: run.get(k) for k in keep}, "all_tokens_generated": full}
+    return {**{k: run.get(k) for k in keep}, "all_tokens_generated": full, "probe_passes_per_s": speed}
 
 
 def measure_grid(args, model, limit, prompts, trace, configs) -> None:
-    """Every configuration once, back to back; then the ones within 5% of the best again, interleaved."""
+    """Every configuration `args.runs` times in rounds, each round in the reverse order of the one before; then
+    the ones within 5% of the best again."""
     for entry in configs:
-        say(f"  bench {entry['path']} {entry['policy']} {entry['cache_bytes'] / 2**30:.2f} GiB")
-        entry["runs"] = [measure(model, limit, prompts, args.tokens, trace, entry)]
+        entry["runs"] = []
+    for round_ in range(args.runs):
+        for entry in configs if round_ % 2 == 0 else configs[::-1]:
+            say(f"  bench {entry['path']} {entry['policy']} {entry['cache_bytes'] / 2**30:.2f} GiB, run {round_ + 1}")
+            entry["runs"].append(measure(model, limit, prompts, args.tokens, trace, entry))
     for _ in range(args.repeats):
         best = max(_speed(e) for e in configs)
         for entry in configs:
@@ -203,7 +225,9 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         spec = {"trace": None, "prompts": args.prompts}
     else:
         spec = {"trace": replay_file(model, routing, prompts, args.tokens, out), "prompts": None}
-    report, tune_s = run_tune(model, limit, spec, args, calibrate=first)
+    probe_before = probe()
+    report, tune_s = run_tune(model, limit, spec, args, calibrate=first or args.calibrate_each)
+    probe_after = probe()
     trace = spec["trace"] or report["routing"]["saved_to"]
     configs = grid(report, trace, out)
     measure_grid(args, model, parse_size(limit), prompts, spec["trace"], configs)
@@ -218,7 +242,23 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         "tune": {k: report[k] for k in ("budget", "recommendation", "page_cache_vs_expert_cache", "timings_s")},
         "calibration": report["calibration"].get("params"),
         "grid": grid_out,
-        "checks": check(report, configs, tune_s if first else None),
+        "checks": check(report, configs, tune_s if first or args.calibrate_each else None),
+        "probe": _probe_summary(probe_before, probe_after, configs),
+    }
+
+
+def _probe_summary(before: float, after: float, configs: list[dict]) -> dict:
+    """The machine's speed at calibration (probes around tune) and at each bench run, and how far it moved."""
+    at_calibration = (before + after) / 2
+    runs = [r["probe_passes_per_s"] for c in configs for r in c["runs"]]
+    return {
+        "at_calibration_passes_per_s": [before, after],
+        "at_runs_passes_per_s": {"median": statistics.median(runs), "min": min(runs), "max": max(runs)},
+        "runs_over_calibration": {
+            "median": statistics.median(runs) / at_calibration,
+            "min": min(runs) / at_calibration,
+            "max": max(runs) / at_calibration,
+        },
     }
 
 
@@ -238,10 +278,18 @@ def main() -> None:
     p.add_argument("--prompts", help="prompts file for the model's own routing and the bench (default: built-in)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--context", type=int, default=512, help="tune's KV budget: the bench's prompts are short")
-    p.add_argument("--repeats", type=int, default=2, help="extra runs of the configurations within 5%% of the best")
+    p.add_argument("--runs", type=int, default=2, help="runs of every configuration, in rounds (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="extra runs of the configurations within 5%% of the best")
+    p.add_argument(
+        "--calibrate-once",
+        dest="calibrate_each",
+        action="store_false",
+        help="calibrate only in each model's first case (default: every case, just before its grid)",
+    )
     p.add_argument("--gpt-oss-model", help="where the gpt-oss-shaped case lives (written if missing); '' skips it")
     p.add_argument("--gpt-oss-layers", type=int, default=4)
     p.add_argument("--gpt-oss-limits", default="4GiB,5GiB")
+    p.add_argument("--gpt-oss-first", action="store_true", help="run the gpt-oss-shaped cases before the others")
     p.add_argument("--out", help="also write the JSON report here")
     args = p.parse_args()
     work = Path(".work/tune-proof")  # replay traces and pinned sets: scratch, never beside the report
@@ -267,12 +315,17 @@ def main() -> None:
         if args.out:  # written after every case: a long proof cut short keeps what it measured
             Path(args.out).write_text(json.dumps(report, indent=1))
 
-    for i, (limit, routing) in enumerate((lim, r) for lim in args.limits.split(",") for r in args.routings.split(",")):
-        run_case(args.model, limit, routing, i == 0, work)
-    if args.gpt_oss_model:
+    def run_gpt_oss() -> None:
         model = gpt_oss_model(args.gpt_oss_model, args.gpt_oss_layers)
         for i, limit in enumerate(args.gpt_oss_limits.split(",")):
             run_case(model, limit, "own", i == 0, work, expert_cache_should_lose=True)
+
+    if args.gpt_oss_first and args.gpt_oss_model:
+        run_gpt_oss()
+    for i, (limit, routing) in enumerate((lim, r) for lim in args.limits.split(",") for r in args.routings.split(",")):
+        run_case(args.model, limit, routing, i == 0, work)
+    if args.gpt_oss_model and not args.gpt_oss_first:
+        run_gpt_oss()
     print(json.dumps(report, indent=1))
 
 

@@ -1,5 +1,7 @@
 """tune's search: it counts what the simulator counts, replays what the engine replays, and recommends by rule."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -133,3 +135,28 @@ def test_options_default_threshold_on_a_matching_trace():
     trace = onto_shape(deepseek(1), ModelShape("ds-like", list(range(16)), 64, 6, [EXPERT] * 16))
     facts = ModelFacts(16, 64, 6, EXPERT, EXPERT, EXPERT, 16 * 6 * EXPERT)
     assert Search(trace, facts, PARAMS).options.threshold == Options().threshold
+
+
+def _laid_out(facts: ModelFacts, gap: int) -> ModelFacts:
+    """`facts` with every layer's experts in one file, `gap` bytes apart."""
+    step = facts.expert_nbytes + gap
+    spans = tuple(
+        tuple(((layer, e * step, e * step + facts.expert_nbytes),) for e in range(facts.n_experts))
+        for layer in range(facts.layers)
+    )
+    return dataclasses.replace(facts, spans=spans, file_bytes=(facts.n_experts * step,) * facts.layers)
+
+
+def test_page_cache_over_byte_ranges_sees_readahead_that_helps_and_readahead_that_only_reads():
+    """Mixtral's routing on the OLMoE shape uses experts 0-7 of each layer. Stored next to each other, the
+    readahead past one expert brings in the next: fewer bytes read than the whole-expert model charges. Stored far
+    apart, readahead is only read, and reclaimed first: the two-list model still reads no more."""
+    trace = onto_shape(mixtral(), OLMOE16)
+    params = dataclasses.replace(PARAMS, page_cached_per_byte=1.7)
+    room = int(0.9 * 128 * EXPERT)  # less than the 128 experts the routing uses
+    whole = Search(trace, FACTS, params).page_cache(room)
+    near = Search(trace, _laid_out(FACTS, 0), params).page_cache(room)
+    far = Search(trace, _laid_out(FACTS, 64 * MIB), params).page_cache(room)
+    assert near.policy == far.policy == "kernel (two-list model)"
+    assert near.mib_read_per_token < far.mib_read_per_token <= whole.mib_read_per_token
+    assert near.predicted_decode_tokens_per_s > whole.predicted_decode_tokens_per_s

@@ -5,7 +5,9 @@ On one loaded model, with routing fixed by us (so that what is resident and what
    each read twice: where the second read is faster (a disk with a cache of its own, as a VM's host has), the
    experts of the timed steps below are read once beforehand, as decode's misses were read before;
 2. page cache: every step chooses experts no step chose before, none in the page cache, through mmap (cost per
-   missed MiB, and how many bytes the kernel's readahead brings in per byte touched);
+   missed MiB, and how many bytes the kernel's readahead brings in per byte touched); then the same with this
+   process moved into a small memory cgroup, so that every fault first reclaims (what a page cache at its limit
+   costs per MiB evicted; needs root and a memory controller, else not measured);
 3. compute only: the same top-k experts every step, resident after the first, then one of them per layer (dense
    seconds, per-expert seconds and the MoE block's own per-layer seconds), alternating with the expert cache with
    every expert missing: a fresh set each step at a 1x cache (what reads cost beyond overlap), so that a
@@ -145,6 +147,7 @@ class Calibrator:
         self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
         with paused_proactive_reclaim():  # idle-page reclaim would count as page-cache misses (bench.reclaim)
             page, page_amplification = self.page_cache()
+            pressured = self.page_cache_at_limit(page_amplification) if page is not None else None
         self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
         try:
             decode = self.compute_and_misses()
@@ -163,8 +166,12 @@ class Calibrator:
             page_step_s=page,
             page_missed_mib=len(self.layers) * self.k * nbytes / MIB if page is not None else None,
             page_cached_per_byte=page_amplification,
+            **(pressured or {}),
         )
-        return m, {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
+        extra = {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
+        if pressured is None and page is not None:
+            extra["page_cache_at_limit"] = self.pressure_note
+        return m, extra
 
     def _use(self, source) -> None:
         self.runtime.cache = source
@@ -203,6 +210,52 @@ class Calibrator:
             self.runtime.cache.close()
         touched = steps * len(self.layers) * self.k * max(e.nbytes for e in self.layout.experts.values())
         return _median(decode)[0], max((_cached(paths) - before) / touched, 1.0)
+
+    pressure_note = "not measured"
+
+    def page_cache_at_limit(self, amplification: float | None) -> dict | None:
+        """Decode steps through mmap with this process in a memory cgroup that one layer's faults fill, so that
+        every further fault reclaims first, as a run at its memory limit does: {"page_limit_step_s",
+        "page_limit_evicted_mib"} (MiB reclaimed per step), or None where no cgroup can be made (not root)."""
+        from weightstream.bench.cgroup import MemoryCgroup
+        from weightstream.errors import WeightstreamError
+        from weightstream.prefetch.memory import CgroupMemory
+
+        steps = min(PAGE_STEPS + 2, self.n_experts // self.k)
+        home = CgroupMemory.of()
+        if steps < 3 or home is None or os.geteuid() != 0:
+            self.pressure_note = "not measured: needs root and a memory cgroup controller"
+            return None
+        nbytes = max(e.nbytes for e in self.layout.experts.values())
+        per_layer = self.k * nbytes * max(amplification or 1.0, 1.0)
+        limit = int(max(per_layer, 64 * MIB))  # every layer's faults reclaim the layer before
+        try:
+            group = MemoryCgroup.create(limit, name="ws-calibrate")
+        except WeightstreamError as exc:
+            self.pressure_note = f"not measured: {exc}"
+            return None
+        self.say(f"page cache at its limit: experts through mmap in a {limit / MIB:.0f} MiB cgroup")
+        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=2)
+        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
+        for path in paths:
+            evict_file(path)
+        self._prime(choose, range(1, steps))
+        self._use(PageCacheSource(self.layout))
+        self._route(choose)
+        try:
+            (group.path / "cgroup.procs").write_text(str(os.getpid()))
+            try:
+                _, decode = timed_steps(self.model, [1], steps)  # the first fills the cgroup
+            finally:
+                (home.path / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError as exc:
+            self.pressure_note = f"not measured: cannot move this process between memory cgroups ({exc.strerror})"
+            return None
+        finally:
+            self.runtime.cache.close()
+            group.remove()
+        touched = len(self.layers) * self.k * nbytes * max(amplification or 1.0, 1.0)
+        return {"page_limit_step_s": _median(decode[1:])[0], "page_limit_evicted_mib": touched / MIB}
 
     def compute_and_misses(self) -> dict:
         """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh

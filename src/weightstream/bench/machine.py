@@ -23,6 +23,19 @@ def device_bytes_read(device: str) -> int | None:
         return None
 
 
+def read_ahead_bytes(path: str) -> int | None:
+    """The kernel's readahead window for files on the device holding `path` (its queue's `read_ahead_kb`; a
+    partition's is its disk's), or None where sysfs does not say."""
+    device = os.path.realpath(block_device_of(path))
+    for queue in (os.path.join(device, "queue"), os.path.join(os.path.dirname(device), "queue")):
+        try:
+            with open(os.path.join(queue, "read_ahead_kb")) as f:
+                return int(f.read()) * 1024
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def machine_info(device: str) -> dict:
     """CPUs, memory, kernel, Python, and the disk the model is on."""
     model_path = os.path.join(device, "device", "model")

@@ -26,10 +26,23 @@ def say(msg: str) -> None:
 
 def model_facts(layout: ModelLayout) -> ModelFacts:
     """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans."""
+    from weightstream.bench.machine import read_ahead_bytes
     from weightstream.cache.slot_plan import plan_slot
+    from weightstream.sim.page_cache_model import merge_spans
 
     file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
     firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
+    file_ids = {path: i for i, path in enumerate(sorted(file_sizes))}
+    n_experts = min(layout.num_experts.values())
+    spans = tuple(
+        tuple(
+            tuple(
+                merge_spans(((file_ids[p.path], p.offset, p.nbytes) for p in layout.experts[(layer, e)].pieces), 4096)
+            )
+            for e in range(n_experts)
+        )
+        for layer in layout.layers
+    )
     return ModelFacts(
         layers=len(layout.layers),
         n_experts=min(layout.num_experts.values()),
@@ -38,6 +51,9 @@ def model_facts(layout: ModelLayout) -> ModelFacts:
         slot_bytes=layout.slot_bytes,
         read_bytes=max(plan_slot(e, file_sizes).aligned_bytes for e in firsts),
         working_set_bytes=layout.working_set_bytes,
+        spans=spans,
+        file_bytes=tuple(file_sizes[path] for path in sorted(file_sizes)),
+        readahead_window=read_ahead_bytes(next(iter(file_sizes))),
     )
 
 

@@ -42,6 +42,7 @@ class CostParams:
     page_cache_s_per_mib: float | None = None
     page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
     layer_fixed_s: float = 0.0  # per MoE layer that computes any expert, whatever their number
+    page_reclaim_s_per_mib: float = 0.0  # a page cache at its limit: seconds per MiB reclaimed to make room
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +125,8 @@ class Measurements:
     page_step_s: float | None = None  # every chosen expert missing, through mmap, cold
     page_missed_mib: float | None = None  # MiB faulted in per step there
     page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
+    page_limit_step_s: float | None = None  # the same through mmap in a cgroup full from the first layer on
+    page_limit_evicted_mib: float | None = None  # MiB reclaimed per step there (= MiB read in)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,4 +171,6 @@ def fit_cost_params(m: Measurements) -> CostParams:
         compute = dense + m.layers * (fixed + m.top_k * per_expert)
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
         p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
+        if m.page_limit_step_s is not None and m.page_limit_evicted_mib:
+            p.page_reclaim_s_per_mib = max((m.page_limit_step_s - m.page_step_s) / m.page_limit_evicted_mib, 0.0)
     return p

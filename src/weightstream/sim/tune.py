@@ -21,6 +21,8 @@ from weightstream.sim.overlap_model import (
     linear_step_s,
     page_cache_step_s,
 )
+from weightstream.sim.page_cache_model import PageCacheModel, Readahead
+from weightstream.sim.page_cache_model import replay as replay_page_cache
 from weightstream.sim.replay import Options, access_hits
 from weightstream.sim.workload import Workload
 from weightstream.trace import Trace
@@ -42,6 +44,11 @@ class ModelFacts:
     slot_bytes: int  # one cache slot
     read_bytes: int  # what the reader fetches for one miss (4 KiB-aligned spans)
     working_set_bytes: int  # one token's working set as the runtime counts it (its 1x)
+    # where each expert lies in the checkpoint: spans[layer position][expert] = ((file id, start, end), ...), the
+    # files' sizes and the kernel's readahead window; without them the page cache is modelled as LRU over experts
+    spans: tuple | None = None
+    file_bytes: tuple[int, ...] | None = None
+    readahead_window: int | None = None
 
     @property
     def total_experts(self) -> int:
@@ -142,10 +149,13 @@ class Search:
         )
 
     def page_cache(self, room_bytes: int) -> Config:
-        """mmap with `room_bytes` of page cache for experts, modelled as LRU over whole experts; each miss takes
-        the calibrated readahead's share of room and of bytes read."""
+        """mmap with `room_bytes` of page cache for experts: the kernel's two lists over the checkpoint's real
+        byte ranges (`sim.page_cache_model`) where the layout is known, else LRU over whole experts, each miss
+        taking the calibrated readahead's share of room and of bytes read."""
         known = self.params is not None and self.params.page_cache_s_per_mib is not None
         spread = self.params.page_cached_per_byte if known else 1.0
+        if self.facts.spans is not None:
+            return self._page_cache_ranges(room_bytes, spread, known)
         slots = max(min(int(room_bytes / (self.facts.expert_nbytes * spread)), self.facts.total_experts), 1)
         hit = access_hits(self.w, "lru", max(slots, self.w.min_slots) * self.sim_expert_bytes, self.options)
         load = self.steps.load(hit)
@@ -153,6 +163,34 @@ class Search:
         seconds = page_cache_step_s(self.params, load, mib) if known else None
         config = self._config("page-cache", "kernel (lru model)", room_bytes, slots, hit, load, mib * spread, seconds)
         config.extra = {"page_cached_per_byte": spread}
+        return config
+
+    def _page_cache_ranges(self, room_bytes: int, spread: float, known: bool) -> Config:
+        facts = self.facts
+        readahead = Readahead.from_amplification(spread, facts.expert_nbytes, facts.readahead_window)
+        n = self.w.trace.shape.n_experts
+        spans = [facts.spans[key // n][key % n] for key in range(self.w.n_keys)]
+        chunk = max(MIB, _pow2_at_least(facts.expert_nbytes // 32))  # at most ~32 chunks per expert
+        model = PageCacheModel(spans, room_bytes, readahead, chunk, facts.file_bytes)
+        hit, read, evicted = replay_page_cache(model, self.w.keys)
+        load = self.steps.load(hit)
+        step = self.steps.cell // self.steps.n_layers
+        read_mib = np.bincount(step, weights=read / MIB, minlength=self.steps.n_steps)
+        evicted_mib = np.bincount(step, weights=evicted / MIB, minlength=self.steps.n_steps)
+        seconds = None
+        if known:  # calibrated per expert MiB touched with `spread` bytes read per byte: per MiB read, divide
+            p = self.params
+            seconds = page_cache_step_s(p, load, 0.0) + p.page_cache_s_per_mib / spread * read_mib
+            seconds = seconds + p.page_reclaim_s_per_mib * evicted_mib
+        slots = int(room_bytes // facts.expert_nbytes)
+        config = self._config("page-cache", "kernel (two-list model)", room_bytes, slots, hit, load, 0.0, seconds)
+        decode = self.steps.decode
+        config.mib_read_per_token = float(read_mib[decode].mean()) if decode.any() else 0.0
+        config.extra = {
+            "page_cached_per_byte": spread,
+            "readahead_bytes": [readahead.before, readahead.after],
+            "model_chunk_bytes": chunk,
+        }
         return config
 
     def _config(self, path, policy, cache_bytes, slots, hit, load, mib_per_miss, seconds, bound=False) -> Config:
@@ -188,6 +226,10 @@ class Search:
             configs.append(bound)
         configs.append(self.page_cache(expert_budget))
         return configs
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _distance(config: Config, bound: Config) -> dict:

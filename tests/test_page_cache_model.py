@@ -1,0 +1,85 @@
+"""The page cache model `tune` predicts the mmap path with: the kernel's readahead and two lists over byte ranges."""
+
+import numpy as np
+import pytest
+
+from weightstream.sim.page_cache_model import (
+    PageCacheModel,
+    Readahead,
+    inactive_ratio,
+    merge_spans,
+    replay,
+)
+from weightstream.units import GIB, MIB
+
+
+def test_adjacent_pieces_merge_into_one_span_and_far_ones_do_not():
+    pieces = [(0, 8 * MIB, 4 * MIB), (0, 0, 4 * MIB), (0, 4 * MIB + 64, 4 * MIB), (1, 0, MIB), (0, 40 * MIB, MIB)]
+    assert merge_spans(pieces, gap=4096) == [(0, 0, 12 * MIB), (0, 40 * MIB, 41 * MIB), (1, 0, MIB)]
+    assert merge_spans(pieces, gap=0)[0] == (0, 0, 4 * MIB)
+
+
+def test_readahead_splits_the_calibrated_extra_bytes_around_the_span():
+    ra = Readahead.from_amplification(1.75, 12 * MIB, 8 * MIB)  # 9 MiB extra: the window's half ahead
+    assert (ra.before, ra.after) == (4 * MIB, 5 * MIB)
+    assert Readahead.from_amplification(1.0, 12 * MIB, 8 * MIB) == Readahead(0, 0)
+    assert Readahead.from_amplification(1.5, 12 * MIB, None) == Readahead(3 * MIB, 3 * MIB)
+
+
+def test_inactive_ratio_follows_the_kernel():
+    assert inactive_ratio(512 * MIB) == 1
+    assert inactive_ratio(1 * GIB) == 3
+    assert inactive_ratio(10 * GIB) == 10
+
+
+def _experts(n: int, size: int, gap: int) -> list[list[tuple[int, int, int]]]:
+    """n experts of `size` bytes in one file, `gap` bytes apart."""
+    return [[(0, i * (size + gap), i * (size + gap) + size)] for i in range(n)]
+
+
+def test_a_cold_fault_reads_the_span_and_its_readahead_then_hits():
+    m = PageCacheModel(_experts(4, 4 * MIB, 16 * MIB), GIB, Readahead(MIB, 2 * MIB), MIB)
+    assert m.access(1) == (False, 7 * MIB)
+    assert m.access(1) == (True, 0)
+    assert m.bytes_read == 7 * MIB and m.evicted == 0
+
+
+def test_readahead_brings_in_the_neighbour_that_is_used_next():
+    m = PageCacheModel(_experts(4, 4 * MIB, 0), GIB, Readahead(0, 4 * MIB), MIB)
+    assert m.access(0) == (False, 8 * MIB)
+    assert m.access(1) == (True, 0)  # expert 1 lies where the readahead read
+
+
+def test_a_file_end_bounds_the_readahead():
+    m = PageCacheModel(_experts(2, 4 * MIB, 0), GIB, Readahead(MIB, 16 * MIB), MIB, file_bytes=[8 * MIB])
+    assert m.access(1) == (False, 5 * MIB)  # 1 MiB ahead, nothing past the file's 8 MiB
+
+
+def test_untouched_readahead_is_reclaimed_before_touched_experts():
+    """A cache of 4 experts' bytes, each fault bringing 4 MiB of readahead nobody touches: LRU over what was read
+    would lose expert 0 by the third fault; the kernel reclaims the untouched readahead first."""
+    m = PageCacheModel(_experts(8, 4 * MIB, 32 * MIB), 16 * MIB, Readahead(0, 4 * MIB), MIB)
+    for key in (0, 0, 1, 1, 2, 2):  # touched twice: active
+        m.access(key)
+    assert m.access(0)[0] and m.access(1)[0]
+    assert len(m.inactive) + len(m.active) <= m.capacity
+
+
+def test_the_cache_never_holds_more_than_its_capacity_and_counts_what_it_reclaims():
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 64, size=2000)
+    m = PageCacheModel(_experts(64, 2 * MIB, MIB), 40 * MIB, Readahead(MIB, MIB), MIB)
+    hit, read, evicted = replay(m, keys)
+    assert len(m.inactive) + len(m.active) <= m.capacity
+    assert read.sum() == m.bytes_read
+    # everything read either is still cached or was reclaimed
+    assert read.sum() == evicted.sum() + (len(m.inactive) + len(m.active)) * MIB
+    assert 0 < hit.mean() < 1
+
+
+@pytest.mark.parametrize("capacity", [8 * MIB, 64 * MIB, 512 * MIB])
+def test_more_room_never_reads_more_on_a_looping_workload(capacity):
+    keys = np.tile(np.arange(16), 20)
+    small = PageCacheModel(_experts(16, 2 * MIB, 0), capacity, Readahead(0, MIB), MIB)
+    big = PageCacheModel(_experts(16, 2 * MIB, 0), 2 * capacity, Readahead(0, MIB), MIB)
+    assert replay(big, keys)[1].sum() <= replay(small, keys)[1].sum()
