@@ -45,7 +45,7 @@ TRUE = CostParams(
     page_cache_s_per_mib=0.0031,
     page_cached_per_byte=1.3,
     layer_fixed_s=0.0011,
-    page_reclaim_s_per_mib=0.0004,
+    page_limit_s_per_mib=0.0019,
 )
 
 
@@ -77,8 +77,8 @@ def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, 
         page_missed_mib=layers * k * mib,
         page_cached_per_byte=p.page_cached_per_byte,
         # at its limit every MiB read in (expert bytes x readahead) is first reclaimed
-        page_limit_step_s=float(page_cache_step_s(p, page, mib)[0])
-        + p.page_reclaim_s_per_mib * layers * k * mib * p.page_cached_per_byte,
+        page_limit_step_s=float(page_cache_step_s(p, page, 0.0)[0])
+        + p.page_limit_s_per_mib * layers * k * mib * p.page_cached_per_byte,
         page_limit_evicted_mib=layers * k * mib * p.page_cached_per_byte,
     )
 

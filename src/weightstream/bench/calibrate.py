@@ -6,8 +6,8 @@ On one loaded model, with routing fixed by us (so that what is resident and what
    experts of the timed steps below are read once beforehand, as decode's misses were read before;
 2. page cache: every step chooses experts no step chose before, none in the page cache, through mmap (cost per
    missed MiB, and how many bytes the kernel's readahead brings in per byte touched); then the same with this
-   process moved into a small memory cgroup, so that every fault first reclaims (what a page cache at its limit
-   costs per MiB evicted; needs root and a memory controller, else not measured);
+   process moved into a small memory cgroup, so that every fault first reclaims (what a MiB read costs a page
+   cache at its limit; needs root and a memory controller, else not measured);
 3. compute only: the same top-k experts every step, resident after the first, then one of them per layer (dense
    seconds, per-expert seconds and the MoE block's own per-layer seconds), alternating with the expert cache with
    every expert missing: a fresh set each step at a 1x cache (what reads cost beyond overlap), so that a
@@ -216,7 +216,8 @@ class Calibrator:
     def page_cache_at_limit(self, amplification: float | None) -> dict | None:
         """Decode steps through mmap with this process in a memory cgroup that one layer's faults fill, so that
         every further fault reclaims first, as a run at its memory limit does: {"page_limit_step_s",
-        "page_limit_evicted_mib"} (MiB reclaimed per step), or None where no cgroup can be made (not root)."""
+        "page_limit_evicted_mib"} (MiB read in per step, touched x readahead, each after a reclaim), or None
+        where no cgroup can be made (not root)."""
         from weightstream.bench.cgroup import MemoryCgroup
         from weightstream.errors import WeightstreamError
         from weightstream.prefetch.memory import CgroupMemory

@@ -42,7 +42,9 @@ class CostParams:
     page_cache_s_per_mib: float | None = None
     page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
     layer_fixed_s: float = 0.0  # per MoE layer that computes any expert, whatever their number
-    page_reclaim_s_per_mib: float = 0.0  # a page cache at its limit: seconds per MiB reclaimed to make room
+    # a page cache at its limit: seconds per MiB read (as the model counts reads: bytes touched x readahead) where
+    # each read first reclaims; None where calibration could not measure it (then the cold figure serves)
+    page_limit_s_per_mib: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,7 +128,7 @@ class Measurements:
     page_missed_mib: float | None = None  # MiB faulted in per step there
     page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
     page_limit_step_s: float | None = None  # the same through mmap in a cgroup full from the first layer on
-    page_limit_evicted_mib: float | None = None  # MiB reclaimed per step there (= MiB read in)
+    page_limit_evicted_mib: float | None = None  # MiB read in per step there (touched x readahead), each reclaimed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,5 +174,5 @@ def fit_cost_params(m: Measurements) -> CostParams:
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
         p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
         if m.page_limit_step_s is not None and m.page_limit_evicted_mib:
-            p.page_reclaim_s_per_mib = max((m.page_limit_step_s - m.page_step_s) / m.page_limit_evicted_mib, 0.0)
+            p.page_limit_s_per_mib = max((m.page_limit_step_s - compute) / m.page_limit_evicted_mib, 0.0)
     return p

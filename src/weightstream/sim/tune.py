@@ -180,8 +180,10 @@ class Search:
         seconds = None
         if known:  # calibrated per expert MiB touched with `spread` bytes read per byte: per MiB read, divide
             p = self.params
-            seconds = page_cache_step_s(p, load, 0.0) + p.page_cache_s_per_mib / spread * read_mib
-            seconds = seconds + p.page_reclaim_s_per_mib * evicted_mib
+            cold = p.page_cache_s_per_mib / spread  # a read into free room
+            at_limit = cold if p.page_limit_s_per_mib is None else p.page_limit_s_per_mib  # a read that reclaims
+            reclaiming = np.minimum(evicted_mib, read_mib)
+            seconds = page_cache_step_s(p, load, 0.0) + cold * (read_mib - reclaiming) + at_limit * reclaiming
         slots = int(room_bytes // facts.expert_nbytes)
         config = self._config("page-cache", "kernel (two-list model)", room_bytes, slots, hit, load, 0.0, seconds)
         decode = self.steps.decode
