@@ -135,6 +135,7 @@ class Calibrator:
         self.layers = self.layout.layers
         self.n_experts = min(self.layout.num_experts.values())
         self.k = self.layout.top_k
+        self.expert_nbytes = max(e.nbytes for e in self.layout.experts.values())
 
     def run(self) -> tuple[Measurements, dict]:
         # dense weights are mapped from the checkpoint: touch them all before the page cache is measured, so that
@@ -147,14 +148,16 @@ class Calibrator:
         self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
         with paused_proactive_reclaim():  # idle-page reclaim would count as page-cache misses (bench.reclaim)
             page, page_amplification = self.page_cache()
-            pressured = self.page_cache_at_limit(page_amplification) if page is not None else None
+            pressured, pressure_note = (
+                self.page_cache_at_limit(page_amplification) if page is not None else (None, "not measured")
+            )
         self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
         try:
             decode = self.compute_and_misses()
             prefill = self.prefill()
         finally:
             self.runtime.cache.close()
-        nbytes = max(e.nbytes for e in self.layout.experts.values())
+        nbytes = self.expert_nbytes
         m = Measurements(
             layers=len(self.layers),
             top_k=self.k,
@@ -170,7 +173,7 @@ class Calibrator:
         )
         extra = {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
         if pressured is None and page is not None:
-            extra["page_cache_at_limit"] = self.pressure_note
+            extra["page_cache_at_limit"] = pressure_note
         return m, extra
 
     def _use(self, source) -> None:
@@ -191,6 +194,31 @@ class Calibrator:
         finally:
             reads.close()
 
+    def _mmap_steps(self, seed: int, steps: int, cgroup=None) -> tuple[list, list[str], int]:
+        """`steps` forward steps with every expert served through mmap, each step choosing top-k experts per layer
+        that no earlier step chose, none of them in the page cache (inside `cgroup` where given: this process moves
+        in for the steps and back out after): (decode spans, expert files, bytes that stayed cached on eviction)."""
+        from weightstream.prefetch.memory import CgroupMemory
+
+        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=seed)
+        self._prime(choose, range(1, steps))
+        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
+        before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
+        self._use(PageCacheSource(self.layout))
+        self._route(choose)
+        home = CgroupMemory.of() if cgroup is not None else None
+        try:
+            if cgroup is not None:
+                (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
+            try:
+                _, decode = timed_steps(self.model, [1], steps)
+            finally:
+                if home is not None:
+                    (home.path / "cgroup.procs").write_text(str(os.getpid()))
+        finally:
+            self.runtime.cache.close()
+        return decode, paths, before
+
     def page_cache(self) -> tuple[float | None, float | None]:
         """(median seconds of a decode step whose every expert is faulted in cold through mmap, bytes the page
         cache took in per expert byte touched: the kernel's readahead reads around each fault)."""
@@ -198,65 +226,40 @@ class Calibrator:
         if steps < 2:
             return None, None
         self.say("page cache: experts through mmap, none of them in the page cache")
-        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=1)
-        self._prime(choose, range(1, steps))
-        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
-        before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
-        self._use(PageCacheSource(self.layout))
-        self._route(choose)
-        try:
-            _, decode = timed_steps(self.model, [1], steps)
-        finally:
-            self.runtime.cache.close()
-        touched = steps * len(self.layers) * self.k * max(e.nbytes for e in self.layout.experts.values())
+        decode, paths, before = self._mmap_steps(seed=1, steps=steps)
+        touched = steps * len(self.layers) * self.k * self.expert_nbytes
         return _median(decode)[0], max((_cached(paths) - before) / touched, 1.0)
 
-    pressure_note = "not measured"
-
-    def page_cache_at_limit(self, amplification: float | None) -> dict | None:
+    def page_cache_at_limit(self, amplification: float | None) -> tuple[dict | None, str]:
         """Decode steps through mmap with this process in a memory cgroup that one layer's faults fill, so that
-        every further fault reclaims first, as a run at its memory limit does: {"page_limit_step_s",
-        "page_limit_evicted_mib"} (MiB read in per step, touched x readahead, each after a reclaim), or None
-        where no cgroup can be made (not root)."""
+        every further fault reclaims first, as a run at its memory limit does: ({"page_limit_step_s",
+        "page_limit_evicted_mib"} (MiB read in per step, touched x readahead, each after a reclaim), "measured"),
+        or (None, why not) where no cgroup can be made (not root)."""
         from weightstream.bench.cgroup import MemoryCgroup
         from weightstream.errors import WeightstreamError
         from weightstream.prefetch.memory import CgroupMemory
 
         steps = min(PAGE_STEPS + 2, self.n_experts // self.k)
-        home = CgroupMemory.of()
-        if steps < 3 or home is None or os.geteuid() != 0:
-            self.pressure_note = "not measured: needs root and a memory cgroup controller"
-            return None
-        nbytes = max(e.nbytes for e in self.layout.experts.values())
-        per_layer = self.k * nbytes * max(amplification or 1.0, 1.0)
+        if steps < 3 or CgroupMemory.of() is None or os.geteuid() != 0:
+            return None, "not measured: needs root and a memory cgroup controller"
+        per_layer = self.k * self.expert_nbytes * max(amplification or 1.0, 1.0)
         limit = int(max(per_layer, 64 * MIB))  # every layer's faults reclaim the layer before
         try:
             group = MemoryCgroup.create(limit, name="ws-calibrate")
         except WeightstreamError as exc:
-            self.pressure_note = f"not measured: {exc}"
-            return None
+            return None, f"not measured: {exc}"
         self.say(f"page cache at its limit: experts through mmap in a {limit / MIB:.0f} MiB cgroup")
-        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=2)
-        paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
-        for path in paths:
-            evict_file(path)
-        self._prime(choose, range(1, steps))
-        self._use(PageCacheSource(self.layout))
-        self._route(choose)
         try:
-            (group.path / "cgroup.procs").write_text(str(os.getpid()))
-            try:
-                _, decode = timed_steps(self.model, [1], steps)  # the first fills the cgroup
-            finally:
-                (home.path / "cgroup.procs").write_text(str(os.getpid()))
+            decode, _, _ = self._mmap_steps(seed=2, steps=steps, cgroup=group)  # the first step fills the cgroup
         except OSError as exc:
-            self.pressure_note = f"not measured: cannot move this process between memory cgroups ({exc.strerror})"
-            return None
+            return None, f"not measured: cannot move this process between memory cgroups ({exc.strerror})"
         finally:
-            self.runtime.cache.close()
             group.remove()
-        touched = len(self.layers) * self.k * nbytes * max(amplification or 1.0, 1.0)
-        return {"page_limit_step_s": _median(decode[1:])[0], "page_limit_evicted_mib": touched / MIB}
+        measured = {
+            "page_limit_step_s": _median(decode[1:])[0],
+            "page_limit_evicted_mib": len(self.layers) * per_layer / MIB,
+        }
+        return measured, "measured"
 
     def compute_and_misses(self) -> dict:
         """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh

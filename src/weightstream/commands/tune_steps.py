@@ -45,14 +45,14 @@ def model_facts(layout: ModelLayout) -> ModelFacts:
     )
     return ModelFacts(
         layers=len(layout.layers),
-        n_experts=min(layout.num_experts.values()),
+        n_experts=n_experts,
         top_k=layout.top_k,
         expert_nbytes=max(e.nbytes for e in layout.experts.values()),
         slot_bytes=layout.slot_bytes,
         read_bytes=max(plan_slot(e, file_sizes).aligned_bytes for e in firsts),
         working_set_bytes=layout.working_set_bytes,
         spans=spans,
-        file_bytes=tuple(file_sizes[path] for path in sorted(file_sizes)),
+        file_bytes=tuple(file_sizes[path] for path in file_ids),
         readahead_window=read_ahead_bytes(next(iter(file_sizes))),
     )
 
