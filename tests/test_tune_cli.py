@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,6 +59,16 @@ def test_tune_answers_in_one_json_object(first_tune):
     )
     assert any("llama.cpp" in line for line in report["llama_cpp"])
     assert plot.stat().st_size > 0 and "[tune] calibrating" in stderr
+
+
+def test_calibration_times_each_miss_level_it_routes(first_tune, model_dir):
+    """The saved measurements: the cache counted exactly the misses per layer that each routed level asked for
+    (top-2 of 8 experts here: one partial level; the all-miss run's fresh sets may meet experts an earlier run left
+    resident, which it counts as hits)."""
+    (entry,) = json.loads((Path(model_dir) / ".weightstream" / "calibration.json").read_text())["entries"]
+    m = entry["measurements"]
+    assert m["partial_miss_per_layer"] == [1.0] and 1.0 < m["miss_per_layer"] <= 2.0
+    assert 0 < m["partial_miss_step_s"][0] and 0 < m["decode_step_s"] < m["miss_step_s"]
 
 
 def test_the_recommended_command_runs(first_tune):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from weightstream.bench.calibrate import MISS_STEPS, fresh_sets, miss_levels, partial_sets
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.sim.overlap_model import (
     CostParams,
@@ -49,11 +50,17 @@ TRUE = CostParams(
 )
 
 
-def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, miss_per_layer=8.0) -> Measurements:
+def synthetic_measurements(
+    p: CostParams, layers=16, k=8, mib=12.0, prefill=32, miss_per_layer=8.0, levels=(1, 2)
+) -> Measurements:
     """What calibration would time on a machine that follows the model exactly with parameters `p`."""
     one = StepLoad(np.array([1]), np.full((1, layers), k), np.zeros((1, layers)), k)
     pre = StepLoad(np.array([prefill]), np.full((1, layers), k), np.zeros((1, layers)), k)
     miss = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), miss_per_layer), k)
+
+    def partial(m):
+        return StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), float(m)), k)
+
     page = StepLoad(np.array([1]), np.full((1, layers), k), np.full((1, layers), k), k)
     expert_decode = layers * (p.layer_fixed_s + k * (p.expert_call_s + p.expert_row_s))
     expert_one = layers * (p.layer_fixed_s + p.expert_call_s + p.expert_row_s)
@@ -73,6 +80,8 @@ def synthetic_measurements(p: CostParams, layers=16, k=8, mib=12.0, prefill=32, 
         read_mib_per_expert=mib,
         miss_step_s=float(expert_cache_step_s(p, miss, mib)[0]),
         miss_per_layer=miss_per_layer,
+        partial_miss_step_s=[float(expert_cache_step_s(p, partial(m), mib)[0]) for m in levels],
+        partial_miss_per_layer=list(levels),
         page_step_s=float(page_cache_step_s(p, page, mib)[0]),
         page_missed_mib=layers * k * mib,
         page_cached_per_byte=p.page_cached_per_byte,
@@ -88,6 +97,36 @@ def test_fit_recovers_the_parameters_from_synthetic_timings(miss_per_layer):
     fitted = fit_cost_params(synthetic_measurements(TRUE, miss_per_layer=miss_per_layer))
     for name, value in TRUE.to_dict().items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
+
+
+def test_the_non_overlapped_term_is_fitted_over_every_miss_level():
+    """Older calibrations (all-miss only) still fit; where the levels disagree, the fit lies between them and, on
+    relative error, as near the partial levels (a cache that mostly hits) as the all-miss one."""
+    assert fit_cost_params(synthetic_measurements(TRUE, levels=())).nonoverlap_s_per_mib == pytest.approx(
+        TRUE.nonoverlap_s_per_mib
+    )
+    steep = CostParams.from_dict({**TRUE.to_dict(), "nonoverlap_s_per_mib": 0.0004})
+    m = synthetic_measurements(TRUE)
+    m.miss_step_s = synthetic_measurements(steep).miss_step_s  # all-miss pays 8x the partial levels' term
+    g = fit_cost_params(m).nonoverlap_s_per_mib
+    assert TRUE.nonoverlap_s_per_mib < g < 0.0004
+    assert g - TRUE.nonoverlap_s_per_mib < 0.0004 - g  # the partial levels, two of three, pull harder
+
+
+def test_partial_miss_routing_misses_exactly_its_level():
+    fixed = fresh_sets(64, 8, 3, seed=4)
+    for m in miss_levels(8, 64):
+        choose = partial_sets(lambda pos: fixed(0, pos), 64, m, 3, seed=m)
+        for pos in range(3):
+            resident = set(fixed(0, pos))
+            seen = set()
+            for step in range(MISS_STEPS + 1):
+                chosen = choose(step, pos)
+                fresh = set(chosen) - resident
+                assert len(chosen) == len(set(chosen)) == 8 and len(fresh) == m and not fresh & seen
+                seen |= fresh
+    assert miss_levels(8, 64) == [1, 2] and miss_levels(2, 8) == [1] and miss_levels(4, 32) == [1, 2]
+    assert miss_levels(2, 4) == []  # too few experts outside top-k for four steps without a repeat
 
 
 def test_read_line_recovers_latency_and_bandwidth_through_noise():

@@ -10,8 +10,9 @@ On one loaded model, with routing fixed by us (so that what is resident and what
    cache at its limit; needs root and a memory controller, else not measured);
 3. compute only: the same top-k experts every step, resident after the first, then one of them per layer (dense
    seconds, per-expert seconds and the MoE block's own per-layer seconds), alternating with the expert cache with
-   every expert missing: a fresh set each step at a 1x cache (what reads cost beyond overlap), so that a
-   neighbour's burst of load hits both alike;
+   some and with every expert missing: 1 and a quarter of top-k fresh experts per layer beside resident ones, then
+   a fresh top-k each step at a 1x cache (what reads cost beyond overlap, fitted over all the levels), so that a
+   neighbour's burst of load hits every run alike;
 4. a prefill of `PREFILL_TOKENS` tokens on resident experts (per-row seconds, dense seconds per token).
 """
 
@@ -123,6 +124,28 @@ def fresh_sets(n_experts: int, top_k: int, n_layers: int, seed: int) -> Callable
     rng = np.random.default_rng(seed)
     orders = [rng.permutation(n_experts).tolist() for _ in range(n_layers)]
     return lambda step, pos: [orders[pos][(step * top_k + j) % n_experts] for j in range(top_k)]
+
+
+def partial_sets(resident: Callable[[int], list[int]], n_experts: int, missing: int, n_layers: int, seed: int):
+    """Step s keeps the first top-k - `missing` experts of `resident(pos)` and adds `missing` experts that no other
+    step of the cycle chose and that `resident(pos)` does not hold: each layer misses exactly `missing` a step."""
+    rng = np.random.default_rng(seed)
+    keep = [resident(pos) for pos in range(n_layers)]
+    pools = [rng.permutation([e for e in range(n_experts) if e not in keep[pos]]).tolist() for pos in range(n_layers)]
+
+    def choose(step: int, pos: int) -> list[int]:
+        pool = pools[pos]
+        fresh = [pool[(step * missing + j) % len(pool)] for j in range(missing)]
+        return keep[pos][: len(keep[pos]) - missing] + fresh
+
+    return choose
+
+
+def miss_levels(top_k: int, n_experts: int) -> list[int]:
+    """Misses per layer timed besides all of top-k: 1 and a quarter of top-k (a cache that mostly hits), where the
+    experts outside one top-k leave room for `MISS_STEPS` + 1 steps without a repeat."""
+    room = (n_experts - top_k) // (MISS_STEPS + 1)
+    return sorted({m for m in (1, max(top_k // 4, 2)) if m < top_k and m <= room})
 
 
 class Calibrator:
@@ -265,27 +288,41 @@ class Calibrator:
         """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh
         top-k per layer every step at a 1x cache), in alternating rounds so that both see the same machine."""
         fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
-        resident, one, missing, misses = [], [], [], []
+        levels = miss_levels(self.k, self.n_experts)
+        resident, one = [], []
+        missing = {m: ([], []) for m in [*levels, self.k]}  # misses per layer: (step spans, misses counted)
         for round_ in range(ROUNDS):
-            self.say(f"compute only and every expert missing, round {round_ + 1} of {ROUNDS}")
+            self.say(f"compute only, some and every expert missing, round {round_ + 1} of {ROUNDS}")
             self._route(lambda step, pos: fixed(0, pos))
             resident += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
             self._route(lambda step, pos: fixed(0, pos)[:1])  # resident: one of the experts just timed
             one += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
-            choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=10 + round_)
-            self._prime(choose, range(1, MISS_STEPS + 1))
-            self._route(choose)
-            before = self.runtime.cache.stats.misses
-            missing += timed_steps(self.model, [1], MISS_STEPS + 1)[1]
-            misses.append((self.runtime.cache.stats.misses - before) / (MISS_STEPS + 1) / len(self.layers))
+            for m in levels:  # the rest of top-k stays resident: read in by the compute-only run just before
+                seed = 20 + 10 * round_ + m
+                self._misses(
+                    partial_sets(lambda pos: fixed(0, pos), self.n_experts, m, len(self.layers), seed), *missing[m]
+                )
+            self._misses(fresh_sets(self.n_experts, self.k, len(self.layers), seed=10 + round_), *missing[self.k])
         step_s, expert_s = _median(resident)
+        spans, counts = missing.pop(self.k)
         return {
             "decode_step_s": step_s,
             "decode_expert_s": expert_s,
             "decode_one_expert_s": _median(one)[1],
-            "miss_step_s": _median(missing)[0],
-            "miss_per_layer": statistics.mean(misses),
+            "miss_step_s": _median(spans)[0],
+            "miss_per_layer": statistics.mean(counts),
+            "partial_miss_step_s": [_median(spans)[0] for spans, _ in missing.values()],
+            "partial_miss_per_layer": [statistics.mean(counts) for _, counts in missing.values()],
         }
+
+    def _misses(self, choose, spans: list, counts: list) -> None:
+        """Times `MISS_STEPS` decode steps routed by `choose` (their misses primed where the disk caches repeats):
+        adds the steps' spans and the misses per layer per step counted by the cache."""
+        self._prime(choose, range(1, MISS_STEPS + 1))
+        self._route(choose)
+        before = self.runtime.cache.stats.misses
+        spans += timed_steps(self.model, [1], MISS_STEPS + 1)[1]
+        counts.append((self.runtime.cache.stats.misses - before) / (MISS_STEPS + 1) / len(self.layers))
 
     def prefill(self) -> dict:
         """A prefill of `PREFILL_TOKENS` tokens on resident experts (every token choosing the same ones)."""

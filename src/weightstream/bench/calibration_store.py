@@ -20,7 +20,7 @@ from weightstream.sim.cost_model import CostModel
 from weightstream.sim.overlap_model import CostParams
 from weightstream.store.checkpoint import Checkpoint
 
-MODEL_VERSION = 2  # bump when the cost model's terms change: older calibrations are then measured again
+MODEL_VERSION = 3  # bump when the cost model's terms change: older calibrations are then measured again
 FILE_NAME = "calibration.json"
 
 

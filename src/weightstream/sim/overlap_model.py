@@ -21,7 +21,7 @@ c = expert_call_s + rows per expert x expert_row_s. `docs/tune.md` derives it an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -124,6 +124,10 @@ class Measurements:
     read_mib_per_expert: float
     miss_step_s: float  # every chosen expert missing (a fresh set each step), through the expert cache
     miss_per_layer: float  # misses per layer per step in that run
+    # the same with only some of each layer's top-k missing (the rest resident), one entry per level timed: the
+    # regime of a cache that mostly hits, where one all-miss figure alone mis-prices the reads' non-overlapped cost
+    partial_miss_step_s: list[float] = field(default_factory=list)
+    partial_miss_per_layer: list[float] = field(default_factory=list)
     page_step_s: float | None = None  # every chosen expert missing, through mmap, cold
     page_missed_mib: float | None = None  # MiB faulted in per step there
     page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
@@ -165,10 +169,9 @@ def fit_cost_params(m: Measurements) -> CostParams:
         read_s_per_mib=per_read / m.read_mib_per_expert,
         layer_fixed_s=fixed,
     )
-    layer = fixed + float(layer_seconds(m.top_k, m.miss_per_layer, per_expert, latency, per_read))
-    overlapped = dense + m.layers * layer
-    missed_mib = m.layers * m.miss_per_layer * m.read_mib_per_expert
-    p.nonoverlap_s_per_mib = max((m.miss_step_s - overlapped) / missed_mib, 0.0) if missed_mib else 0.0
+    p.nonoverlap_s_per_mib = _fit_nonoverlap(
+        m, dense + m.layers * fixed, per_expert, latency, per_read, m.layers * m.read_mib_per_expert
+    )
     if m.page_step_s is not None and m.page_missed_mib:
         compute = dense + m.layers * (fixed + m.top_k * per_expert)
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
@@ -176,3 +179,19 @@ def fit_cost_params(m: Measurements) -> CostParams:
         if m.page_limit_step_s is not None and m.page_limit_evicted_mib:
             p.page_limit_s_per_mib = max((m.page_limit_step_s - compute) / m.page_limit_evicted_mib, 0.0)
     return p
+
+
+def _fit_nonoverlap(m: Measurements, base: float, per_expert: float, latency: float, per_read: float, mib: float):
+    """g of `T = overlapped + g x MiB missed` over every miss level timed (all-miss and partial), least squares on
+    relative error (each step's residual over its own seconds, so the all-miss step does not outweigh the rest).
+    `mib` is MiB per miss per layer summed over layers; `base` the step's dense and per-layer fixed seconds."""
+    levels = [(m.miss_step_s, m.miss_per_layer), *zip(m.partial_miss_step_s, m.partial_miss_per_layer)]
+    num = den = 0.0
+    for seconds, misses in levels:
+        x = misses * mib
+        if x <= 0 or seconds <= 0:
+            continue
+        overlapped = base + m.layers * float(layer_seconds(m.top_k, misses, per_expert, latency, per_read))
+        num += (seconds - overlapped) * x / seconds**2
+        den += x * x / seconds**2
+    return max(num / den, 0.0) if den else 0.0
