@@ -49,6 +49,7 @@ def test_bench_every_mode_under_a_limit_with_overlap_and_long_prefill(tiny_model
     for key in (("expert-cache", "1x"), ("expert-cache", "2x"), ("page-cache", None)):
         assert runs[key]["long_prefill"]["tokens"] == 40 and runs[key]["long_prefill"]["prefill_s"] > 0
     assert runs[("accelerate", None)]["long_prefill"] is None
+    assert runs[("page-cache", None)]["decode_bytes_read_per_token"] >= 0  # the kernel's count (None: not counted)
     assert runs[("expert-cache", "1x")]["expert_hit_rate"] < runs[("expert-cache", "2x")]["expert_hit_rate"] <= 1
     overlap = report["overlap"]
     assert overlap["reader_bandwidth"]["mib_per_s"] > 0 and overlap["compute_only_misses"] == 0

@@ -66,6 +66,8 @@ def run_streaming(cfg: dict) -> dict:
         "expert_cache_bytes": prompts[0]["expert_cache_bytes"],
         "working_set_bytes": prompts[0]["working_set_bytes"],
         "long_prefill": long_prefill,
+        # the page cache's bytes read come from the kernel's count for this process (None: expert cache)
+        "page_cache_reads_counted": getattr(runtime.cache, "reads_counted", None),
     }
 
 

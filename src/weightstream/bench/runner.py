@@ -159,12 +159,7 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
         hits, misses = sum(p["expert_hits"] for p in prompts), sum(p["expert_misses"] for p in prompts)
         out.update(
             expert_hit_rate=hits / (hits + misses) if hits + misses else None,
-            decode_bytes_read_per_token=sum(
-                p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0) for p in prompts
-            )
-            / steps
-            if steps
-            else 0.0,
+            decode_bytes_read_per_token=_decode_bytes_per_token(prompts, steps),
             engine_bytes_read=sum(p["bytes_read"] for p in prompts),
             io_wait_s=sum(p["io_wait_s"] for p in prompts),
             expert_cache_bytes=result["expert_cache_bytes"],
@@ -178,7 +173,15 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
         )
     else:
         out["expert_hit_rate"] = None
+        if result.get("page_cache_reads_counted"):  # the kernel's count of this process's reads during decode
+            out["decode_bytes_read_per_token"] = _decode_bytes_per_token(prompts, steps)
     return out
+
+
+def _decode_bytes_per_token(prompts: list[dict], steps: int) -> float:
+    """Bytes read per decode step over all prompts (each prompt's own figure leaves its prefill out)."""
+    total = sum(p["bytes_read_per_token"] * max(p["generated_tokens"] - 1, 0) for p in prompts)
+    return total / steps if steps else 0.0
 
 
 def reference_tokens(config: BenchConfig, model_bytes: int) -> tuple[list | None, str]:

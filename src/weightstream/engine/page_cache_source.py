@@ -12,6 +12,7 @@ import queue
 import torch
 
 from weightstream.cache.expert_cache import CacheStats, LayerFetch
+from weightstream.io.pagecache import process_read_bytes
 from weightstream.store.layout import MEMORY_ALIGN, ExpertParam, ModelLayout
 
 
@@ -20,10 +21,10 @@ class PageCacheSource:
 
     io_threads = 0
     o_direct = False
-    bytes_read = 0  # unknown to us: the page cache reads; `weightstream bench` reads the device's counters
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
+        self._read_base = process_read_bytes()
         self.stats = CacheStats()
         self.n_slots = len(layout.experts)
         self.budget_bytes = self.memory_bytes = 0
@@ -32,6 +33,17 @@ class PageCacheSource:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
             self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+
+    @property
+    def reads_counted(self) -> bool:
+        return self._read_base is not None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the kernel read from storage for this process since the source opened (its faults and their
+        readahead: experts, and dense weights faulted in again after reclaim); 0 where the kernel does not count."""
+        now = process_read_bytes() if self._read_base is not None else None
+        return now - self._read_base if now is not None else 0
 
     def fetch_layer(self, layer: int, experts: list[int]) -> LayerFetch:
         resident = list(dict.fromkeys(experts))

@@ -73,3 +73,17 @@ def evict_file(path: str) -> int:
         return cached_bytes(fd)
     finally:
         os.close(fd)
+
+
+def process_read_bytes() -> int | None:
+    """Bytes this process (all its threads) has had fetched from storage: `read_bytes` of /proc/self/io, which
+    the block layer counts per submitted read, so mmap faults and the readahead around them count, page-cache hits
+    do not. None where the kernel does not keep it (no task I/O accounting)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
