@@ -9,11 +9,7 @@ import torch
 import transformers  # noqa: F401  (imported before the baseline so its size is not counted as engine memory)
 
 from weightstream.bench.child import peak_rss
-
-
-def io_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+from weightstream.io.pagecache import process_read_bytes as io_read_bytes
 
 
 def page_in_mapped_files(skip_dir: str) -> None:

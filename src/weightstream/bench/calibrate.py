@@ -285,8 +285,9 @@ class Calibrator:
         return measured, "measured"
 
     def compute_and_misses(self) -> dict:
-        """Compute-only decode (the same experts every step, resident after the first) and all-miss decode (a fresh
-        top-k per layer every step at a 1x cache), in alternating rounds so that both see the same machine."""
+        """Compute-only decode (the same experts every step, resident after the first), decode with `miss_levels`
+        fresh experts per layer beside resident ones, and all-miss decode (a fresh top-k per layer every step at a
+        1x cache), in alternating rounds so that all of them see the same machine."""
         fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
         levels = miss_levels(self.k, self.n_experts)
         resident, one = [], []
@@ -304,13 +305,13 @@ class Calibrator:
                 )
             self._misses(fresh_sets(self.n_experts, self.k, len(self.layers), seed=10 + round_), *missing[self.k])
         step_s, expert_s = _median(resident)
-        spans, counts = missing.pop(self.k)
+        all_spans, all_counts = missing.pop(self.k)
         return {
             "decode_step_s": step_s,
             "decode_expert_s": expert_s,
             "decode_one_expert_s": _median(one)[1],
-            "miss_step_s": _median(spans)[0],
-            "miss_per_layer": statistics.mean(counts),
+            "miss_step_s": _median(all_spans)[0],
+            "miss_per_layer": statistics.mean(all_counts),
             "partial_miss_step_s": [_median(spans)[0] for spans, _ in missing.values()],
             "partial_miss_per_layer": [statistics.mean(counts) for _, counts in missing.values()],
         }
