@@ -26,6 +26,27 @@ def test_readahead_splits_the_calibrated_extra_bytes_around_the_span():
     assert Readahead.from_amplification(1.5, 12 * MIB, None) == Readahead(3 * MIB, 3 * MIB)
 
 
+def test_an_expert_in_several_tensors_shares_its_extra_bytes_among_its_spans_by_length():
+    """gpt-oss's layout: down (16 MiB) and gate_up (32 MiB) far apart, a tiny bias beside each. The expert's
+    calibrated 24 MiB extra goes 8 / 16 to the two large spans, each with the window's half ahead; giving every
+    span the whole expert's extra read 1.8x the kernel's bytes (docs/benchmarks.md)."""
+    spans = [(0, 0, 16 * MIB), (0, 100 * MIB, 100 * MIB + 8192), (0, 200 * MIB, 232 * MIB)]
+    total = 48 * MIB + 8192
+    shares = Readahead.per_span(1 + 24 * MIB / total, spans, 8 * MIB)
+    assert [r.before + r.after for r in shares] == pytest.approx([8 * MIB, 4096, 16 * MIB], rel=1e-3)
+    assert shares[0].before == shares[2].before == 4 * MIB  # half the read-around window ahead of each fault
+    assert shares[1].before + shares[1].after < 8192
+    assert Readahead.per_span(1.0, spans, 8 * MIB) == (Readahead(0, 0),) * 3
+
+
+def test_per_span_readahead_reads_each_span_with_its_share():
+    spans = [[(0, 0, 4 * MIB), (1, 0, 8 * MIB)]]
+    ra = [(Readahead(0, MIB), Readahead(0, 2 * MIB))]
+    assert PageCacheModel(spans, GIB, ra, MIB).access(0) == (False, 15 * MIB)
+    with pytest.raises(ValueError, match="one Readahead per span"):
+        PageCacheModel(spans, GIB, [(Readahead(0, MIB),)], MIB)
+
+
 def test_inactive_ratio_follows_the_kernel():
     assert inactive_ratio(512 * MIB) == 1
     assert inactive_ratio(1 * GIB) == 3

@@ -60,8 +60,27 @@ def test_real_configs_dense_plus_experts_is_the_published_size(name):
     shape = shape_from_config(REAL[name], name)
     experts = shape.n_experts * sum(shape.expert_bytes)
     assert (budget.dense_bytes + experts) / 2 == pytest.approx(PUBLISHED_PARAMS[name], rel=0.02)
-    assert budget.expert_bytes == 64 * GIB - budget.dense_bytes - budget.kv_cache_bytes - RUNTIME_OVERHEAD_BYTES
+    resident = budget.dense_bytes - budget.lazy_dense_bytes
+    assert budget.expert_bytes == 64 * GIB - resident - budget.kv_cache_bytes - RUNTIME_OVERHEAD_BYTES
     assert budget.working_set_bytes == shape.working_set_bytes
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_configs_untied_input_embedding_is_not_counted_resident(name):
+    fields = REAL[name]
+    config = AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
+    text = config.get_text_config()
+    assert not getattr(text, "tie_word_embeddings", False)  # every real config here has a head of its own
+    budget = budget_of_config(fields, 64 * GIB, context=4096)
+    assert budget.lazy_dense_bytes == text.vocab_size * text.hidden_size * 2  # the embedding table, bf16
+
+
+def test_a_tied_embedding_is_resident_since_the_head_reads_all_of_it():
+    fields = dict(preset_config("tiny", "olmoe"), tie_word_embeddings=True)
+    untied = dict(fields, tie_word_embeddings=False)
+    assert budget_of_config(fields, 8 * GIB).lazy_dense_bytes == 0
+    text = AutoConfig.for_model(untied["model_type"], **{k: v for k, v in untied.items() if k != "model_type"})
+    assert budget_of_config(untied, 8 * GIB).lazy_dense_bytes == text.vocab_size * text.hidden_size * 2
 
 
 @pytest.mark.parametrize("name", sorted(KV_PER_TOKEN))
@@ -98,5 +117,9 @@ def test_a_budget_below_one_working_set_is_refused_with_the_minimum():
 def test_budget_parts_add_up():
     b = Budget(8 * GIB, 1 * GIB, 512 * MIB, 512 * MIB, 2 * GIB, 4096)
     assert b.expert_bytes == 6 * GIB
+    lazy = Budget(8 * GIB, 1 * GIB, 512 * MIB, 512 * MIB, 2 * GIB, 4096, lazy_dense_bytes=256 * MIB)
+    assert lazy.resident_dense_bytes == 768 * MIB
+    assert lazy.expert_bytes == 6 * GIB + 256 * MIB
+    assert lazy.to_dict()["lazy_dense_bytes"] == 256 * MIB
     assert b.to_dict()["expert_bytes"] == 6 * GIB
     b.check()

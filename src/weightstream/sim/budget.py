@@ -29,10 +29,16 @@ class Budget:
     runtime_overhead_bytes: int
     working_set_bytes: int  # one decode token's experts as the cache holds them (the runtime's 1x)
     context_tokens: int
+    lazy_dense_bytes: int = 0  # of dense_bytes, mapped but hardly ever touched, so not counted (`lazy_dense_bytes`)
+
+    @property
+    def resident_dense_bytes(self) -> int:
+        """Dense bytes in memory while decoding: all of them but those that stay on disk."""
+        return self.dense_bytes - self.lazy_dense_bytes
 
     @property
     def expert_bytes(self) -> int:
-        return self.memory_bytes - self.dense_bytes - self.kv_cache_bytes - self.runtime_overhead_bytes
+        return self.memory_bytes - self.resident_dense_bytes - self.kv_cache_bytes - self.runtime_overhead_bytes
 
     @property
     def min_memory_bytes(self) -> int:
@@ -45,7 +51,7 @@ class Budget:
             return
         raise WeightstreamError(
             f"--memory {format_bytes(self.memory_bytes)} leaves {format_bytes(max(self.expert_bytes, 0))} for "
-            f"experts after dense weights ({format_bytes(self.dense_bytes)}), the KV cache of "
+            f"experts after dense weights ({format_bytes(self.resident_dense_bytes)} in memory), the KV cache of "
             f"{self.context_tokens} tokens ({format_bytes(self.kv_cache_bytes)}) and the runtime "
             f"({format_bytes(self.runtime_overhead_bytes)}); one token's working set is "
             f"{format_bytes(self.working_set_bytes)}, so no expert cache fits. Use --memory "
@@ -60,9 +66,22 @@ class Budget:
             "kv_cache_bytes": self.kv_cache_bytes,
             "runtime_overhead_bytes": self.runtime_overhead_bytes,
             "expert_bytes": self.expert_bytes,
+            "lazy_dense_bytes": self.lazy_dense_bytes,
             "working_set_bytes": self.working_set_bytes,
             "context_tokens": self.context_tokens,
         }
+
+
+def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
+    """Dense bytes a process maps but hardly touches: the input embedding table where the output head is a tensor
+    of its own (decode reads one row of it per token; a tied head reads all of it every token). Dense weights are
+    loaded through safetensors' mmap, so the rows no token uses never come in: on gpt-oss-20b's shape 1.08 GiB
+    of a 4 GiB limit's 2.36 GiB of dense weights, room for the expert cache or the page cache. Measured there
+    (docs/benchmarks.md): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
+    1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's bytes to 3%."""
+    if tied:
+        return 0
+    return sum(n for name, n in dense_nbytes.items() if name.endswith("embed_tokens.weight"))
 
 
 def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
@@ -95,6 +114,12 @@ def _kv_elements_per_token(cfg) -> int:
 
 def dense_bytes_of_config(fields: dict, dtype_bytes: int = 2) -> int:
     """Bytes of every parameter and buffer outside the experts modules, from config fields alone (a meta model)."""
+    return sum(dense_tensors_of_config(fields, dtype_bytes)[0].values())
+
+
+def dense_tensors_of_config(fields: dict, dtype_bytes: int = 2) -> tuple[dict[str, int], bool]:
+    """(bytes of each parameter and buffer outside the experts modules, whether the output head is tied to the
+    input embedding), from config fields alone (a meta model)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,8 +131,15 @@ def dense_bytes_of_config(fields: dict, dtype_bytes: int = 2) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = set(experts_modules(model))
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    return sum(t.numel() * t.element_size() for name, t in tensors if name.rpartition(".")[0] not in experts)
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    seen, sizes = set(), {}
+    for name, t in tensors:
+        if name.rpartition(".")[0] not in experts and id(t) not in seen:
+            seen.add(id(t))
+            sizes[name] = t.numel() * t.element_size()
+    return sizes, tied
 
 
 def budget_of_config(
@@ -121,11 +153,13 @@ def budget_of_config(
     rest = {k: v for k, v in fields.items() if k != "model_type"}
     text_config = AutoConfig.for_model(fields["model_type"], **rest).get_text_config()
     shape = shape_from_config(fields, "config", dtype_bytes=dtype_bytes)
+    dense, tied = dense_tensors_of_config(fields, dtype_bytes)
     return Budget(
         memory_bytes,
-        dense_bytes_of_config(fields, dtype_bytes),
+        sum(dense.values()),
         kv_cache_bytes(text_config, context, dtype_bytes),
         RUNTIME_OVERHEAD_BYTES if overhead is None else overhead,
         shape.working_set_bytes,
         context,
+        lazy_dense_bytes(dense, tied),
     )

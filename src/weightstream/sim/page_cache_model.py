@@ -61,7 +61,23 @@ class Readahead:
     def from_amplification(cls, amplification: float, expert_bytes: int, window_bytes: int | None) -> Readahead:
         """Split the calibrated extra bytes per expert (amplification - 1 of its bytes): half the read-around
         window ahead of the span (the window is centred on the first fault), the rest past it."""
-        extra = max(amplification - 1.0, 0.0) * expert_bytes
+        return cls._split(max(amplification - 1.0, 0.0) * expert_bytes, window_bytes)
+
+    @classmethod
+    def per_span(cls, amplification: float, spans: Sequence[Span], window_bytes: int | None) -> tuple[Readahead, ...]:
+        """One expert's calibrated extra bytes shared among its spans by length, each share split as a whole
+        expert's is. The kernel reads around every faulting span, but an expert
+        whose bytes lie in several tensors (gate_up, down and their biases on gpt-oss) was calibrated as a whole:
+        giving each span the whole expert's extra read 1.8x the kernel's bytes there (docs/benchmarks.md)."""
+        lengths = [b - a for _, a, b in spans]
+        total = sum(lengths) or 1
+        extra = max(amplification - 1.0, 0.0) * total
+        return tuple(cls._split(extra * n / total, window_bytes) for n in lengths)
+
+    @classmethod
+    def _split(cls, extra: float, window_bytes: int | None) -> Readahead:
+        """`extra` bytes around a span: half the read-around window ahead (it is centred on the fault), the rest
+        past the span's end."""
         before = min(window_bytes / 2, extra) if window_bytes else extra / 2
         return cls(int(before), int(extra - before))
 
@@ -73,11 +89,15 @@ class PageCacheModel:
         self,
         spans: Sequence[Sequence[Span]],
         capacity_bytes: int,
-        readahead: Readahead,
+        readahead: Readahead | Sequence[Sequence[Readahead]],
         chunk_bytes: int = MIB,
         file_bytes: Sequence[int] | None = None,
     ):
-        self.spans, self.chunk, self.ra = spans, int(chunk_bytes), readahead
+        """`readahead`: one for every span, or one per span of every expert (`Readahead.per_span`)."""
+        self.spans, self.chunk = spans, int(chunk_bytes)
+        self.ra = [[readahead] * len(s) for s in spans] if isinstance(readahead, Readahead) else readahead
+        if len(self.ra) != len(spans) or any(len(r) != len(s) for r, s in zip(self.ra, spans)):
+            raise ValueError("readahead: one Readahead per span of every expert")
         self.capacity = max(int(capacity_bytes // self.chunk), 1)
         self.ratio = inactive_ratio(capacity_bytes)
         self.file_chunks = [math.ceil(b / self.chunk) for b in file_bytes] if file_bytes else None
@@ -95,7 +115,7 @@ class PageCacheModel:
     def access(self, key: int) -> tuple[bool, int]:
         """Touch every byte of expert `key`: (no fault at all, bytes read)."""
         read = 0
-        for f, a, b in self.spans[key]:
+        for (f, a, b), ra in zip(self.spans[key], self.ra[key]):
             fresh: set[int] = set()  # chunks the fault just brought in, marked touched there
             for c in self._chunks(f, a, b):
                 chunk = (f, c)
@@ -110,17 +130,17 @@ class PageCacheModel:
                     else:
                         self.inactive[chunk] = True
                 elif not fresh:  # the first fault in this span reads the span and its readahead
-                    fresh = self._fault(f, a, b)
+                    fresh = self._fault(f, a, b, ra)
                     read += len(fresh) * self.chunk
             if fresh:
                 self._reclaim()
         self.bytes_read += read
         return read == 0, read
 
-    def _fault(self, f: int, a: int, b: int) -> set[int]:
+    def _fault(self, f: int, a: int, b: int, ra: Readahead) -> set[int]:
         new = set()
         span = self._chunks(f, a, b)
-        for c in self._chunks(f, a - self.ra.before, b + self.ra.after):
+        for c in self._chunks(f, a - ra.before, b + ra.after):
             chunk = (f, c)
             if chunk in self.active or chunk in self.inactive:
                 continue

@@ -167,9 +167,9 @@ class Search:
 
     def _page_cache_ranges(self, room_bytes: int, spread: float, known: bool) -> Config:
         facts = self.facts
-        readahead = Readahead.from_amplification(spread, facts.expert_nbytes, facts.readahead_window)
         n = self.w.trace.shape.n_experts
         spans = [facts.spans[key // n][key % n] for key in range(self.w.n_keys)]
+        readahead = [Readahead.per_span(spread, s, facts.readahead_window) for s in spans]
         chunk = max(MIB, _pow2_at_least(facts.expert_nbytes // 32))  # at most ~32 chunks per expert
         model = PageCacheModel(spans, room_bytes, readahead, chunk, facts.file_bytes)
         hit, read, evicted = replay_page_cache(model, self.w.keys)
@@ -190,7 +190,7 @@ class Search:
         config.mib_read_per_token = float(read_mib[decode].mean()) if decode.any() else 0.0
         config.extra = {
             "page_cached_per_byte": spread,
-            "readahead_bytes": [readahead.before, readahead.after],
+            "readahead_bytes_per_span": [[r.before, r.after] for r in readahead[0]],  # (before, after), one expert
             "model_chunk_bytes": chunk,
         }
         return config
