@@ -2,8 +2,11 @@
 
 Each model runs in a fresh child process: import torch and transformers, load the streaming engine with a 1x
 expert cache, generate from a prompt of --prompt-tokens tokens, then read /proc/self/status. Overhead = peak
-resident memory (VmHWM) - dense bytes - the expert cache's arena - the KV cache the context holds. Prints one
-JSON object; `sim.budget.RUNTIME_OVERHEAD_BYTES` states the figure measured with it (docs/tune.md).
+resident memory (VmHWM) - the checkpoint's pages mapped in the process (dense weights: safetensors maps them, and
+only the pages touched count, so an untied input embedding adds only its used rows; /proc/self/smaps) - the
+expert cache's arena - the KV cache the context holds. Also prints what the old formula (all dense bytes
+resident) gave and `tune`'s resident dense estimate (`Budget.resident_dense_bytes`). Prints one JSON object;
+`sim.budget.RUNTIME_OVERHEAD_BYTES` states the figure measured with it (docs/tune.md).
 
     PYTHONPATH=src .venv/bin/python benchmarks/tune_overhead.py MODEL_DIR [MODEL_DIR ...] --prompt-tokens 256
 """
@@ -35,13 +38,31 @@ generate(model, torch.tensor([ids]), new_tokens)
 model.weightstream.close()
 end = status()
 layout = model.weightstream.layout
-dense = sum(t.nbytes for t in layout.dense.values())
+files = {info.path for info in layout.dense.values()} | {p.path for e in layout.experts.values() for p in e.pieces}
+import os
+files = {os.path.realpath(f) for f in files}
+mapped, current = 0, None
+with open("/proc/self/smaps") as f:
+    for line in f:
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line; the path is its sixth field
+            current = os.path.realpath(head[5]) if len(head) >= 6 else None
+        elif head and head[0] == "Rss:" and current in files:
+            mapped += int(head[1]) * 1024
+from weightstream.sim.budget import lazy_dense_bytes
+dense_sizes = {name: t.nbytes for name, t in layout.dense.items()}
+tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+dense = sum(dense_sizes.values())
+lazy = lazy_dense_bytes(dense_sizes, tied)
 cache = model.weightstream.cache.memory_bytes
 kv = kv_cache_bytes(model.config.get_text_config(), prompt_tokens + new_tokens, next(model.parameters()).element_size())
 print(json.dumps({"model": model_dir, "start": start, "after_import": after_import, "end": end,
-                  "dense_bytes": dense, "expert_cache_bytes": cache, "kv_cache_bytes": kv,
-                  "overhead_peak_bytes": end["VmHWM"] - dense - cache - kv,
-                  "overhead_end_bytes": end["VmRSS"] - dense - cache - kv,
+                  "dense_bytes": dense, "lazy_dense_bytes": lazy, "checkpoint_mapped_bytes": mapped,
+                  "expert_cache_bytes": cache, "kv_cache_bytes": kv,
+                  "overhead_peak_bytes": end["VmHWM"] - mapped - cache - kv,
+                  "overhead_end_bytes": end["VmRSS"] - mapped - cache - kv,
+                  "overhead_peak_bytes_all_dense_resident": end["VmHWM"] - dense - cache - kv,
+                  "overhead_peak_bytes_tune_resident_dense": end["VmHWM"] - (dense - lazy) - cache - kv,
                   "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}))
 """
 

@@ -13,9 +13,11 @@ from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
 # and heap), the tokenizer, activations and the reader's bookkeeping. Measured with benchmarks/tune_overhead.py
-# (docs/tune.md): 465 MiB on a tiny OLMoE (all of it libraries and heap), 348 MiB on the 4-layer OLMoE-shaped
-# model, 256-token prompt; `bench` runs of the 16-layer one show 377-446 MiB. Stated with 10% headroom.
-RUNTIME_OVERHEAD_BYTES = 512 * MIB
+# (docs/tune.md), peak RSS less the checkpoint pages the process maps (an untied input embedding's unused rows
+# never come in): 660 MiB on the 16-layer OLMoE-shaped model, 561 MiB on the 4-layer gpt-oss-shaped one, 256-token
+# prompt. Stated with 10% headroom. (It was 512 MiB while the formula subtracted every dense byte, embedding
+# included, which hid 196 MiB on OLMoE and 1.08 GiB on gpt-oss.)
+RUNTIME_OVERHEAD_BYTES = 726 * MIB
 DEFAULT_CONTEXT = 4096
 
 
