@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, sys
+import json, os, sys
 def status():
     with open("/proc/self/status") as f:
         return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.split(":")[0] in
@@ -39,7 +39,6 @@ model.weightstream.close()
 end = status()
 layout = model.weightstream.layout
 files = {info.path for info in layout.dense.values()} | {p.path for e in layout.experts.values() for p in e.pieces}
-import os
 files = {os.path.realpath(f) for f in files}
 mapped, current = 0, None
 with open("/proc/self/smaps") as f:
@@ -49,11 +48,10 @@ with open("/proc/self/smaps") as f:
             current = os.path.realpath(head[5]) if len(head) >= 6 else None
         elif head and head[0] == "Rss:" and current in files:
             mapped += int(head[1]) * 1024
-from weightstream.sim.budget import lazy_dense_bytes
+from weightstream.sim.budget import lazy_dense_bytes, ties_embeddings
 dense_sizes = {name: t.nbytes for name, t in layout.dense.items()}
-tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
 dense = sum(dense_sizes.values())
-lazy = lazy_dense_bytes(dense_sizes, tied)
+lazy = lazy_dense_bytes(dense_sizes, ties_embeddings(model.config))
 cache = model.weightstream.cache.memory_bytes
 kv = kv_cache_bytes(model.config.get_text_config(), prompt_tokens + new_tokens, next(model.parameters()).element_size())
 print(json.dumps({"model": model_dir, "start": start, "after_import": after_import, "end": end,

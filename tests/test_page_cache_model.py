@@ -20,10 +20,11 @@ def test_adjacent_pieces_merge_into_one_span_and_far_ones_do_not():
 
 
 def test_readahead_splits_the_calibrated_extra_bytes_around_the_span():
-    ra = Readahead.from_amplification(1.75, 12 * MIB, 8 * MIB)  # 9 MiB extra: the window's half ahead
+    one = [(0, 0, 12 * MIB)]  # an expert in one span
+    (ra,) = Readahead.per_span(1.75, one, 8 * MIB)  # 9 MiB extra: the window's half ahead
     assert (ra.before, ra.after) == (4 * MIB, 5 * MIB)
-    assert Readahead.from_amplification(1.0, 12 * MIB, 8 * MIB) == Readahead(0, 0)
-    assert Readahead.from_amplification(1.5, 12 * MIB, None) == Readahead(3 * MIB, 3 * MIB)
+    assert Readahead.per_span(1.0, one, 8 * MIB) == (Readahead(0, 0),)
+    assert Readahead.per_span(1.5, one, None) == (Readahead(3 * MIB, 3 * MIB),)
 
 
 def test_an_expert_in_several_tensors_shares_its_extra_bytes_among_its_spans_by_length():

@@ -89,14 +89,14 @@ def text(report: dict) -> list[str]:
     b, r, rec = report["budget"], report["routing"], report["recommendation"]
     out = [
         f"model {report['model']}: memory {b['memory_bytes'] / GIB:.2f} GiB = dense "
-        f"{(b['dense_bytes'] - b.get('lazy_dense_bytes', 0)) / GIB:.2f} + "
+        f"{b['resident_dense_bytes'] / GIB:.2f} + "
         f"KV ({b['context_tokens']} tokens) {b['kv_cache_bytes'] / GIB:.2f} + runtime "
         f"{b['runtime_overhead_bytes'] / GIB:.2f} + experts {b['expert_bytes'] / GIB:.2f} GiB "
         f"(one token's working set {b['working_set_bytes'] / GIB:.2f} GiB)"
         + (
             f"; the input embedding's {b['lazy_dense_bytes'] / GIB:.2f} GiB stays on disk (mmap reads only the rows "
             "of tokens seen)"
-            if b.get("lazy_dense_bytes")
+            if b["lazy_dense_bytes"]
             else ""
         ),
         f"routing: {r['source']} {r.get('file') or r.get('prompts')}: {r['requests']} requests, {r['tokens']} tokens"

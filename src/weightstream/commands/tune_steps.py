@@ -10,7 +10,7 @@ import time
 from weightstream.bench.calibration_store import calibration_key, load_saved, read_cost_model, save, store_path
 from weightstream.engine.loader import read_layout
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, kv_cache_bytes, lazy_dense_bytes
+from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, kv_cache_bytes, lazy_dense_bytes, ties_embeddings
 from weightstream.sim.tune import ModelFacts
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.layout import ModelLayout
@@ -69,7 +69,6 @@ class TuneSession:
         self.facts = model_facts(self.layout)
         dtype_bytes = next(iter(self.layout.experts.values())).params[0].dtype.itemsize
         dense = {name: t.nbytes for name, t in self.layout.dense.items()}
-        tied = bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
         self.budget = Budget(
             memory_bytes,
             sum(dense.values()),
@@ -77,7 +76,7 @@ class TuneSession:
             RUNTIME_OVERHEAD_BYTES,
             self.layout.working_set_bytes,
             context,
-            lazy_dense_bytes(dense, tied),
+            lazy_dense_bytes(dense, ties_embeddings(self.config)),
         )
         self.store = store_path(model_dir)
         self.model = None

@@ -69,6 +69,7 @@ class Budget:
             "runtime_overhead_bytes": self.runtime_overhead_bytes,
             "expert_bytes": self.expert_bytes,
             "lazy_dense_bytes": self.lazy_dense_bytes,
+            "resident_dense_bytes": self.resident_dense_bytes,
             "working_set_bytes": self.working_set_bytes,
             "context_tokens": self.context_tokens,
         }
@@ -84,6 +85,11 @@ def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     if tied:
         return 0
     return sum(n for name, n in dense_nbytes.items() if name.endswith("embed_tokens.weight"))
+
+
+def ties_embeddings(config) -> bool:
+    """Whether a transformers config ties the output head to the input embedding (for `lazy_dense_bytes`)."""
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:

@@ -58,17 +58,11 @@ class Readahead:
     after: int
 
     @classmethod
-    def from_amplification(cls, amplification: float, expert_bytes: int, window_bytes: int | None) -> Readahead:
-        """Split the calibrated extra bytes per expert (amplification - 1 of its bytes): half the read-around
-        window ahead of the span (the window is centred on the first fault), the rest past it."""
-        return cls._split(max(amplification - 1.0, 0.0) * expert_bytes, window_bytes)
-
-    @classmethod
     def per_span(cls, amplification: float, spans: Sequence[Span], window_bytes: int | None) -> tuple[Readahead, ...]:
-        """One expert's calibrated extra bytes shared among its spans by length, each share split as a whole
-        expert's is. The kernel reads around every faulting span, but an expert
-        whose bytes lie in several tensors (gate_up, down and their biases on gpt-oss) was calibrated as a whole:
-        giving each span the whole expert's extra read 1.8x the kernel's bytes there (docs/benchmarks.md)."""
+        """One expert's calibrated extra bytes (amplification - 1 of its bytes) shared among its spans by length,
+        each share split by `_split`. The kernel reads around every faulting span, but an expert whose bytes lie in
+        several tensors (gate_up, down and their biases on gpt-oss) was calibrated as a whole: giving each span the
+        whole expert's extra read 1.8x the kernel's bytes there (docs/benchmarks.md)."""
         lengths = [b - a for _, a, b in spans]
         total = sum(lengths) or 1
         extra = max(amplification - 1.0, 0.0) * total
