@@ -105,3 +105,29 @@ def test_more_room_never_reads_more_on_a_looping_workload(capacity):
     small = PageCacheModel(_experts(16, 2 * MIB, 0), capacity, Readahead(0, MIB), MIB)
     big = PageCacheModel(_experts(16, 2 * MIB, 0), 2 * capacity, Readahead(0, MIB), MIB)
     assert replay(big, keys)[1].sum() <= replay(small, keys)[1].sum()
+
+
+def test_a_touch_moves_nothing_and_the_active_list_ages_first_in_first_out():
+    """Mapped pages: a hit only sets the young bit, and reclaim deactivates the active list's oldest chunks whatever
+    their bits. Expert 1, hit just before expert 5 faults, goes; expert 2, not touched since it came in, stays
+    (an LRU over touches would keep 1 and lose 2)."""
+    m = PageCacheModel(_experts(8, 4 * MIB, 0), 16 * MIB, Readahead(0, 0), MIB)
+    for key in range(5):  # the fifth fault activates every young chunk, then reclaims expert 0
+        m.access(key)
+    assert not any((0, c) in m.inactive or (0, c) in m.active for c in range(4))
+    assert m.access(1) == (True, 0)
+    assert m.access(5) == (False, 4 * MIB)
+    assert m.access(2) == (True, 0)
+    assert m.access(1) == (False, 4 * MIB)
+
+
+def test_a_refault_inside_the_workingset_enters_the_active_list_and_an_old_one_does_not():
+    m = PageCacheModel(_experts(16, 4 * MIB, 0), 16 * MIB, Readahead(0, 0), MIB)
+    for key in range(5):
+        m.access(key)
+    assert m.access(0) == (False, 4 * MIB)  # evicted 4 chunks ago, the active list 16 long: activated
+    assert all((0, c) in m.active for c in range(4))
+    for key in range(5, 16):  # 44 more evictions
+        m.access(key)
+    assert m.access(1) == (False, 4 * MIB)
+    assert all((0, c) in m.inactive for c in range(4, 8))

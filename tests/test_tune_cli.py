@@ -131,3 +131,48 @@ def test_pinned_policy_needs_its_experts(model_dir, tmp_path, capsys):
     keys.write_text(json.dumps({"pinned_experts": [[0, e] for e in range(8)] + [[1, e] for e in range(8)]}))
     assert main([*args, "--expert-cache", "2x"]) == 2
     assert "leave no free slot" in capsys.readouterr().err
+
+
+def test_calibration_saves_the_readahead_around_a_lone_expert(first_tune, model_dir):
+    """[ahead, past] bytes for each span of an expert, carried into the cost parameters the page-cache model reads.
+    (This model's files are a few pages: the dense weights' mapping holds its neighbours, so the bytes may be 0.)"""
+    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.units import GIB
+
+    (entry,) = json.loads((Path(model_dir) / ".weightstream" / "calibration.json").read_text())["entries"]
+    readahead = entry["measurements"]["page_readahead"]
+    facts = TuneSession(model_dir, GIB, 512, 4).facts
+    assert len(readahead) == len(facts.spans[0][facts.n_experts // 2])
+    assert all(ahead >= 0 and past >= 0 for ahead, past in readahead)
+    assert entry["params"]["page_readahead"] == readahead
+
+
+def test_the_readahead_around_a_lone_expert_is_what_the_fault_brought_in(tiny_model, no_proactive_reclaim):
+    """Experts of 768 KiB, a layer's file 6 MiB: the kernel reads around the middle expert's fault (any window
+    above 0), never more than the file, and the pages it brought in are counted, not those resident before."""
+    from weightstream.bench.calibrate import Calibrator
+    from weightstream.bench.machine import read_ahead_bytes
+    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.units import GIB
+
+    session = TuneSession(tiny_model("olmoe", "bf16", intermediate_size=2048), GIB, 512, 2)
+    calibrator = Calibrator(session.engine(), 2, None)
+    calibrator.prime = False
+    ((ahead, past),) = calibrator.page_readahead()  # OLMoE keeps an expert in one span
+    path = session.layout.experts[(session.layout.layers[0], 4)].pieces[0].path
+    assert read_ahead_bytes(path) > 0
+    assert 0 < ahead + past <= max(session.facts.file_bytes)
+
+
+def test_dense_spans_hold_what_a_step_reads_of_the_dense_weights(model_dir):
+    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.sim.budget import lazy_dense_bytes
+    from weightstream.units import GIB
+
+    session = TuneSession(model_dir, GIB, 512, 4)
+    groups = session.facts.dense_spans
+    assert len(groups) == session.facts.layers + 1  # before each routed layer's experts, then the head
+    assert all(groups[:-1]) and groups[-1]  # every layer has attention and a router; the head its weight
+    dense = {name: t.nbytes for name, t in session.layout.dense.items()}
+    total = sum(b - a for g in groups for _, a, b in g)
+    assert total == pytest.approx(sum(dense.values()) - lazy_dense_bytes(dense, False), abs=4096 * len(dense))

@@ -160,3 +160,29 @@ def test_page_cache_over_byte_ranges_sees_readahead_that_helps_and_readahead_tha
     assert near.policy == far.policy == "kernel (two-list model)"
     assert near.mib_read_per_token < far.mib_read_per_token <= whole.mib_read_per_token
     assert near.predicted_decode_tokens_per_s > whole.predicted_decode_tokens_per_s
+
+
+def _with_dense(facts: ModelFacts, per_layer: int) -> ModelFacts:
+    """`facts` laid out with a dense span of `per_layer` bytes per layer in a file of its own, and a head of as much."""
+    dense_file = facts.layers  # file id after the layers' expert files
+    spans = tuple(((dense_file, i * per_layer, (i + 1) * per_layer),) for i in range(facts.layers + 1))
+    return dataclasses.replace(facts, dense_spans=spans, file_bytes=(*facts.file_bytes, (facts.layers + 1) * per_layer))
+
+
+def test_the_page_cache_model_reads_dense_weights_again_when_the_room_is_too_small_for_them():
+    """Each step reads every layer's dense weights beside its experts, in the same lists. With room for all of it
+    they are read once and decode reads what the experts alone read; where the experts thrash the room, the
+    kernel evicts the dense weights too and every step reads them again."""
+    trace = onto_shape(mixtral(), OLMOE16)
+    params = dataclasses.replace(PARAMS, page_cached_per_byte=1.0)
+    laid = _laid_out(FACTS, 64 * MIB)
+    dense = _with_dense(laid, 32 * MIB)
+    dense_mib = 17 * 32
+    roomy = 1024 * EXPERT
+    alone, beside = (Search(trace, f, params).page_cache(roomy) for f in (laid, dense))
+    assert beside.hit_rate == alone.hit_rate
+    assert beside.mib_read_per_token == alone.mib_read_per_token
+    tight = 16 * EXPERT  # an eighth of the 128 experts the routing uses: everything thrashes
+    alone, beside = (Search(trace, f, params).page_cache(tight) for f in (laid, dense))
+    assert beside.mib_read_per_token > alone.mib_read_per_token + 0.9 * dense_mib
+    assert beside.predicted_decode_tokens_per_s < alone.predicted_decode_tokens_per_s

@@ -5,9 +5,10 @@ On one loaded model, with routing fixed by us (so that what is resident and what
    each read twice: where the second read is faster (a disk with a cache of its own, as a VM's host has), the
    experts of the timed steps below are read once beforehand, as decode's misses were read before;
 2. page cache: every step chooses experts no step chose before, none in the page cache, through mmap (cost per
-   missed MiB, and how many bytes the kernel's readahead brings in per byte touched); then the same with this
-   process moved into a small memory cgroup, so that every fault first reclaims (what a MiB read costs a page
-   cache at its limit; needs root and a memory controller, else not measured);
+   missed MiB, and how many bytes the kernel's readahead brings in per byte touched); one expert per layer alone,
+   and how far the kernel read ahead of and past each of its spans (mincore); then the same with this process
+   moved into a small memory cgroup, so that every fault first reclaims (what a MiB the kernel reads costs a page
+   cache at its limit, counted by /proc/self/io; needs root and a memory controller, else not measured);
 3. compute only: the same top-k experts every step, resident after the first, then one of them per layer (dense
    seconds, per-expert seconds and the MoE block's own per-layer seconds), alternating with the expert cache with
    some and with every expert missing: 1 and a quarter of top-k fresh experts per layer beside resident ones, then
@@ -18,6 +19,7 @@ On one loaded model, with routing fixed by us (so that what is resident and what
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -31,9 +33,9 @@ from weightstream.bench.read_timing import ExpertReads, read_timing
 from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.engine.page_cache_source import PageCacheSource
-from weightstream.io.pagecache import cached_bytes, evict_file
+from weightstream.io.pagecache import cached_bytes, evict_file, process_read_bytes, resident_pages
 from weightstream.sim.overlap_model import Measurements
-from weightstream.units import MIB
+from weightstream.units import MIB, PAGE
 
 ROUNDS = 2  # compute-only and all-miss runs alternate this many times
 DECODE_STEPS = 12  # compute-only decode steps timed per round (after the step that reads them in); 4 gave
@@ -119,6 +121,31 @@ def _cached(paths: list[str]) -> int:
     return total
 
 
+def _resident_around(path: str, start: int, end: int, look: int = 64 * MIB) -> np.ndarray:
+    """0/1 per page of `path` from `look` bytes before `start` to `look` past `end` (clipped to the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        first = max(start // PAGE - look // PAGE, 0)
+        last = min(-(-end // PAGE) + look // PAGE, -(-os.fstat(fd).st_size // PAGE))
+        return resident_pages(fd, first * PAGE, (last - first) * PAGE)
+    finally:
+        os.close(fd)
+
+
+def _read_around(start: int, end: int, new: np.ndarray, look: int = 64 * MIB) -> tuple[int, int]:
+    """(bytes just before `start`, just past `end`) brought in, from `new` (pages resident now and not before,
+    laid out as `_resident_around` lays them)."""
+    first = max(start // PAGE - look // PAGE, 0)
+    head, tail = new[: start // PAGE - first][::-1], new[-(-end // PAGE) - first :]
+    return _run(head) * PAGE, _run(tail) * PAGE
+
+
+def _run(resident: np.ndarray) -> int:
+    """Leading resident pages of `resident`."""
+    gaps = np.flatnonzero(resident == 0)
+    return int(gaps[0]) if len(gaps) else len(resident)
+
+
 def fresh_sets(n_experts: int, top_k: int, n_layers: int, seed: int) -> Callable[[int, int], list[int]]:
     """Step s takes the s-th group of top-k experts of a random order per layer: no two steps of a cycle overlap."""
     rng = np.random.default_rng(seed)
@@ -171,6 +198,7 @@ class Calibrator:
         self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
         with paused_proactive_reclaim():  # idle-page reclaim would count as page-cache misses (bench.reclaim)
             page, page_amplification = self.page_cache()
+            readahead = self.page_readahead() if page is not None else None
             pressured, pressure_note = (
                 self.page_cache_at_limit(page_amplification) if page is not None else (None, "not measured")
             )
@@ -192,6 +220,7 @@ class Calibrator:
             page_step_s=page,
             page_missed_mib=len(self.layers) * self.k * nbytes / MIB if page is not None else None,
             page_cached_per_byte=page_amplification,
+            page_readahead=readahead,
             **(pressured or {}),
         )
         extra = {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
@@ -217,13 +246,13 @@ class Calibrator:
         finally:
             reads.close()
 
-    def _mmap_steps(self, seed: int, steps: int, cgroup=None) -> tuple[list, list[str], int]:
-        """`steps` forward steps with every expert served through mmap, each step choosing top-k experts per layer
-        that no earlier step chose, none of them in the page cache (inside `cgroup` where given: this process moves
-        in for the steps and back out after): (decode spans, expert files, bytes that stayed cached on eviction)."""
+    def _mmap_steps(self, choose, steps: int, cgroup=None) -> tuple[list, list[str], int, int | None]:
+        """`steps` forward steps with every expert served through mmap, routed by `choose`, none of the experts in
+        the page cache at the start (inside `cgroup` where given: this process moves in for the steps and back out
+        after): (decode spans, expert files, bytes that stayed cached on eviction, bytes the kernel read for this
+        process during the steps, None where it does not count)."""
         from weightstream.prefetch.memory import CgroupMemory
 
-        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=seed)
         self._prime(choose, range(1, steps))
         paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
         before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
@@ -234,13 +263,15 @@ class Calibrator:
             if cgroup is not None:
                 (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
             try:
+                first = process_read_bytes()
                 _, decode = timed_steps(self.model, [1], steps)
+                last = process_read_bytes()
             finally:
                 if home is not None:
                     (home.path / "cgroup.procs").write_text(str(os.getpid()))
         finally:
             self.runtime.cache.close()
-        return decode, paths, before
+        return decode, paths, before, (last - first if first is not None and last is not None else None)
 
     def page_cache(self) -> tuple[float | None, float | None]:
         """(median seconds of a decode step whose every expert is faulted in cold through mmap, bytes the page
@@ -249,14 +280,45 @@ class Calibrator:
         if steps < 2:
             return None, None
         self.say("page cache: experts through mmap, none of them in the page cache")
-        decode, paths, before = self._mmap_steps(seed=1, steps=steps)
+        choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=1)
+        decode, paths, before, _ = self._mmap_steps(choose, steps=steps)
         touched = steps * len(self.layers) * self.k * self.expert_nbytes
         return _median(decode)[0], max((_cached(paths) - before) / touched, 1.0)
+
+    def page_readahead(self) -> list[list[int]] | None:
+        """[bytes cached ahead of it, bytes cached past it] for each span of an expert faulted in alone through
+        mmap (one expert per layer, the middle one of each, so that nothing else touched is near): the read-around
+        window and the asynchronous readahead as the engine's own access order meets them (on the 16-layer OLMoE
+        shape, gate first in the middle of each 12 MiB expert). Medians over the layers; None where an expert's
+        spans differ between layers."""
+        from weightstream.sim.page_cache_model import merge_spans
+
+        self.say("page cache: one expert per layer through mmap, the readahead around it")
+        mid = self.n_experts // 2
+        spans = []  # per layer: (path, start, end) of each span of its middle expert
+        for layer in self.layers:
+            pieces = self.layout.experts[(layer, mid)].pieces
+            names = sorted({p.path for p in pieces})
+            merged = merge_spans(((names.index(p.path), p.offset, p.nbytes) for p in pieces), 4096)
+            spans.append([(names[f], a, b) for f, a, b in merged])
+        gc.collect()  # earlier mmap sources' views, freed: their pages would stay resident
+        for path in {path for layer in spans for path, _, _ in layer}:
+            evict_file(path)  # what stays is mapped (dense weights): not the readahead's
+        stayed = [[_resident_around(*span) for span in layer] for layer in spans]
+        self._mmap_steps(lambda step, pos: [mid], steps=1)
+        per_layer = [
+            [_read_around(a, b, _resident_around(path, a, b) & (1 - kept)) for (path, a, b), kept in zip(layer, k)]
+            for layer, k in zip(spans, stayed)
+        ]
+        if len({len(s) for s in per_layer}) != 1:
+            return None
+        return [[int(statistics.median(s[i][j] for s in per_layer)) for j in (0, 1)] for i in range(len(per_layer[0]))]
 
     def page_cache_at_limit(self, amplification: float | None) -> tuple[dict | None, str]:
         """Decode steps through mmap with this process in a memory cgroup that one layer's faults fill, so that
         every further fault reclaims first, as a run at its memory limit does: ({"page_limit_step_s",
-        "page_limit_evicted_mib"} (MiB read in per step, touched x readahead, each after a reclaim), "measured"),
+        "page_limit_evicted_mib"} (MiB the kernel read per step, /proc/self/io, each after a reclaim; touched x
+        readahead where the kernel does not count), "measured"),
         or (None, why not) where no cgroup can be made (not root)."""
         from weightstream.bench.cgroup import MemoryCgroup
         from weightstream.errors import WeightstreamError
@@ -273,14 +335,16 @@ class Calibrator:
             return None, f"not measured: {exc}"
         self.say(f"page cache at its limit: experts through mmap in a {limit / MIB:.0f} MiB cgroup")
         try:
-            decode, _, _ = self._mmap_steps(seed=2, steps=steps, cgroup=group)  # the first step fills the cgroup
+            choose = fresh_sets(self.n_experts, self.k, len(self.layers), seed=2)
+            decode, _, _, read = self._mmap_steps(choose, steps=steps, cgroup=group)  # the first step fills it
         except OSError as exc:
             return None, f"not measured: cannot move this process between memory cgroups ({exc.strerror})"
         finally:
             group.remove()
         measured = {
             "page_limit_step_s": _median(decode[1:])[0],
-            "page_limit_evicted_mib": len(self.layers) * per_layer / MIB,
+            # what the kernel read per step (every step faults a fresh top-k), else what readahead should read
+            "page_limit_evicted_mib": (read / steps if read else len(self.layers) * per_layer) / MIB,
         }
         return measured, "measured"
 

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from weightstream.bench.calibration_store import calibration_key, load_saved, read_cost_model, save, store_path
 from weightstream.engine.loader import read_layout
 from weightstream.errors import WeightstreamError
@@ -24,13 +26,15 @@ def say(msg: str) -> None:
     print(f"[tune] {msg}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout to one object
 
 
-def model_facts(layout: ModelLayout) -> ModelFacts:
-    """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans."""
+def model_facts(layout: ModelLayout, tied: bool = False) -> ModelFacts:
+    """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans; `tied`:
+    the output head is the input embedding (so every step reads all of it)."""
     from weightstream.bench.machine import read_ahead_bytes
     from weightstream.cache.slot_plan import plan_slot
     from weightstream.sim.page_cache_model import merge_spans
 
     file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+    file_sizes.update({t.path: os.path.getsize(t.path) for t in layout.dense.values()})
     firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
     file_ids = {path: i for i, path in enumerate(sorted(file_sizes))}
     n_experts = min(layout.num_experts.values())
@@ -53,8 +57,27 @@ def model_facts(layout: ModelLayout) -> ModelFacts:
         working_set_bytes=layout.working_set_bytes,
         spans=spans,
         file_bytes=tuple(file_sizes[path] for path in file_ids),
+        dense_spans=dense_spans(layout, file_ids, tied),
         readahead_window=read_ahead_bytes(next(iter(file_sizes))),
     )
+
+
+def dense_spans(layout: ModelLayout, file_ids: dict[str, int], tied: bool) -> tuple:
+    """Where each step's dense weights lie: for each routed layer the spans of the dense tensors a forward step reads
+    before that layer's experts (its attention, norms and router, and those of any dense layer before it), then the
+    spans read after the last one (the output head, the final norm). An untied input embedding is left out: a step
+    reads one row of it per token (`sim.budget.lazy_dense_bytes`)."""
+    from weightstream.sim.page_cache_model import merge_spans
+    from weightstream.store.layout import layer_index
+
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(len(layout.layers) + 1)]
+    for name, t in layout.dense.items():
+        if name.endswith("embed_tokens.weight") and not tied:
+            continue
+        layer = layer_index(name, max(layout.layers) + 1)
+        pos = int(np.searchsorted(layout.layers, layer))  # the first routed layer at or after it
+        groups[pos].append((file_ids[t.path], t.offset, t.nbytes))
+    return tuple(tuple(merge_spans(g, 4096)) for g in groups)
 
 
 class TuneSession:
@@ -66,7 +89,7 @@ class TuneSession:
         self.model_dir, self.io_threads = model_dir, io_threads
         self.config, self.layout = read_layout(model_dir)
         self.ckpt = open_checkpoint(model_dir)
-        self.facts = model_facts(self.layout)
+        self.facts = model_facts(self.layout, ties_embeddings(self.config))
         dtype_bytes = next(iter(self.layout.experts.values())).params[0].dtype.itemsize
         dense = {name: t.nbytes for name, t in self.layout.dense.items()}
         self.budget = Budget(

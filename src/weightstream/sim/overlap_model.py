@@ -42,9 +42,12 @@ class CostParams:
     page_cache_s_per_mib: float | None = None
     page_cached_per_byte: float = 1.0  # page cache taken per expert byte faulted in (readahead around faults)
     layer_fixed_s: float = 0.0  # per MoE layer that computes any expert, whatever their number
-    # a page cache at its limit: seconds per MiB read (as the model counts reads: bytes touched x readahead) where
-    # each read first reclaims; None where calibration could not measure it (then the cold figure serves)
+    # a page cache at its limit: seconds per MiB the kernel reads (/proc/self/io; older calibrations: bytes touched x
+    # readahead) where each read first reclaims; None where calibration could not measure it (the cold figure serves)
     page_limit_s_per_mib: float | None = None
+    # [bytes the kernel reads ahead of, past] each span of an expert faulted in alone; None: not measured (then the
+    # page-cache model shares page_cached_per_byte's extra among the spans)
+    page_readahead: list[list[int]] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +135,8 @@ class Measurements:
     page_missed_mib: float | None = None  # MiB faulted in per step there
     page_cached_per_byte: float | None = None  # page cache filled per expert byte touched there
     page_limit_step_s: float | None = None  # the same through mmap in a cgroup full from the first layer on
-    page_limit_evicted_mib: float | None = None  # MiB read in per step there (touched x readahead), each reclaimed
+    page_limit_evicted_mib: float | None = None  # MiB the kernel read per step there, each after a reclaim
+    page_readahead: list[list[int]] | None = None  # [ahead, past] bytes around each span of a lone expert's fault
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,6 +180,7 @@ def fit_cost_params(m: Measurements) -> CostParams:
         compute = dense + m.layers * (fixed + m.top_k * per_expert)
         p.page_cache_s_per_mib = max((m.page_step_s - compute) / m.page_missed_mib, 0.0)
         p.page_cached_per_byte = max(m.page_cached_per_byte or 1.0, 1.0)
+        p.page_readahead = m.page_readahead
         if m.page_limit_step_s is not None and m.page_limit_evicted_mib:
             p.page_limit_s_per_mib = max((m.page_limit_step_s - compute) / m.page_limit_evicted_mib, 0.0)
     return p

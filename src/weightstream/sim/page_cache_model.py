@@ -10,13 +10,28 @@ follows what the kernel does, at the granularity of `chunk` bytes of each file:
 - A touched chunk that is not cached faults: the expert's contiguous span is read with the readahead around it
   (`before` bytes ahead of the span, `after` bytes past it: the read-around window centred on the first fault and
   the asynchronous readahead that follows a sequential walk). What a miss adds is counted as bytes read.
-- Two lists, as the kernel's file LRU: new chunks enter the inactive list, the faulting ones marked referenced;
-  a chunk touched again while inactive is activated; reclaim takes the inactive list's oldest chunk, giving a
-  referenced one a second lap (as `folio_check_references` keeps a mapped page referenced once), and refills the
-  inactive list from the active one when it falls below 1 / `inactive_ratio` of the cache (the kernel's
-  `inactive_is_low`, ratio sqrt(10 x GiB)).
+- Two lists, as the kernel's file LRU for mapped pages (classic LRU, no MGLRU), with what a page table tells
+  reclaim: a touch only sets the chunk's young bit (the hardware's accessed bit), it moves nothing. New chunks
+  enter the inactive list (the faulting span's young, its readahead not). Reclaim takes the inactive list's oldest
+  chunk: young, it is activated (`folio_check_references`: a large folio with more than one young PTE is activated
+  at its first scan, and on ext4 since 6.16 readahead fills large folios: 2048 of the 3072 pages of a 12 MiB expert
+  touched here were in compound folios); else it is evicted, leaving a shadow entry.
+- The active list is FIFO: reclaim deactivates its oldest chunk whatever its young bit (`shrink_active_list` keeps
+  only executable mappings), into the inactive list with its young bit cleared, so a touch before its next scan
+  activates it again. It deactivates when the inactive list is below 1 / `inactive_ratio` of the cache
+  (`inactive_is_low`, ratio sqrt(10 x GiB)) or when refaults were activated since the last reclaim
+  (`may_deactivate`), and then scans both lists by the same share of their length (`shrink_lruvec`'s targets,
+  size >> priority), at most `ratio` active chunks per inactive one. The other reading of `shrink_lruvec`, a batch
+  of each list per round (1:1), read 863 MiB per token on gpt-oss's 4-layer shape at 4 GiB where the kernel read
+  577; this rule 772.
+- A refault whose shadow is younger than the active list (evictions and refault activations since its eviction, at
+  most the active list's length: `workingset_refault`) enters the active list directly.
 
-The kernel's shadow entries (refault distance activating a refaulted page) are not modelled.
+The model used to activate a chunk touched twice while inactive and keep the active list in LRU order (as for
+pages read with read(2)); with mapped pages the kernel does neither, and that model kept a hot set the kernel does
+not: at 3 GiB on the 16-layer OLMoE shape it counted 1596 MiB read per token and 36% of experts fault-free, where
+the kernel read 3933 MiB; this one, with the dense weights in the same lists (`sim.tune`) and the readahead measured
+around a lone expert's fault (`bench.calibrate`), 3830 (docs/benchmarks.md, "Fifth proof").
 """
 
 from __future__ import annotations
@@ -95,8 +110,11 @@ class PageCacheModel:
         self.capacity = max(int(capacity_bytes // self.chunk), 1)
         self.ratio = inactive_ratio(capacity_bytes)
         self.file_chunks = [math.ceil(b / self.chunk) for b in file_bytes] if file_bytes else None
-        self.inactive: OrderedDict[tuple[int, int], bool] = OrderedDict()  # chunk -> referenced; oldest first
-        self.active: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.inactive: OrderedDict[tuple[int, int], bool] = OrderedDict()  # chunk -> young (touched since its scan)
+        self.active: OrderedDict[tuple[int, int], None] = OrderedDict()  # oldest first, both lists
+        self.shadows: dict[tuple[int, int], int] = {}  # evicted chunk -> the eviction clock when it went
+        self.clock = 0  # evictions and refault activations so far (the kernel's nonresident age)
+        self.refault_activated = False  # since the last reclaim
         self.bytes_read = 0
         self.evicted = 0  # chunks reclaimed to make room
 
@@ -110,19 +128,13 @@ class PageCacheModel:
         """Touch every byte of expert `key`: (no fault at all, bytes read)."""
         read = 0
         for (f, a, b), ra in zip(self.spans[key], self.ra[key]):
-            fresh: set[int] = set()  # chunks the fault just brought in, marked touched there
+            fresh: set[int] = set()  # chunks the fault just brought in, young already
             for c in self._chunks(f, a, b):
                 chunk = (f, c)
-                if c in fresh:
-                    continue
-                if chunk in self.active:
-                    self.active.move_to_end(chunk)
-                elif chunk in self.inactive:
-                    if self.inactive[chunk]:  # touched twice while inactive: activated
-                        del self.inactive[chunk]
-                        self.active[chunk] = None
-                    else:
-                        self.inactive[chunk] = True
+                if c in fresh or chunk in self.active:
+                    continue  # an active chunk's young bit changes nothing: the active list ages in FIFO order
+                if chunk in self.inactive:
+                    self.inactive[chunk] = True
                 elif not fresh:  # the first fault in this span reads the span and its readahead
                     fresh = self._fault(f, a, b, ra)
                     read += len(fresh) * self.chunk
@@ -138,23 +150,34 @@ class PageCacheModel:
             chunk = (f, c)
             if chunk in self.active or chunk in self.inactive:
                 continue
-            self.inactive[chunk] = c in span  # the span's own chunks are touched; readahead's are not
+            evicted_at = self.shadows.pop(chunk, None)
+            if evicted_at is not None and self.clock - evicted_at <= len(self.active):
+                self.active[chunk] = None  # a refault inside the workingset: straight to the active list
+                self.clock += 1
+                self.refault_activated = True
+            else:
+                self.inactive[chunk] = c in span  # the span's own chunks are touched; readahead's are not
             new.add(c)
         return new
 
     def _reclaim(self) -> None:
+        deactivate = self.refault_activated or len(self.inactive) * self.ratio < len(self.active)
+        self.refault_activated = False
+        credit = 0.0
         while len(self.inactive) + len(self.active) > self.capacity:
-            while self.active and len(self.inactive) * self.ratio < len(self.active):
-                chunk, _ = self.active.popitem(last=False)  # aged out of the active list
-                self.inactive[chunk] = False
-            if not self.inactive:
-                self.active.popitem(last=False)
-                self.evicted += 1
-                continue
-            chunk, referenced = self.inactive.popitem(last=False)
-            if referenced:  # touched once: a second lap, unreferenced (the kernel keeps it, clearing the bit)
-                self.inactive[chunk] = False
+            if self.active and (deactivate or not self.inactive):
+                # both lists by the same share of their length, at most `ratio` active chunks per inactive one
+                credit += min(len(self.active) / max(len(self.inactive), 1), self.ratio)
+                while credit >= 1 and self.active:
+                    chunk, _ = self.active.popitem(last=False)
+                    self.inactive[chunk] = False  # its young bit cleared by the scan that deactivated it
+                    credit -= 1
+            chunk, young = self.inactive.popitem(last=False)
+            if young:
+                self.active[chunk] = None
             else:
+                self.shadows[chunk] = self.clock
+                self.clock += 1
                 self.evicted += 1
 
 

@@ -49,6 +49,9 @@ class ModelFacts:
     spans: tuple | None = None
     file_bytes: tuple[int, ...] | None = None
     readahead_window: int | None = None
+    # dense weights each forward step reads, which share the page cache's lists with the experts: spans before each
+    # routed layer's experts, then those after the last (`commands.tune_steps.dense_spans`); None: left out
+    dense_spans: tuple | None = None
 
     @property
     def total_experts(self) -> int:
@@ -169,12 +172,26 @@ class Search:
         facts = self.facts
         n = self.w.trace.shape.n_experts
         spans = [facts.spans[key // n][key % n] for key in range(self.w.n_keys)]
-        readahead = [Readahead.per_span(spread, s, facts.readahead_window) for s in spans]
+        measured = self.params.page_readahead if known else None
+        readahead = [
+            tuple(Readahead(*ra) for ra in measured)
+            if measured and len(measured) == len(s)
+            else Readahead.per_span(spread, s, facts.readahead_window)
+            for s in spans
+        ]
+        keys, cell, room = self.w.keys, self.steps.cell, room_bytes
+        if facts.dense_spans:  # the process's file pages are the experts' room and its mapped dense weights
+            keys, cell, is_expert = self._with_dense_steps()
+            spans += list(facts.dense_spans)
+            readahead += [(Readahead(0, 0),) * len(d) for d in facts.dense_spans]  # dense next to dense: read anyway
+            room += sum(b - a for d in facts.dense_spans for _, a, b in d)
         chunk = max(MIB, _pow2_at_least(facts.expert_nbytes // 32))  # at most ~32 chunks per expert
-        model = PageCacheModel(spans, room_bytes, readahead, chunk, facts.file_bytes)
-        hit, read, evicted = replay_page_cache(model, self.w.keys)
+        model = PageCacheModel(spans, room, readahead, chunk, facts.file_bytes)
+        hit, read, evicted = replay_page_cache(model, keys)
+        if facts.dense_spans:
+            hit = hit[is_expert]
         load = self.steps.load(hit)
-        step = self.steps.cell // self.steps.n_layers
+        step = cell // self.steps.n_layers
         read_mib = np.bincount(step, weights=read / MIB, minlength=self.steps.n_steps)
         evicted_mib = np.bincount(step, weights=evicted / MIB, minlength=self.steps.n_steps)
         seconds = None
@@ -194,6 +211,23 @@ class Search:
             "model_chunk_bytes": chunk,
         }
         return config
+
+    def _with_dense_steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The workload's accesses with each step's dense reads put in: a routed layer's dense key (n_keys + its
+        position) before its first expert of the step, the head's (n_keys + layers) after the step's last access.
+        (keys, (step, layer) cell of each, which of them are experts)."""
+        cell, n_layers, n_keys = self.steps.cell, self.steps.n_layers, self.w.n_keys
+        starts = np.r_[True, cell[1:] != cell[:-1]]
+        ends = np.r_[cell[1:] // n_layers != cell[:-1] // n_layers, True]
+        out: list[tuple[int, int, bool]] = []  # (key, cell, an expert)
+        for key, c, first, last in zip(self.w.keys.tolist(), cell.tolist(), starts.tolist(), ends.tolist()):
+            if first:
+                out.append((n_keys + c % n_layers, c, False))
+            out.append((key, c, True))
+            if last:
+                out.append((n_keys + n_layers, c, False))
+        keys, cells, expert = zip(*out)
+        return np.asarray(keys, np.int64), np.asarray(cells, np.int64), np.asarray(expert, bool)
 
     def _config(self, path, policy, cache_bytes, slots, hit, load, mib_per_miss, seconds, bound=False) -> Config:
         decode = self.steps.decode

@@ -146,7 +146,7 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int, quant: Qu
     """
     model_type = model.config.model_type
     modules = streamable_modules(model, ckpt.model_dir)
-    module_layers = {path: _layer_index(path, i) for i, path in enumerate(modules)}
+    module_layers = {path: layer_index(path, i) for i, path in enumerate(modules)}
     params = {f"{path}.{n}": (path, n, p) for path, m in modules.items() for n, p in m.named_parameters(recurse=False)}
     found: dict[tuple[str, int, str], list[tuple[int, Piece]]] = {}
     fused: set[tuple[str, str]] = set()  # (module path, param) stored fused on disk: transformers maps it as is
@@ -199,7 +199,8 @@ def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) 
     return experts
 
 
-def _layer_index(path: str, fallback: int) -> int:
+def layer_index(path: str, fallback: int) -> int:
+    """The N of `.layers.N.` in a module or parameter name, else `fallback`."""
     match = re.search(r"\.layers\.(\d+)\.", f".{path}.")
     return int(match.group(1)) if match else fallback
 
