@@ -19,7 +19,6 @@ On one loaded model, with routing fixed by us (so that what is resident and what
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -42,6 +41,7 @@ DECODE_STEPS = 12  # compute-only decode steps timed per round (after the step t
 # calibrations 30 minutes apart that differed by 30% on this VM (156 vs 202 ms per token), and they are cheap
 MISS_STEPS = 3  # all-miss decode steps timed per round, expert cache
 PAGE_STEPS = 2  # all-miss decode steps timed, page cache (each reads a whole token's experts through faults)
+READAHEAD_PASSES = 3  # lone-expert steps whose readahead is measured (different experts each)
 PREFILL_TOKENS = 32
 REPEAT_FASTER = 1.15  # the disk serves a repeated read this much faster than a first one: it caches (a VM's host)
 
@@ -141,7 +141,7 @@ def _read_around(start: int, end: int, new: np.ndarray, look: int = 64 * MIB) ->
 
 
 def _run(resident: np.ndarray) -> int:
-    """Leading resident pages of `resident`."""
+    """How many entries of `resident` are set before its first 0."""
     gaps = np.flatnonzero(resident == 0)
     return int(gaps[0]) if len(gaps) else len(resident)
 
@@ -287,32 +287,37 @@ class Calibrator:
 
     def page_readahead(self) -> list[list[int]] | None:
         """[bytes cached ahead of it, bytes cached past it] for each span of an expert faulted in alone through
-        mmap (one expert per layer, the middle one of each, so that nothing else touched is near): the read-around
-        window and the asynchronous readahead as the engine's own access order meets them (on the 16-layer OLMoE
-        shape, gate first in the middle of each 12 MiB expert). Medians over the layers; None where an expert's
-        spans differ between layers."""
+        mmap (one expert per layer, so that nothing else touched is near): the read-around window and the
+        asynchronous readahead as the engine's own access order meets them (on the 16-layer OLMoE shape, gate first
+        in the middle of each 12 MiB expert). `READAHEAD_PASSES` passes on different experts, medians over every
+        pass and layer: one pass in the fifth proof saw 4 MiB past the OLMoE expert where the others here saw 16 and
+        decode read as 16 would. None where an expert's spans differ between layers."""
+        self.say("page cache: one expert per layer through mmap, the readahead around it")
+        samples = []  # per pass and layer: (ahead, past) of each span
+        for i in range(READAHEAD_PASSES):
+            samples += self._readahead_pass((self.n_experts * (i + 1)) // (READAHEAD_PASSES + 1))
+        if len({len(s) for s in samples}) != 1:
+            return None
+        return [[int(statistics.median(s[i][j] for s in samples)) for j in (0, 1)] for i in range(len(samples[0]))]
+
+    def _readahead_pass(self, expert: int) -> list[list[tuple[int, int]]]:
+        """One step with `expert` alone in every layer, from evicted files: (ahead, past) per span, per layer."""
         from weightstream.sim.page_cache_model import merge_spans
 
-        self.say("page cache: one expert per layer through mmap, the readahead around it")
-        mid = self.n_experts // 2
-        spans = []  # per layer: (path, start, end) of each span of its middle expert
+        spans = []  # per layer: (path, start, end) of each span of the expert
         for layer in self.layers:
-            pieces = self.layout.experts[(layer, mid)].pieces
+            pieces = self.layout.experts[(layer, expert)].pieces
             names = sorted({p.path for p in pieces})
             merged = merge_spans(((names.index(p.path), p.offset, p.nbytes) for p in pieces), 4096)
             spans.append([(names[f], a, b) for f, a, b in merged])
-        gc.collect()  # earlier mmap sources' views, freed: their pages would stay resident
         for path in {path for layer in spans for path, _, _ in layer}:
             evict_file(path)  # what stays is mapped (dense weights): not the readahead's
         stayed = [[_resident_around(*span) for span in layer] for layer in spans]
-        self._mmap_steps(lambda step, pos: [mid], steps=1)
-        per_layer = [
+        self._mmap_steps(lambda step, pos: [expert], steps=1)
+        return [
             [_read_around(a, b, _resident_around(path, a, b) & (1 - kept)) for (path, a, b), kept in zip(layer, k)]
             for layer, k in zip(spans, stayed)
         ]
-        if len({len(s) for s in per_layer}) != 1:
-            return None
-        return [[int(statistics.median(s[i][j] for s in per_layer)) for j in (0, 1)] for i in range(len(per_layer[0]))]
 
     def page_cache_at_limit(self, amplification: float | None) -> tuple[dict | None, str]:
         """Decode steps through mmap with this process in a memory cgroup that one layer's faults fill, so that
