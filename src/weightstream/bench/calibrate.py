@@ -121,21 +121,29 @@ def _cached(paths: list[str]) -> int:
     return total
 
 
-def _resident_around(path: str, start: int, end: int, look: int = 64 * MIB) -> np.ndarray:
-    """0/1 per page of `path` from `look` bytes before `start` to `look` past `end` (clipped to the file)."""
+READAHEAD_LOOK = 64 * MIB  # how far around a lone expert's span its readahead is looked for
+
+
+def _window(start: int) -> int:
+    """The first page `_resident_around` looks at for a span starting at byte `start`."""
+    return max(start // PAGE - READAHEAD_LOOK // PAGE, 0)
+
+
+def _resident_around(path: str, start: int, end: int) -> np.ndarray:
+    """0/1 per page of `path` from `_window(start)` to `READAHEAD_LOOK` past `end` (clipped to the file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        first = max(start // PAGE - look // PAGE, 0)
-        last = min(-(-end // PAGE) + look // PAGE, -(-os.fstat(fd).st_size // PAGE))
+        first = _window(start)
+        last = min(-(-end // PAGE) + READAHEAD_LOOK // PAGE, -(-os.fstat(fd).st_size // PAGE))
         return resident_pages(fd, first * PAGE, (last - first) * PAGE)
     finally:
         os.close(fd)
 
 
-def _read_around(start: int, end: int, new: np.ndarray, look: int = 64 * MIB) -> tuple[int, int]:
+def _read_around(start: int, end: int, new: np.ndarray) -> tuple[int, int]:
     """(bytes just before `start`, just past `end`) brought in, from `new` (pages resident now and not before,
     laid out as `_resident_around` lays them)."""
-    first = max(start // PAGE - look // PAGE, 0)
+    first = _window(start)
     head, tail = new[: start // PAGE - first][::-1], new[-(-end // PAGE) - first :]
     return _run(head) * PAGE, _run(tail) * PAGE
 

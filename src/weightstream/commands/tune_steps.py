@@ -12,7 +12,14 @@ import numpy as np
 from weightstream.bench.calibration_store import calibration_key, load_saved, read_cost_model, save, store_path
 from weightstream.engine.loader import read_layout
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, kv_cache_bytes, lazy_dense_bytes, ties_embeddings
+from weightstream.sim.budget import (
+    RUNTIME_OVERHEAD_BYTES,
+    Budget,
+    is_lazy_dense,
+    kv_cache_bytes,
+    lazy_dense_bytes,
+    ties_embeddings,
+)
 from weightstream.sim.tune import ModelFacts
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.layout import ModelLayout
@@ -72,7 +79,7 @@ def dense_spans(layout: ModelLayout, file_ids: dict[str, int], tied: bool) -> tu
 
     groups: list[list[tuple[int, int, int]]] = [[] for _ in range(len(layout.layers) + 1)]
     for name, t in layout.dense.items():
-        if name.endswith("embed_tokens.weight") and not tied:
+        if is_lazy_dense(name, tied):
             continue
         layer = layer_index(name, max(layout.layers) + 1)
         pos = int(np.searchsorted(layout.layers, layer))  # the first routed layer at or after it
@@ -89,7 +96,8 @@ class TuneSession:
         self.model_dir, self.io_threads = model_dir, io_threads
         self.config, self.layout = read_layout(model_dir)
         self.ckpt = open_checkpoint(model_dir)
-        self.facts = model_facts(self.layout, ties_embeddings(self.config))
+        tied = ties_embeddings(self.config)
+        self.facts = model_facts(self.layout, tied)
         dtype_bytes = next(iter(self.layout.experts.values())).params[0].dtype.itemsize
         dense = {name: t.nbytes for name, t in self.layout.dense.items()}
         self.budget = Budget(
@@ -99,7 +107,7 @@ class TuneSession:
             RUNTIME_OVERHEAD_BYTES,
             self.layout.working_set_bytes,
             context,
-            lazy_dense_bytes(dense, ties_embeddings(self.config)),
+            lazy_dense_bytes(dense, tied),
         )
         self.store = store_path(model_dir)
         self.model = None

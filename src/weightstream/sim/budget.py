@@ -82,9 +82,13 @@ def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     of a 4 GiB limit's 2.36 GiB of dense weights, room for the expert cache or the page cache. Measured there
     (docs/benchmarks.md): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
     1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's bytes to 3%."""
-    if tied:
-        return 0
-    return sum(n for name, n in dense_nbytes.items() if name.endswith("embed_tokens.weight"))
+    return sum(n for name, n in dense_nbytes.items() if is_lazy_dense(name, tied))
+
+
+def is_lazy_dense(name: str, tied: bool) -> bool:
+    """Whether dense parameter `name` is one that decode hardly touches (`lazy_dense_bytes`): an untied input
+    embedding."""
+    return not tied and name.endswith("embed_tokens.weight")
 
 
 def ties_embeddings(config) -> bool:
