@@ -6,7 +6,9 @@ at the limit, cold page cache) on the recommended configuration and a grid aroun
 lru/slru/pinned, and the page cache): every configuration `--runs` times in rounds (each round in the reverse order
 of the one before, so that a drifting machine weighs on all alike; the median counts), then the ones within 5% of the
 best measured again (--repeats). Before calibration and before every bench run a one-second probe times a fixed
-decode-like workload (bf16 matrix-vector products, `machine_drift.py`): how fast the machine itself was then.
+decode-like workload (bf16 matrix-vector products, `machine_drift.py`): how fast the machine itself was then; and
+a disk probe lands one layer's top-k experts as the engine's reader does (O_DIRECT, 4 I/O threads; a different
+layer each time): milliseconds per MiB then. Calibration prices every read at the disk's speed of its minute.
 Replayed routing (DeepSeek-V2-Lite, Mixtral) is cut into the
 steps the bench will run (each prompt's prefill, then one token per step), and the same file goes to tune and bench.
 Prints one JSON object with the targets checked (--out writes it too). Needs root (bench's cgroups).
@@ -42,7 +44,7 @@ from weightstream.store.synth import synthesize
 from weightstream.trace import load, resolve_shape, save
 from weightstream.trace.importers import import_moe_beyond_csv, import_vllm_jsonl
 from weightstream.trace.remap import onto_shape
-from weightstream.units import parse_size
+from weightstream.units import MIB, parse_size
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 GRID_POLICIES = ("lru", "slru", "pinned")
@@ -132,9 +134,31 @@ def probe() -> float:
     return probe_sample(PROBE["weights"], PROBE["x"], 1.0)["passes_per_s"]
 
 
+DISK = {}
+
+
+def disk_probe(model: str) -> float:
+    """Milliseconds per MiB for the engine's reader to land one layer's top-k experts (a different layer each call,
+    so that no disk cache serves a repeat; into scratch touched once before, as a warm cache's slots are, since a
+    first read into fresh memory also pays its page faults): the disk's speed now."""
+    from weightstream.bench.read_timing import ExpertReads
+
+    if model not in DISK:
+        _, layout = read_layout(model)
+        reads = ExpertReads(layout, 4, None, max_batch=layout.top_k)
+        reads.land([(layout.layers[0], e) for e in range(layout.top_k, 2 * layout.top_k)])  # touches the scratch
+        DISK[model] = {"layout": layout, "reads": reads, "calls": 0}
+    state = DISK[model]
+    layout = state["layout"]
+    layer = layout.layers[state["calls"] % len(layout.layers)]
+    state["calls"] += 1
+    seconds, nbytes = state["reads"].land([(layer, e) for e in range(layout.top_k)])
+    return 1e3 * seconds / (nbytes / MIB)
+
+
 def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, entry: dict) -> dict:
-    """One bench run of one configuration: its own cgroup at the limit, cold page cache; the probe just before."""
-    speed = probe()
+    """One bench run of one configuration: its own cgroup at the limit, cold page cache; the probes just before."""
+    speed, disk = probe(), disk_probe(model)
     config = BenchConfig(
         model_dir=model,
         memory_limit=limit,
@@ -151,7 +175,12 @@ def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, ent
     run = run_bench(config, progress=lambda m: None)["runs"][0]
     full = all(len(ids) == tokens for ids in run.get("token_ids", []))  # an early EOS would shift replayed rows
     keep = ("decode_tokens_per_s", "expert_hit_rate", "decode_bytes_read_per_token", "cgroup_peak_bytes", "error")
-    return {**{k: run.get(k) for k in keep}, "all_tokens_generated": full, "probe_passes_per_s": speed}
+    return {
+        **{k: run.get(k) for k in keep},
+        "all_tokens_generated": full,
+        "probe_passes_per_s": speed,
+        "disk_ms_per_mib": disk,
+    }
 
 
 def measure_grid(args, model, limit, prompts, trace, configs) -> None:
@@ -225,9 +254,9 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         spec = {"trace": None, "prompts": args.prompts}
     else:
         spec = {"trace": replay_file(model, routing, prompts, args.tokens, out), "prompts": None}
-    probe_before = probe()
+    probe_before, disk_before = probe(), disk_probe(model)
     report, tune_s = run_tune(model, limit, spec, args, calibrate=first or args.calibrate_each)
-    probe_after = probe()
+    probe_after, disk_after = probe(), disk_probe(model)
     trace = spec["trace"] or report["routing"]["saved_to"]
     configs = grid(report, trace, out)
     measure_grid(args, model, parse_size(limit), prompts, spec["trace"], configs)
@@ -244,16 +273,19 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         "grid": grid_out,
         "checks": check(report, configs, tune_s if first or args.calibrate_each else None),
         "probe": _probe_summary(probe_before, probe_after, configs),
+        "disk_probe": _probe_summary(disk_before, disk_after, configs, "ms_per_mib"),
     }
 
 
-def _probe_summary(before: float, after: float, configs: list[dict]) -> dict:
-    """The machine's speed at calibration (probes around tune) and at each bench run, and how far it moved."""
+def _probe_summary(before: float, after: float, configs: list[dict], unit: str = "passes_per_s") -> dict:
+    """A probe at calibration (around tune) and at each bench run, and how far it moved (the CPU's in passes per
+    second, the disk's in ms per MiB)."""
     at_calibration = (before + after) / 2
-    runs = [r["probe_passes_per_s"] for c in configs for r in c["runs"]]
+    field = "probe_passes_per_s" if unit == "passes_per_s" else "disk_ms_per_mib"
+    runs = [r[field] for c in configs for r in c["runs"]]
     return {
-        "at_calibration_passes_per_s": [before, after],
-        "at_runs_passes_per_s": {"median": statistics.median(runs), "min": min(runs), "max": max(runs)},
+        f"at_calibration_{unit}": [before, after],
+        f"at_runs_{unit}": {"median": statistics.median(runs), "min": min(runs), "max": max(runs)},
         "runs_over_calibration": {
             "median": statistics.median(runs) / at_calibration,
             "min": min(runs) / at_calibration,

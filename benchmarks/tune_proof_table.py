@@ -33,14 +33,20 @@ def case_table(c: dict) -> tuple[list[str], dict]:
     )
     lines += [
         "",
-        "| configuration | predicted tok/s | measured tok/s (runs) | error | probe before each run |",
+        "| configuration | predicted tok/s | measured tok/s (runs) | error | probe before each run (CPU passes/s"
+        + (" / disk ms per MiB)" if c.get("disk_probe") else ")")
+        + " |",
         "|---|---|---|---|---|",
     ]
     errors = []
     for g in c["grid"]:
         runs = [r for r in g["runs"] if not r.get("error")]
         speeds = ", ".join(f"{r['decode_tokens_per_s']:.2f}" for r in runs)
-        probes = ", ".join(f"{r.get('probe_passes_per_s', float('nan')):.1f}" for r in runs)
+        probes = ", ".join(
+            f"{r.get('probe_passes_per_s', float('nan')):.1f}"
+            + (f" / {r['disk_ms_per_mib']:.2f}" if r.get("disk_ms_per_mib") is not None else "")
+            for r in runs
+        )
         label = f"{g['path']} {g['policy']} {gib(g['cache_bytes'])}"
         label += " **(recommended)**" if g["recommended"] else ""
         if not g.get("measured"):
@@ -68,6 +74,12 @@ def case_table(c: dict) -> tuple[list[str], dict]:
             f"{moved['min']:.2f} to {moved['max']:.2f}"
             if moved
             else ""
+        )
+        + (
+            f"; disk probe at the runs / at calibration (ms per MiB, {disk[0]:.2f} at calibration): median "
+            f"{disk[1]['median']:.2f}, {disk[1]['min']:.2f} to {disk[1]['max']:.2f}"
+            if (disk := _disk(c))
+            else ""
         ),
         "",
     ]
@@ -87,6 +99,14 @@ def case_table(c: dict) -> tuple[list[str], dict]:
 
 def _times(times: list[float]) -> str:
     return f", tune --calibrate {min(times):.0f}-{max(times):.0f} s (median {statistics.median(times):.0f})"
+
+
+def _disk(case: dict):
+    """(disk ms per MiB at calibration, the runs' ratios to it) where the case has a disk probe."""
+    d = case.get("disk_probe")
+    if not d:
+        return None
+    return statistics.mean(d["at_calibration_ms_per_mib"]), d["runs_over_calibration"]
 
 
 def main() -> None:
