@@ -138,9 +138,9 @@ DISK = {}
 
 
 def disk_probe(model: str) -> float:
-    """Milliseconds per MiB for the engine's reader to land one layer's top-k experts (a different layer each call,
-    so that no disk cache serves a repeat; into scratch touched once before, as a warm cache's slots are, since a
-    first read into fresh memory also pays its page faults): the disk's speed now."""
+    """Milliseconds per MiB for the engine's reader to land one layer's top-k experts (the next layer each call,
+    cycling: calibration's repeated reads found no disk cache here), into scratch touched once before, as a warm
+    cache's slots are (a first read into fresh memory also pays its page faults): the disk's speed now."""
     from weightstream.bench.read_timing import ExpertReads
 
     if model not in DISK:
