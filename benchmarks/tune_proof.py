@@ -270,6 +270,9 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         "routing": routing,
         "tune": {k: report[k] for k in ("budget", "recommendation", "page_cache_vs_expert_cache", "timings_s")},
         "calibration": report["calibration"].get("params"),
+        # how many of this machine's saved calibrations the params are the median of (1 before they added up)
+        "calibration_samples": report["calibration"].get("samples", 1),
+        "calibration_spread": report["calibration"].get("spread"),
         "grid": grid_out,
         "checks": check(report, configs, tune_s if first or args.calibrate_each else None),
         "probe": _probe_summary(probe_before, probe_after, configs),

@@ -30,6 +30,11 @@ def case_table(c: dict) -> tuple[list[str], dict]:
     lines.append(
         f"{said}, predicted {rec['predicted_decode_tokens_per_s']:.2f} tok/s; verdict: {verdict['winner']}"
         + (f"; an expert cache of {gib(loses)} or less loses to the page cache" if loses else "")
+        + (
+            f"; priced with the median of {c['calibration_samples']} calibrations"
+            if c.get("calibration_samples", 1) > 1
+            else ""
+        )
     )
     lines += [
         "",

@@ -119,6 +119,7 @@ def test_clear_errors(model_dir, tmp_path, capsys):
     junk.write_text("{}")
     assert "no cost model in it" in error("--memory", "1GiB", "--cost-model", str(junk))
     assert "unknown ['fifo']" in error("--memory", "1GiB", "--policies", "lru,fifo")
+    assert "--forget-calibrations: only with --calibrate" in error("--memory", "1GiB", "--forget-calibrations")
 
 
 def test_pinned_policy_needs_its_experts(model_dir, tmp_path, capsys):
@@ -176,3 +177,23 @@ def test_dense_spans_hold_what_a_step_reads_of_the_dense_weights(model_dir):
     dense = {name: t.nbytes for name, t in session.layout.dense.items()}
     total = sum(b - a for g in groups for _, a, b in g)
     assert total == pytest.approx(sum(dense.values()) - lazy_dense_bytes(dense, False), abs=4096 * len(dense))
+
+
+def test_calibrations_add_up_and_forget_drops_them(first_tune, model_dir, capsys):
+    """A second --calibrate is saved beside the first and tune prices with the median of both (two: their mean);
+    --forget-calibrations keeps the new one alone. The text answer says how many calibrations it used."""
+    store = Path(model_dir) / ".weightstream" / "calibration.json"
+    args = ["tune", model_dir, "--memory", "1GiB", "--max-new-tokens", "6", "--policies", "lru", "--calibrate"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    first, second = json.loads(store.read_text())["entries"]
+    assert report["calibration"]["samples"] == 2 and report["calibration"]["measured_params"] == second["params"]
+    for term in ("dense_s", "read_s_per_mib", "nonoverlap_s_per_mib"):
+        both = (first["params"][term] + second["params"][term]) / 2
+        assert report["calibration"]["params"][term] == pytest.approx(both)
+    assert main(["tune", model_dir, "--memory", "1GiB", "--max-new-tokens", "6", "--policies", "lru"]) == 0
+    assert "median of this machine's last 2 calibrations" in capsys.readouterr().out
+    assert main([*args, "--forget-calibrations", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (only,) = json.loads(store.read_text())["entries"]
+    assert report["calibration"]["samples"] == 1 and report["calibration"]["params"] == only["params"]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -61,26 +62,93 @@ def store_path(model_dir: str) -> Path:
     return root / f"{digest}.json"
 
 
+HISTORY = 5  # calibrations kept per machine and setting; tune prices with their term-by-term median
+MAX_AGE_S = 14 * 24 * 3600  # older ones are dropped when a new one is saved
+
+
+def _entries(path: Path) -> list[dict]:
+    try:
+        entries = json.loads(path.read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
 def load_saved(path: Path, key: dict) -> dict | None:
-    """The saved entry for `key`, or None (no file, another machine or setting, or a damaged file)."""
-    try:
-        entries = json.loads(path.read_text()).get("entries", [])
-    except (OSError, ValueError, AttributeError):
-        return None
+    """The calibrations saved for `key` combined, or None (no file, another machine or setting, a damaged file):
+    {"params": the term-by-term median of their params, "created": the newest's time, "samples": how many,
+    "spread": each term's max/min - 1 over them (None where one was 0), "entries": the saved entries, oldest first}.
+
+    On a VM whose disk and CPU move by 20-40% within minutes, one calibration's minute priced every read of a
+    20-minute proof (the cost of a MiB read that does not overlap came out 0.06-0.33 ms in five calibrations back to
+    back); the median of the last few calibrations is what the machine usually does."""
     key = json.loads(json.dumps(key))  # tuples become lists, as they were saved
-    return next((e for e in entries if e.get("key") == key), None)
+    entries = [e for e in _entries(path) if e.get("key") == key and isinstance(e.get("params"), dict)]
+    if not entries:
+        return None
+    entries.sort(key=lambda e: e.get("created", 0))
+    params = median_params([e["params"] for e in entries])
+    return {
+        "params": params,
+        "created": entries[-1].get("created"),
+        "samples": len(entries),
+        "spread": _spread([e["params"] for e in entries]),
+        "entries": entries,
+    }
 
 
-def save(path: Path, key: dict, params: CostParams, measurements: dict, extra: dict) -> None:
-    """Add or replace the entry for `key` (written atomically)."""
-    try:
-        entries = json.loads(path.read_text()).get("entries", [])
-    except (OSError, ValueError, AttributeError):
-        entries = []
+def median_params(samples: list[dict]) -> dict:
+    """Each term's median over `samples` (params dicts, oldest first): numbers over those that have one (None where
+    none has); lists of numbers (the readahead's spans) element by element where every sample has the same shape,
+    else the newest sample's."""
+    out = {}
+    for name in dict.fromkeys(k for s in samples for k in s):
+        values = [s.get(name) for s in samples if s.get(name) is not None]
+        if not values:
+            out[name] = None
+        elif all(isinstance(v, (int, float)) for v in values):
+            out[name] = statistics.median(values)
+        elif all(_shape(v) == _shape(values[-1]) for v in values) and _shape(values[-1]) is not None:
+            out[name] = _elementwise_median(values)
+        else:
+            out[name] = values[-1]
+    return out
+
+
+def _shape(v):
+    if isinstance(v, list):
+        inner = [_shape(x) for x in v]
+        return None if any(i is None for i in inner) else (len(v), tuple(inner))
+    return () if isinstance(v, (int, float)) else None
+
+
+def _elementwise_median(values: list):
+    if isinstance(values[0], list):
+        return [_elementwise_median([v[i] for v in values]) for i in range(len(values[0]))]
+    return type(values[-1])(statistics.median(values))
+
+
+def _spread(samples: list[dict]) -> dict:
+    spread = {}
+    for name in samples[-1]:
+        values = [s.get(name) for s in samples if isinstance(s.get(name), (int, float))]
+        if values:
+            spread[name] = max(values) / min(values) - 1 if min(values) > 0 else None
+    return spread
+
+
+def save(path: Path, key: dict, params: CostParams, measurements: dict, extra: dict, keep: int = HISTORY) -> None:
+    """Add an entry for `key`, keeping its newest `keep` (and none older than `MAX_AGE_S`); other keys' entries stay
+    as they are. Written atomically: a damaged file is replaced, never half-written."""
     key = json.loads(json.dumps(key))
-    entries = [e for e in entries if e.get("key") != key]
+    now = time.time()
+    entries = _entries(path)
+    mine = [e for e in entries if e.get("key") == key and now - e.get("created", 0) < MAX_AGE_S]
+    mine.sort(key=lambda e: e.get("created", 0))
+    mine = mine[-(keep - 1) :] if keep > 1 else []
+    entries = [e for e in entries if e.get("key") != key] + mine
     entries.append(
-        {"key": key, "params": params.to_dict(), "measurements": measurements, "extra": extra, "created": time.time()}
+        {"key": key, "params": params.to_dict(), "measurements": measurements, "extra": extra, "created": now}
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

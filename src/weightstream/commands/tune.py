@@ -19,6 +19,7 @@ examples:
   weightstream tune models/olmoe --memory 5GiB                          # built-in prompts, calibrate once
   weightstream tune models/olmoe --memory 5GiB --prompts my.txt --json  # your prompts' routing
   weightstream tune models/olmoe --memory 5GiB --trace ds.npz --plot tune.png
+  weightstream tune models/olmoe --memory 5GiB --calibrate              # measure again, median of the last 5
   weightstream tune models/olmoe --memory 5GiB --cost-model bench.json  # bench's linear fit instead
 """
 
@@ -43,8 +44,19 @@ def register(sub) -> None:
         "--max-new-tokens", type=int, default=16, metavar="N", help="tokens per prompt when recording (default 16)"
     )
     cal = p.add_mutually_exclusive_group()
-    cal.add_argument("--calibrate", action="store_true", help="measure this machine again (else reuse the saved one)")
+    cal.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine again and add it to the saved calibrations (tune prices with the median of the "
+        "last 5 of this machine and setting: one calibration's minute of a noisy machine does not decide)",
+    )
     cal.add_argument("--cost-model", metavar="FILE", help="the linear cost model of a `weightstream bench --json`")
+    p.add_argument(
+        "--forget-calibrations",
+        action="store_true",
+        help="with --calibrate: drop the earlier calibrations of this machine and setting, price with the new one "
+        "alone (after a change the saved key cannot see: another disk behind the same device, a BIOS setting)",
+    )
     p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache to budget for (default 4096)")
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="the engine's I/O threads (default 4)")
     p.add_argument(
@@ -63,6 +75,8 @@ def _check_args(args) -> None:
 
     if args.max_new_tokens < 2:
         raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: need at least 2 (one decode step)")
+    if args.forget_calibrations and not args.calibrate:
+        raise WeightstreamError("--forget-calibrations: only with --calibrate (it replaces them with a new one)")
     if args.context < 1:
         raise WeightstreamError(f"--context {args.context}: need at least 1 token")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
@@ -83,7 +97,7 @@ def run(args) -> int:
     try:
         session.budget.check()
         trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)
-        cost = session.cost(args.calibrate, args.cost_model)
+        cost = session.cost(args.calibrate, args.cost_model, forget=args.forget_calibrations)
         policies = [n.strip() for n in args.policies.split(",") if n.strip()]
         report = session.answer(trace, routing, cost, policies, args)
     finally:

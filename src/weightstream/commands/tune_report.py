@@ -102,7 +102,7 @@ def text(report: dict) -> list[str]:
         f"routing: {r['source']} {r.get('file') or r.get('prompts')}: {r['requests']} requests, {r['tokens']} tokens"
         + (f"; {r['replayed']}" if "replayed" in r else "")
         + (f"; {r['note']}" if "note" in r else ""),
-        f"cost model: {report['cost_model']} ({report['calibration']['source']})",
+        f"cost model: {report['cost_model']} ({report['calibration']['source']}{_samples(report['calibration'])})",
         "",
         *table(report),
         "",
@@ -115,6 +115,16 @@ def text(report: dict) -> list[str]:
         f"tune took {report['timings_s']['total']:.1f} s",
     ]
     return out
+
+
+def _samples(calibration: dict) -> str:
+    """'; median of 3 calibrations, ...' where more than one priced the answer, naming the terms that moved most."""
+    n = calibration.get("samples", 1)
+    if n < 2:
+        return ""
+    moved = sorted(((v, k) for k, v in calibration.get("spread", {}).items() if v is not None), reverse=True)[:2]
+    apart = ", ".join(f"{k} {v:.0%}" for v, k in moved)
+    return f"; median of this machine's last {n} calibrations" + (f", most apart: {apart}" if apart else "")
 
 
 def emit(report: dict, as_json: bool) -> None:

@@ -9,7 +9,14 @@ import time
 
 import numpy as np
 
-from weightstream.bench.calibration_store import calibration_key, load_saved, read_cost_model, save, store_path
+from weightstream.bench.calibration_store import (
+    HISTORY,
+    calibration_key,
+    load_saved,
+    read_cost_model,
+    save,
+    store_path,
+)
 from weightstream.engine.loader import read_layout
 from weightstream.errors import WeightstreamError
 from weightstream.sim.budget import (
@@ -168,8 +175,10 @@ class TuneSession:
             pass
         return trace, info
 
-    def cost(self, calibrate: bool, cost_model_path: str | None) -> dict:
-        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}."""
+    def cost(self, calibrate: bool, cost_model_path: str | None, forget: bool = False) -> dict:
+        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}. Calibrations add up:
+        the params are the median of this machine's last `calibration_store.HISTORY` (only the new one with
+        `forget`)."""
         from weightstream.sim.overlap_model import CostParams
 
         start = time.perf_counter()
@@ -183,28 +192,34 @@ class TuneSession:
                 info["page_cache"] = "not predicted: no saved calibration (run tune --calibrate once)"
             return {"params": params, "linear": linear, "info": info}
         if saved:
-            info = {"source": f"saved {self.store}", "created": saved["created"], "params": saved["params"]}
+            info = {"source": f"saved {self.store}", "created": saved["created"], **_combined(saved)}
             return {"params": CostParams.from_dict(saved["params"]), "linear": None, "info": info}
-        params, info = self._calibrate(key)
+        params, info = self._calibrate(key, keep=1 if forget else HISTORY)
         self.timings["calibration_s"] = time.perf_counter() - start
         return {"params": params, "linear": None, "info": info}
 
-    def _calibrate(self, key: dict):
+    def _calibrate(self, key: dict, keep: int):
         from weightstream.bench.calibrate import Calibrator
-        from weightstream.sim.overlap_model import fit_cost_params
+        from weightstream.sim.overlap_model import CostParams, fit_cost_params
 
         say("calibrating this machine (once per model and setting; --calibrate measures again)")
         model = self.engine(self.layout.working_set_bytes)  # calibration brings its own caches
         measurements, extra = Calibrator(model, self.io_threads, None, progress=say).run()
         self.close()  # the calibration replaced the engine's cache: it is spent
         params = fit_cost_params(measurements)
-        info = {"source": "measured now", "params": params.to_dict(), "measurements": measurements.to_dict()}
+        info = {"source": "measured now", "measured_params": params.to_dict(), "measurements": measurements.to_dict()}
         try:
-            save(self.store, key, params, measurements.to_dict(), extra)
+            save(self.store, key, params, measurements.to_dict(), extra, keep=keep)
             info["saved_to"] = str(self.store)
         except OSError as exc:
             info["not_saved"] = f"{self.store}: {exc.strerror}"
-        return params, info
+            return params, {**info, "params": params.to_dict(), "samples": 1}
+        combined = load_saved(self.store, key)
+        if combined is None:  # written, yet not read back (a file replaced meanwhile): this measurement alone
+            return params, {**info, "params": params.to_dict(), "samples": 1}
+        if combined["samples"] > 1:
+            say(f"pricing with the median of this machine's last {combined['samples']} calibrations")
+        return CostParams.from_dict(combined["params"]), {**info, **_combined(combined)}
 
     def answer(self, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
         from weightstream.commands.tune_report import build_report
@@ -225,3 +240,13 @@ class TuneSession:
         if self.model is not None:
             self.model.weightstream.close()
             self.model = None
+
+
+def _combined(saved: dict) -> dict:
+    """What the report says of the calibrations it priced with: their median params, how many, how far apart."""
+    return {
+        "params": saved["params"],
+        "samples": saved["samples"],
+        "spread": saved["spread"],
+        "created_each": [e.get("created") for e in saved["entries"]],
+    }
