@@ -208,14 +208,14 @@ class TuneSession:
         self.close()  # the calibration replaced the engine's cache: it is spent
         params = fit_cost_params(measurements)
         info = {"source": "measured now", "measured_params": params.to_dict(), "measurements": measurements.to_dict()}
+        combined = None
         try:
             save(self.store, key, params, measurements.to_dict(), extra, keep=keep)
             info["saved_to"] = str(self.store)
+            combined = load_saved(self.store, key)
         except OSError as exc:
             info["not_saved"] = f"{self.store}: {exc.strerror}"
-            return params, {**info, "params": params.to_dict(), "samples": 1}
-        combined = load_saved(self.store, key)
-        if combined is None:  # written, yet not read back (a file replaced meanwhile): this measurement alone
+        if combined is None:  # not saved, or not read back (the file replaced meanwhile): this measurement alone
             return params, {**info, "params": params.to_dict(), "samples": 1}
         if combined["samples"] > 1:
             say(f"pricing with the median of this machine's last {combined['samples']} calibrations")
