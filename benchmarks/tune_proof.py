@@ -174,7 +174,8 @@ def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, ent
     )
     run = run_bench(config, progress=lambda m: None)["runs"][0]
     full = all(len(ids) == tokens for ids in run.get("token_ids", []))  # an early EOS would shift replayed rows
-    keep = ("decode_tokens_per_s", "expert_hit_rate", "decode_bytes_read_per_token", "cgroup_peak_bytes", "error")
+    keep = ("decode_tokens_per_s", "expert_hit_rate", "decode_bytes_read_per_token")
+    keep += ("cgroup_peak_bytes", "cgroup_pressure", "error")
     return {
         **{k: run.get(k) for k in keep},
         "all_tokens_generated": full,

@@ -150,3 +150,25 @@ def test_cgroup_counts_its_oom_kills():
         assert cg.oom_kills == 1
     finally:
         cg.remove()
+
+
+def test_cgroup_counts_the_reclaim_its_limit_forces(tmp_path):
+    """bench reports what a limit cost a run: reading a file twice that is larger than the limit makes the kernel
+    evict under the limit and read the evicted pages back in; before the run the counters are 0."""
+    data = tmp_path / "big.bin"
+    data.write_bytes(os.urandom(1 << 20) * 96)
+    read_twice = (
+        "import mmap, sys\n"
+        "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+        "for _ in range(2):\n"
+        "    sum(m[i] for i in range(0, len(m), 4096))\n"
+    )
+    cg = _cgroup_or_skip(48 << 20)
+    try:
+        assert cg.pressure == {"major_faults": 0, "file_refaults": 0}
+        drop([str(data)])
+        assert cg.popen([sys.executable, "-c", read_twice, str(data)]).wait(timeout=120) == 0
+        after = cg.pressure
+        assert after["file_refaults"] > 0 and after["major_faults"] > 0, after
+    finally:
+        cg.remove()

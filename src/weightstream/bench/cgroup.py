@@ -76,6 +76,23 @@ class MemoryCgroup:
             pass
         return None
 
+    @property
+    def pressure(self) -> dict[str, int]:
+        """What the limit cost the run so far, from the cgroup's own `memory.stat`: `major_faults` (pages read in
+        on a fault: code, mapped weights) and `file_refaults` (file pages read back in soon after the kernel
+        evicted them to stay under the limit: the run thrashed when this grows with it). Missing counters are
+        left out."""
+        wanted = {"pgmajfault": "major_faults", "workingset_refault_file": "file_refaults"}
+        found: dict[str, int] = {}
+        try:
+            for line in (self.path / "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key in wanted:
+                    found[wanted[key]] = int(value)
+        except (OSError, ValueError):
+            pass
+        return found
+
     def remove(self) -> None:
         """Delete the cgroup; waits up to 5 s for the kernel to let go of its exited processes."""
         for _ in range(50):

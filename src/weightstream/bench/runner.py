@@ -90,7 +90,7 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
         start = time.perf_counter()
         try:
             result, err, rc = run_child(cfg, group)
-            peak = group.peak_bytes
+            peak, pressure = group.peak_bytes, group.pressure
         finally:
             group.remove()
             shutil.rmtree(cfg["offload_dir"], ignore_errors=True)
@@ -102,6 +102,7 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
         "wall_s": time.perf_counter() - start,
         "proactive_reclaim_paused": paused,
         "cgroup_peak_bytes": peak,
+        "cgroup_pressure": pressure,
         "page_cache_dropped_globally": dropped_globally,
     }
     if result is None:
