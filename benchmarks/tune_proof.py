@@ -81,7 +81,9 @@ def replay_file(model: str, routing: str, prompts, tokens: int, out: Path) -> st
     return str(path)
 
 
-def run_tune(model: str, limit: str, routing: dict, args_in, calibrate: bool) -> tuple[dict, float]:
+def run_tune(
+    model: str, limit: str, routing: dict, args_in, calibrate: bool, forget: bool = False
+) -> tuple[dict, float]:
     args = [sys.executable, "-m", "weightstream.cli", "tune", model, "--memory", limit]
     args += ["--max-new-tokens", str(args_in.tokens), "--context", str(args_in.context)]
     if routing["trace"]:
@@ -89,6 +91,7 @@ def run_tune(model: str, limit: str, routing: dict, args_in, calibrate: bool) ->
     elif routing["prompts"]:
         args += ["--prompts", routing["prompts"]]
     args += ["--calibrate", "--json"] if calibrate else ["--json"]
+    args += ["--forget-calibrations"] if calibrate and forget else []
     start = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode:
@@ -184,24 +187,44 @@ def measure(model: str, limit: int, prompts, tokens: int, trace: str | None, ent
     }
 
 
-def measure_grid(args, model, limit, prompts, trace, configs) -> None:
+def measure_grid(args, model, limit, prompts, trace, configs, retune=None) -> None:
     """Every configuration `args.runs` times in rounds, each round in the reverse order of the one before; then
-    the ones within 5% of the best again."""
+    the ones within 5% of the best again. With `retune` (a fresh `tune --calibrate` before every round after the
+    first), each run keeps the prediction of the calibration just before it, and a configuration's prediction
+    becomes the median of its runs'."""
     for entry in configs:
         entry["runs"] = []
     for round_ in range(args.runs):
+        if retune and round_:
+            report = retune()
+            for entry in configs:
+                entry["predicted"] = _same_config(report, entry)
         for entry in configs if round_ % 2 == 0 else configs[::-1]:
             say(f"  bench {entry['path']} {entry['policy']} {entry['cache_bytes'] / 2**30:.2f} GiB, run {round_ + 1}")
-            entry["runs"].append(measure(model, limit, prompts, args.tokens, trace, entry))
+            run = measure(model, limit, prompts, args.tokens, trace, entry)
+            entry["runs"].append(run | {"predicted": entry["predicted"]["predicted_decode_tokens_per_s"]})
     for _ in range(args.repeats):
         best = max(_speed(e) for e in configs)
         for entry in configs:
             if _speed(entry) >= (1 - 0.05) * best:
-                entry["runs"].append(measure(model, limit, prompts, args.tokens, trace, entry))
+                run = measure(model, limit, prompts, args.tokens, trace, entry)
+                entry["runs"].append(run | {"predicted": entry["predicted"]["predicted_decode_tokens_per_s"]})
     for entry in configs:
         speeds = [r["decode_tokens_per_s"] for r in entry["runs"] if not r.get("error")]
         entry["measured"] = statistics.median(speeds) if speeds else None
         entry["spread"] = (max(speeds) - min(speeds)) / statistics.median(speeds) if len(speeds) > 1 else 0.0
+        if retune:
+            predicted = statistics.median(r["predicted"] for r in entry["runs"] if not r.get("error"))
+            entry["predicted"] = entry["predicted"] | {"predicted_decode_tokens_per_s": predicted}
+
+
+def _same_config(report: dict, entry: dict) -> dict:
+    """`entry`'s configuration in another tune report of the same case (its cache sizes depend on the budget
+    alone, so they recur; the nearest size of the same policy where one does not)."""
+    same = [c for c in report["configs"] if c["path"] == entry["path"] and not c.get("bound")]
+    if entry["path"] == "expert-cache":
+        same = [c for c in same if c["policy"] == entry["policy"]]
+    return min(same, key=lambda c: abs(c["cache_bytes"] - entry["cache_bytes"]))
 
 
 def _speed(entry: dict) -> float:
@@ -255,12 +278,21 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         spec = {"trace": None, "prompts": args.prompts}
     else:
         spec = {"trace": replay_file(model, routing, prompts, args.tokens, out), "prompts": None}
+    each_round = args.calibrate_each_round
     probe_before, disk_before = probe(), disk_probe(model)
-    report, tune_s = run_tune(model, limit, spec, args, calibrate=first or args.calibrate_each)
+    report, tune_s = run_tune(model, limit, spec, args, calibrate=first or args.calibrate_each, forget=each_round)
     probe_after, disk_after = probe(), disk_probe(model)
     trace = spec["trace"] or report["routing"]["saved_to"]
     configs = grid(report, trace, out)
-    measure_grid(args, model, parse_size(limit), prompts, spec["trace"], configs)
+    retunes = []
+
+    def retune() -> dict:  # the same routing (the recorded one: not recorded again), a fresh calibration alone
+        say("  tune --calibrate --forget-calibrations before the next round")
+        again, seconds = run_tune(model, limit, {"trace": trace, "prompts": None}, args, True, forget=True)
+        retunes.append({"tune_s": seconds, "params": again["calibration"].get("params")})
+        return again
+
+    measure_grid(args, model, parse_size(limit), prompts, spec["trace"], configs, retune if each_round else None)
     grid_out = []
     for c in configs:
         predicted = {"predicted_decode_tokens_per_s": c["predicted"]["predicted_decode_tokens_per_s"]}
@@ -274,6 +306,7 @@ def case(args, model: str, limit: str, routing: str, first: bool, out: Path) -> 
         # how many of this machine's saved calibrations the params are the median of (1 before they added up)
         "calibration_samples": report["calibration"].get("samples", 1),
         "calibration_spread": report["calibration"].get("spread"),
+        "calibrations_before_later_rounds": retunes,
         "grid": grid_out,
         "checks": check(report, configs, tune_s if first or args.calibrate_each else None),
         "probe": _probe_summary(probe_before, probe_after, configs),
@@ -321,6 +354,12 @@ def main() -> None:
         dest="calibrate_each",
         action="store_false",
         help="calibrate only in each model's first case (default: every case, just before its grid)",
+    )
+    p.add_argument(
+        "--calibrate-each-round",
+        action="store_true",
+        help="run `tune --calibrate --forget-calibrations` before every round, each run judged by the prediction "
+        "of the calibration just before it (on a machine whose speed moves within the proof's minutes)",
     )
     p.add_argument("--gpt-oss-model", help="where the gpt-oss-shaped case lives (written if missing); '' skips it")
     p.add_argument("--gpt-oss-layers", type=int, default=4)

@@ -52,17 +52,17 @@ def case_table(c: dict) -> tuple[list[str], dict]:
             + (f" / {r['disk_ms_per_mib']:.2f}" if r.get("disk_ms_per_mib") is not None else "")
             for r in runs
         )
+        predicted = f"{g['predicted_decode_tokens_per_s']:.2f}"
+        if len({r.get("predicted") for r in runs}) > 1:  # a calibration before every round: each run's own
+            predicted += " (" + ", ".join(f"{r['predicted']:.2f}" for r in runs) + ")"
         label = f"{g['path']} {g['policy']} {gib(g['cache_bytes'])}"
         label += " **(recommended)**" if g["recommended"] else ""
         if not g.get("measured"):
-            lines.append(f"| {label} | {g['predicted_decode_tokens_per_s']:.2f} | no run succeeded | - | {probes} |")
+            lines.append(f"| {label} | {predicted} | no run succeeded | - | {probes} |")
             continue
         err = g["predicted_decode_tokens_per_s"] / g["measured"] - 1
         errors.append(err)
-        lines.append(
-            f"| {label} | {g['predicted_decode_tokens_per_s']:.2f} | {g['measured']:.2f} ({speeds}) | {err:+.0%} "
-            f"| {probes} |"
-        )
+        lines.append(f"| {label} | {predicted} | {g['measured']:.2f} ({speeds}) | {err:+.0%} | {probes} |")
     ch = c["checks"]
     within = sum(abs(e) <= 0.15 for e in errors)
     probe = c.get("probe", {})
