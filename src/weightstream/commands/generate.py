@@ -38,16 +38,21 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from weightstream.store.model_dir import resolve_model
+
+    # what can be refused without torch and transformers is refused before them (they take seconds to import)
+    if args.max_new_tokens < 1:
+        raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    ids = parse_prompt_ids(args.prompt_ids) if args.prompt is None else None
+    model_dir = resolve_model(args.model)
+
     import torch
 
     from weightstream.engine.generate import generate
-    from weightstream.engine.loader import load_streaming_model, load_tokenizer, resolve_model
+    from weightstream.engine.loader import load_streaming_model, load_tokenizer
 
-    if args.max_new_tokens < 1:
-        raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
-    ids = tokenizer(args.prompt).input_ids if args.prompt is not None else parse_prompt_ids(args.prompt_ids)
+    ids = tokenizer(args.prompt).input_ids if ids is None else ids
     model = load_streaming_model(model_dir, **engine_kwargs(args))
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:

@@ -84,13 +84,15 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from weightstream.engine.loader import resolve_model
-    from weightstream.engine.serve.server import serve
-    from weightstream.engine.serve.service import ServeSettings
+    from weightstream.store.model_dir import resolve_model
 
     if not 0 <= args.port <= 65535:
         raise WeightstreamError(f"--port {args.port}: must be 0..65535")
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model)  # before the server's imports (torch, transformers: seconds)
+
+    from weightstream.engine.serve.server import serve
+    from weightstream.engine.serve.service import ServeSettings
+
     settings = ServeSettings(
         model_dir=model_dir,
         engine=engine_kwargs(args),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 from safetensors import safe_open
@@ -21,6 +20,7 @@ from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
+from weightstream.store.model_dir import resolve_model  # noqa: F401 (where callers found it first)
 from weightstream.store.quant_format import QuantFormat
 
 
@@ -169,26 +169,6 @@ def _init_buffers(model) -> None:
     still = [n for n, b in model.named_buffers() if b.is_meta]
     if still:
         raise WeightstreamError(f"buffers {still} could not be initialised for {model.config.model_type}")
-
-
-def resolve_model(name: str) -> str:
-    """A local directory as is; otherwise a Hugging Face model id, downloaded (config, tokenizer, safetensors)."""
-    if os.path.isdir(name):
-        return name
-    if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
-        raise WeightstreamError(
-            f"{name}: not a model directory; pass a directory with config.json and "
-            "*.safetensors (make one with `weightstream synth`) or a Hugging Face id org/name"
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
-    except Exception as exc:  # offline, unknown id, gated model: one clear line
-        raise WeightstreamError(
-            f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
-            f"{exc}); pass a local model directory instead"
-        ) from exc
 
 
 def load_tokenizer(model_dir: str, required: bool):
