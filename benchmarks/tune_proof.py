@@ -192,6 +192,11 @@ def measure_grid(args, model, limit, prompts, trace, configs, retune=None) -> No
     the ones within 5% of the best again. With `retune` (a fresh `tune --calibrate` before every round after the
     first), each run keeps the prediction of the calibration just before it, and a configuration's prediction
     becomes the median of its runs'."""
+
+    def run_once(entry: dict) -> None:  # a run, with the prediction it is judged by
+        run = measure(model, limit, prompts, args.tokens, trace, entry)
+        entry["runs"].append(run | {"predicted": entry["predicted"]["predicted_decode_tokens_per_s"]})
+
     for entry in configs:
         entry["runs"] = []
     for round_ in range(args.runs):
@@ -201,14 +206,12 @@ def measure_grid(args, model, limit, prompts, trace, configs, retune=None) -> No
                 entry["predicted"] = _same_config(report, entry)
         for entry in configs if round_ % 2 == 0 else configs[::-1]:
             say(f"  bench {entry['path']} {entry['policy']} {entry['cache_bytes'] / 2**30:.2f} GiB, run {round_ + 1}")
-            run = measure(model, limit, prompts, args.tokens, trace, entry)
-            entry["runs"].append(run | {"predicted": entry["predicted"]["predicted_decode_tokens_per_s"]})
+            run_once(entry)
     for _ in range(args.repeats):
         best = max(_speed(e) for e in configs)
         for entry in configs:
             if _speed(entry) >= (1 - 0.05) * best:
-                run = measure(model, limit, prompts, args.tokens, trace, entry)
-                entry["runs"].append(run | {"predicted": entry["predicted"]["predicted_decode_tokens_per_s"]})
+                run_once(entry)
     for entry in configs:
         speeds = [r["decode_tokens_per_s"] for r in entry["runs"] if not r.get("error")]
         entry["measured"] = statistics.median(speeds) if speeds else None

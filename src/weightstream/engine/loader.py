@@ -20,7 +20,6 @@ from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
-from weightstream.store.model_dir import resolve_model  # noqa: F401 (where callers found it first)
 from weightstream.store.quant_format import QuantFormat
 
 
