@@ -29,11 +29,6 @@ from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
 from weightstream.store.quantize import quantize_checkpoint
 
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
-# int kernels need inputs in multiples of 16 (int8) or of the group (int4): tiny experts 64 wide, not 40
-WIDE = {
-    arch: ({"moe_intermediate_size": 64} if "moe_intermediate_size" in cfg else {"intermediate_size": 64})
-    for arch, cfg in TINY.items()
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +39,7 @@ def quantized(tiny_model, tmp_path_factory):
     def make(arch: str, bits: int, dtype: str = "bf16") -> str:
         if (arch, bits, dtype) not in built:
             out = str(tmp_path_factory.mktemp(f"q{bits}-{arch}-{dtype}") / "model")
-            quantize_checkpoint(tiny_model(arch, dtype, **WIDE[arch]), out, bits, 32 if bits == 4 else None)
+            quantize_checkpoint(tiny_model(arch, dtype), out, bits, 32 if bits == 4 else None)
             built[(arch, bits, dtype)] = out
         return built[(arch, bits, dtype)]
 
@@ -86,7 +81,7 @@ def test_int4_packing_is_torchs_and_unpacks(shape):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_bytes_on_disk_are_what_the_kernel_takes(tiny_model, quantized, bits):
-    src, out = tiny_model("qwen3_moe", "bf16", **WIDE["qwen3_moe"]), quantized("qwen3_moe", bits)
+    src, out = tiny_model("qwen3_moe", "bf16"), quantized("qwen3_moe", bits)
     fmt = read_manifest(out)
     blob = open_checkpoint(out).tensors[blob_key("model.layers.1.mlp.experts", 5)]
     with open(blob.path, "rb") as f:
@@ -153,7 +148,7 @@ def test_fp32_checkpoints_quantize_too(quantized):
 
 
 def test_quantized_expert_sizes_and_stats(tiny_model, quantized):
-    src = tiny_model("olmoe", "bf16", **WIDE["olmoe"])
+    src = tiny_model("olmoe", "bf16")
     bf16 = load_streaming_model(src, expert_cache="1x")
     q4 = load_streaming_model(quantized("olmoe", 4), expert_cache="1x")
     try:
@@ -187,29 +182,75 @@ def _cli(*args, timeout=300):
 
 
 def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_path):
-    src = tiny_model("olmoe", "bf16", **WIDE["olmoe"])
+    src = tiny_model("olmoe", "bf16")
     existing = tmp_path / "taken"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine too")
+    narrow = tiny_model("olmoe", "bf16", intermediate_size=40)
     cases = [
         (("quantize", src, "--bits", "4", "--out", str(existing)), "exists and is not empty"),
         (("quantize", src, "--bits", "4", "--group-size", "48", "--out", str(tmp_path / "a")), "--group-size 48"),
+        (("quantize", src, "--bits", "4", "--group-size", "0", "--out", str(tmp_path / "a")), "--group-size 0"),
         (("quantize", src, "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "b")), "for --bits 4"),
         (("quantize", quantized("olmoe", 8), "--bits", "4", "--out", str(tmp_path / "c")), "already quantized"),
         (
-            ("quantize", tiny_model("olmoe", "bf16"), "--bits", "8", "--out", str(tmp_path / "d")),
-            "40 inputs; int8 experts need a multiple of 16",
+            ("quantize", narrow, "--bits", "8", "--out", str(tmp_path / "d")),
+            "40 inputs; int8 experts need a multiple of 16 (no int8 or int4 scheme fits",
         ),
+        (("quantize", src, "--bits", "8", "--out", str(a_file)), "exists and is a file"),
+        (("quantize", src, "--bits", "8", "--out", str(a_file), "--force"), "exists and is a file"),
+        (("quantize", src, "--bits", "8", "--out", str(existing), "--force"), "weightstream did not write it"),
+        (("synth", "--preset", "tiny", "--out", str(a_file), "--force"), "exists and is a file"),
+        (("synth", "--preset", "tiny", "--out", str(existing), "--force"), "weightstream did not write it"),
     ]
     for args, message in cases:
         r = _cli(*args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    assert os.listdir(existing) == ["keep.txt"]
-    assert not [p for p in os.listdir(tmp_path) if p not in ("taken",)]  # no output, no leftover temp dir
-    r = _cli("quantize", src, "--bits", "4", "--group-size", "32", "--out", str(existing), "--force", "--json")
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
-    assert summary["scheme"] == "int4" and summary["group_size"] == 32 and "keep.txt" not in os.listdir(existing)
+    assert os.listdir(existing) == ["keep.txt"] and a_file.read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "taken"]  # no output, no leftover temp dir
+
+
+def test_force_replaces_only_what_weightstream_wrote(tiny_model, tmp_path):
+    """The review's case: `quantize par/src --out par --force` deleted the source and par/mine.txt."""
+    import shutil
+
+    par = tmp_path / "par"
+    src = par / "src"
+    shutil.copytree(tiny_model("olmoe", "bf16"), src)
+    (par / "mine.txt").write_text("unrelated")
+    before = sorted(os.listdir(src))
+    for out, message in ((par, "holds the source"), (src, "is the source")):
+        r = _cli("quantize", str(src), "--bits", "8", "--out", str(out), "--force")
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(src)) == before and (par / "mine.txt").read_text() == "unrelated"
+    assert sorted(os.listdir(par)) == ["mine.txt", "src"]
+
+    out = tmp_path / "q"
+    assert _cli("quantize", str(src), "--bits", "8", "--out", str(out)).returncode == 0
+    r = _cli("quantize", str(src), "--bits", "4", "--group-size", "32", "--out", str(out), "--force", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["group_size"] == 32, r.stderr  # its own output: replaced
+    assert read_manifest(str(out)).scheme == "int4"
+    (out / "notes.txt").write_text("the user's")
+    r = _cli("quantize", str(src), "--bits", "8", "--out", str(out), "--force")
+    assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+    assert (out / "notes.txt").read_text() == "the user's" and read_manifest(str(out)).scheme == "int4"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no work or set-aside directory left
+
+
+def test_the_tiny_preset_quantizes_and_every_hint_is_a_command_that_works(tmp_path):
+    """`synth --preset tiny` (hidden 64) quantizes; the default group (128) is refused with a hint, and the
+    hinted flags then work."""
+    src = str(tmp_path / "tiny")
+    assert _cli("synth", "--preset", "tiny", "--out", src).returncode == 0
+    assert _cli("quantize", src, "--bits", "8", "--out", str(tmp_path / "q8")).returncode == 0
+    r = _cli("quantize", src, "--bits", "4", "--out", str(tmp_path / "q4"))
+    assert r.returncode == 2 and "(use --bits 4 --group-size 64 or --bits 8)" in r.stderr, r.stderr
+    flags = r.stderr.split("(use ")[1].split(")")[0].split(" or ")
+    for i, hint in enumerate(flags):
+        r = _cli("quantize", src, *hint.split(), "--out", str(tmp_path / f"hint{i}"))
+        assert r.returncode == 0, (hint, r.stderr)
 
 
 def test_a_damaged_manifest_or_wrong_scales_are_refused_naming_the_file(quantized, tmp_path):
@@ -324,3 +365,92 @@ def test_peak_rss_is_bounded_on_a_model_whose_experts_are_16x_the_bound(tmp_path
     assert run.returncode == 0, run.stderr
     base, peak = json.loads(run.stdout)
     assert peak - base <= dense_max + bound, (peak - base) / 2**20
+
+
+@pytest.mark.parametrize("layout", ["avx512", "avx2", "pairs"])
+@pytest.mark.parametrize("shape", [(2048, 128), (208, 64), (16, 32)])
+def test_every_int4_layout_round_trips(layout, shape):
+    """Only this machine's layout can be held to torch's packer (above); all three must invert exactly."""
+    q = torch.randint(0, 16, shape, dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    packed = pack_int4(q, layout)
+    assert packed.shape == (shape[0], shape[1] // 2)
+    assert torch.equal(unpack_int4(packed, layout).to(torch.int32), q)
+
+
+def test_a_foreign_int4_layout_is_refused_naming_the_fix(quantized, tmp_path):
+    import shutil
+
+    model_dir = str(tmp_path / "m")
+    shutil.copytree(quantized("olmoe", 4), model_dir)
+    path = os.path.join(model_dir, MANIFEST)
+    manifest = json.loads(open(path).read())
+    manifest["int4_layout"] = next(name for name in ("avx512", "avx2", "pairs") if name != torch_int4_layout())
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(WeightstreamError, match="run `weightstream quantize` again on this machine"):
+        load_streaming_model(model_dir)
+
+
+def test_the_default_group_of_128_streams_bitwise_as_resident(tiny_model, tmp_path):
+    """Every other compute test quantizes with groups of 32; the default (128) needs inputs of 128 or more."""
+    src = tiny_model("qwen3_moe", "bf16", hidden_size=128, moe_intermediate_size=128, head_dim=32)
+    out = str(tmp_path / "g128")
+    quantize_checkpoint(src, out, 4)
+    assert read_manifest(out).group_size == 128
+    tokens, logits, _ = _logits(out, expert_cache="100x", io_threads=2)
+    for size, threads in (("1x", 1), ("1.5x", 8)):
+        got_tokens, got_logits, _ = _logits(out, expert_cache=size, io_threads=threads)
+        assert got_tokens == tokens and all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_dequantize_route_for_many_rows_is_the_dequantized_product(quantized, bits):
+    """From DEQUANT_ROWS rows a projection multiplies by the dequantized weight: bitwise F.linear of it, and
+    within the load-time tolerance of the packed kernel's rows."""
+    import torch.nn.functional as F
+
+    from weightstream.engine.kernels import DEQUANT_ROWS, QUANT_TOLERANCE, quantized_kernel_for
+    from weightstream.store.layout import experts_modules
+    from weightstream.store.model import map_model
+
+    mapped = map_model(quantized("olmoe", bits))
+    kernel = quantized_kernel_for(next(iter(experts_modules(mapped.model).values())), mapped.quant)
+    expert = next(iter(mapped.layout.experts.values()))
+    params = {}
+    for p in expert.params:
+        raw = torch.cat([_read(piece.path, piece.offset, piece.nbytes) for piece in p.pieces])
+        params[p.name] = raw.view(p.dtype).reshape(p.shape)
+    rows = DEQUANT_ROWS[f"int{bits}"]
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    q, scales = params["gate_up_proj.qweight"], params["gate_up_proj.scales"]
+    many = kernel.project(x, params, "gate_up_proj")
+    assert torch.equal(many, F.linear(x, kernel.dequantize(q, scales)))
+    few = torch.cat([kernel.project(x[i : i + 1], params, "gate_up_proj") for i in range(4)])  # packed kernel
+    assert float((few - many[:4]).abs().max() / many[:4].abs().max()) < QUANT_TOLERANCE
+
+
+def _read(path, offset, nbytes):
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return torch.frombuffer(bytearray(f.read(nbytes)), dtype=torch.uint8)
+
+
+def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model):
+    """torch's int8 kernel returns wrong values, without an error, for bf16 inputs not a multiple of 16; a
+    manifest that slipped such a shape past quantize's own check is caught by the load-time comparison."""
+    from weightstream.engine.kernels import quantized_kernel_for
+    from weightstream.store.layout import experts_modules
+    from weightstream.store.model import map_model
+    from weightstream.store.quant_format import QuantFormat, blob_layout
+
+    mapped = map_model(tiny_model("olmoe", "bf16", intermediate_size=40))
+    module = next(iter(experts_modules(mapped.model).values()))
+    entries = [
+        ("gate_up_proj.qweight", "int8", (80, 64)),
+        ("gate_up_proj.scales", "bfloat16", (80,)),
+        ("down_proj.qweight", "int8", (64, 40)),
+        ("down_proj.scales", "bfloat16", (64,)),
+    ]
+    table, nbytes = blob_layout(entries)
+    quant = QuantFormat("int8", "bfloat16", table, nbytes)
+    with pytest.raises(WeightstreamError, match=r"torch.s int8 kernel is off by [0-9.]+% .* \(more than 3%"):
+        quantized_kernel_for(module, quant)

@@ -4,7 +4,6 @@ transformers in memory."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 DEMO_FIELDS_LAYERS = 2
@@ -29,18 +28,17 @@ def register(sub) -> None:
 
 def _ensure_model(out: str, layers: int) -> None:
     from weightstream.commands.progress import byte_progress
+    from weightstream.store.outdir import read_owner
     from weightstream.store.presets import preset_config
     from weightstream.store.synth import synthesize
 
-    marker = os.path.join(out, "weightstream-demo.json")
-    wanted = {"preset": "olmoe-1b-7b", "layers": layers, "dtype": "bf16", "seed": 0}
-    if os.path.exists(marker) and json.load(open(marker)) == wanted:
+    wanted = {"demo": {"preset": "olmoe-1b-7b", "layers": layers, "dtype": "bf16", "seed": 0}}
+    if (read_owner(out) or {}).get("note") == wanted:
         return
     print(f"writing a synthetic OLMoE-shaped model ({layers} layers, bf16) to {out} ...", file=sys.stderr)
     with byte_progress("synth") as progress:
-        synthesize(out, preset_config("olmoe-1b-7b", layers=layers), "bf16", 0, force=True, progress=progress)
-    with open(marker, "w") as f:
-        json.dump(wanted, f)
+        fields = preset_config("olmoe-1b-7b", layers=layers)
+        synthesize(out, fields, "bf16", 0, force=True, progress=progress, note=wanted)
 
 
 def run(args) -> int:

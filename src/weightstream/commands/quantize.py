@@ -27,10 +27,12 @@ def register(sub) -> None:
         type=int,
         metavar="N",
         help="int4 only: inputs per scale/zero, one of 32, 64, "
-        "128, 256 (default 128: docs/quantization.md gives the measured reason)",
+        "128, 256 (default 128; docs/quantization.md, 'Choosing the group size', gives the measured reason)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must be empty unless --force)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a directory weightstream wrote (nothing else)"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run)
 

@@ -22,7 +22,9 @@ def register(sub) -> None:
     p.add_argument("--layers", type=int, help="number of decoder layers (shrinks a real preset)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp16"), help="weight dtype (default bf16)")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a directory weightstream wrote (nothing else)"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     p.set_defaults(func=run)
 

@@ -11,10 +11,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
+from weightstream.store.dtypes import FLOATS, SAFETENSORS
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
 from weightstream.store.quant_format import QuantFormat, read_manifest
 
-TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 
 
@@ -49,13 +49,13 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
     for t in ckpt.tensors.values():
         counts[t.dtype] += t.nbytes
     dtype = counts.most_common(1)[0][0]
-    if dtype not in TORCH_DTYPES:
+    if dtype not in FLOATS:
         raise WeightstreamError(
             f"{ckpt.model_dir}: weights are mostly {dtype} and there is no weightstream quantization manifest; "
-            f"weightstream streams {', '.join(TORCH_DTYPES)} checkpoints and its own int8/int4 format "
+            f"weightstream streams {', '.join(FLOATS)} checkpoints and its own int8/int4 format "
             "(`weightstream quantize`)"
         )
-    return TORCH_DTYPES[dtype]
+    return SAFETENSORS[dtype]
 
 
 def top_k_of(config, model_dir: str) -> int:

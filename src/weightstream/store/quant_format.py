@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.dtypes import from_torch_name
 from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
 
 MANIFEST = "weightstream-quantized.json"
@@ -25,13 +26,8 @@ FORMAT = "weightstream-quantized-experts"
 VERSION = 1
 SCHEMES = ("int8", "int4")
 BLOB_ALIGN = 64
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+# the dtypes a blob's tensors may have (names as torch spells them)
+DTYPES = {name: from_torch_name(name) for name in ("bfloat16", "float16", "float32", "int8", "uint8")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import torch
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME
+from weightstream.store.dtypes import SAFETENSORS, torch_name
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.outdir import built_in_place, refuse_existing
@@ -29,13 +30,12 @@ from weightstream.store.quant import (
     quantize_int8,
     torch_int4_layout,
 )
-from weightstream.store.quant_format import DTYPES, MANIFEST, QuantFormat, blob_key, blob_layout, write_manifest
+from weightstream.store.quant_format import MANIFEST, QuantFormat, blob_key, blob_layout, write_manifest
 from weightstream.store.safetensors_index import TensorInfo
 from weightstream.store.safetensors_writer import SafetensorsWriter
 
 DEFAULT_GROUP = 128  # int4: see docs/quantization.md for the measured choice
 SKIP_FILES = (".safetensors", INDEX_NAME, MANIFEST)
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass(slots=True)
@@ -59,14 +59,15 @@ def blob_format(
     source: dict,
 ) -> QuantFormat:
     """The blob table for experts with these parameters (name -> (shape, dtype), in execution order)."""
+    shapes = {name: _out_in(shape, transposed) for name, (shape, _) in params.items() if len(shape) > 1}
+    _check_shapes(shapes, scheme, group)
     entries = []
-    act = _DTYPE_NAMES[dtype]
+    act = torch_name(dtype)
     for name, (shape, _) in params.items():
         if len(shape) == 1:  # a bias: kept in the activation dtype
             entries.append((name, act, shape))
             continue
-        n, k = (shape[1], shape[0]) if transposed else shape  # stored (out, in): what the kernels take
-        _check_shape(name, n, k, scheme, group)
+        n, k = shapes[name]
         if scheme == "int8":
             entries += [(f"{name}.qweight", "int8", (n, k)), (f"{name}.scales", act, (n,))]
         else:
@@ -76,16 +77,35 @@ def blob_format(
     return QuantFormat(scheme, act, table, nbytes, group if scheme == "int4" else None, layout, source)
 
 
-def _check_shape(name: str, n: int, k: int, scheme: str, group: int | None) -> None:
+def _out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
+    return (shape[1], shape[0]) if transposed else tuple(shape)  # stored (out, in): what the kernels take
+
+
+def _fits(scheme: str, group: int | None, n: int, k: int) -> bool:
     # torch's int8 kernel returns wrong values (no error) for bf16 inputs whose length is not a multiple of 16
-    if scheme == "int8" and k % 16:
-        raise WeightstreamError(f"expert weight {name} has {k} inputs; int8 experts need a multiple of 16")
-    if scheme == "int4" and (k % group or n % 16):
-        raise WeightstreamError(
-            f"expert weight {name} is {n} x {k}; int4 with groups of {group} needs inputs divisible by the group "
-            f"and outputs by 16 (try --group-size {max((g for g in INT4_GROUPS if k % g == 0), default=None)} or "
-            "--bits 8)"
-        )
+    return k % 16 == 0 if scheme == "int8" else (k % group == 0 and n % 16 == 0)
+
+
+def _check_shapes(shapes: dict[str, tuple[int, int]], scheme: str, group: int | None) -> None:
+    """Refuse shapes the kernels cannot take, with a hint that is itself a command that works on every weight."""
+    bad = next(((name, n, k) for name, (n, k) in shapes.items() if not _fits(scheme, group, n, k)), None)
+    if bad is None:
+        return
+    name, n, k = bad
+    need = (
+        f"{k} inputs; int8 experts need a multiple of 16"
+        if scheme == "int8"
+        else f"{n} x {k}; int4 with groups of {group} needs inputs divisible by the group and outputs by 16"
+    )
+    groups = [g for g in INT4_GROUPS if all(_fits("int4", g, *s) for s in shapes.values())]
+    works = [f"--bits 4 --group-size {max(groups)}"] if groups else []
+    works += ["--bits 8"] if scheme != "int8" and all(_fits("int8", None, *s) for s in shapes.values()) else []
+    hint = (
+        f"use {' or '.join(works)}"
+        if works
+        else "no int8 or int4 scheme fits these experts' shapes; keep them in their own precision"
+    )
+    raise WeightstreamError(f"expert weight {name} is {need} ({hint})")
 
 
 def quantize_expert(params: dict[str, torch.Tensor], transposed: bool, quant: QuantFormat) -> dict[str, torch.Tensor]:
@@ -127,12 +147,15 @@ def quantize_checkpoint(
     scheme = {8: "int8", 4: "int4"}.get(bits)
     if scheme is None:
         raise WeightstreamError(f"--bits {bits}: choose 8 or 4")
-    group = group_size or DEFAULT_GROUP
+    group = DEFAULT_GROUP if group_size is None else group_size
     if scheme == "int4" and group not in INT4_GROUPS:
-        raise WeightstreamError(f"--group-size {group}: torch's int4 kernel takes {', '.join(map(str, INT4_GROUPS))}")
+        raise WeightstreamError(
+            f"--group-size {group}: torch's int4 kernel takes {', '.join(map(str, INT4_GROUPS))} "
+            f"(leave it out for {DEFAULT_GROUP}; docs/quantization.md, 'Choosing the group size')"
+        )
     if scheme == "int8" and group_size is not None:
         raise WeightstreamError("--group-size is for --bits 4; int8 experts have one scale per output channel")
-    refuse_existing(out, force)
+    refuse_existing(out, force, sources=[src])
     mapped = map_model(src)
     if mapped.quant is not None:
         raise WeightstreamError(f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint")
@@ -198,7 +221,7 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
 
 def _spec(item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
     if isinstance(item, TensorInfo):
-        return _TORCH[item.dtype], tuple(item.shape)
+        return SAFETENSORS[item.dtype], tuple(item.shape)
     return torch.uint8, (quant.blob_bytes,)
 
 
@@ -208,7 +231,7 @@ def _layer_of(name: str) -> int:
 
 
 def _read_tensor(info: TensorInfo) -> torch.Tensor:
-    return _pread(info.path, info.offset, info.nbytes).view(_TORCH[info.dtype]).reshape(info.shape)
+    return _pread(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
 
 
 def _read_param(param) -> torch.Tensor:
@@ -231,17 +254,3 @@ def _copy_side_files(src: str, out: str) -> None:
         path = os.path.join(src, name)
         if os.path.isfile(path) and not name.endswith(SKIP_FILES):
             shutil.copy2(path, os.path.join(out, name))
-
-
-_TORCH = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}

@@ -16,19 +16,9 @@ import struct
 
 import torch
 
+from weightstream.store.dtypes import SAFETENSORS_NAMES
+
 ALIGN = 64
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 class SafetensorsWriter:
@@ -44,7 +34,7 @@ class SafetensorsWriter:
         for name in order:
             dtype, shape = specs[name]
             header[name] = {
-                "dtype": SAFETENSORS_DTYPES[dtype],
+                "dtype": SAFETENSORS_NAMES[dtype],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + sizes[name]],
             }

@@ -35,8 +35,10 @@ def synthesize(
     seed: int = 0,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    note: dict | None = None,
 ) -> SynthResult:
-    """Write config, tokenizer and random weights to `out_dir` (built in a temp dir, renamed into place at the end)."""
+    """Write config, tokenizer and random weights to `out_dir` (built in a temp dir, renamed into place at the end);
+    `note` is kept in the directory's ownership record (`outdir.read_owner`)."""
     if dtype not in DTYPES:
         raise WeightstreamError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     refuse_existing(out_dir, force)
@@ -52,7 +54,7 @@ def synthesize(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     config.architectures = [type(model).__name__]  # as every Hub checkpoint has; converters such as llama.cpp's need it
-    with built_in_place(out_dir, "synth") as tmp:
+    with built_in_place(out_dir, "synth", note) as tmp:
         total, shards = _write_weights(model, tmp, seed, progress)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
