@@ -80,3 +80,20 @@ def test_old_entries_are_dropped_and_a_damaged_file_is_replaced(tmp_path):
     store.save(path, KEY, params(dense_s=3.0), {}, {})
     assert store.load_saved(path, KEY)["params"]["dense_s"] == 3.0
     assert not path.with_suffix(".tmp").exists()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"dense_s": float("nan")}, {"read_s_per_mib": -0.001}, {"dense_s": 0.0}, {"page_readahead": [[-1, 0]]}]
+)
+def test_an_entry_that_would_price_nonsense_is_not_priced_with_and_goes_at_the_next_save(tmp_path, bad):
+    """A damaged or hand-edited entry (nan, a negative cost, a step of no dense seconds: infinite tok/s) is passed
+    over as a damaged file is: the good entries price alone, and the next save drops it."""
+    path = tmp_path / "calibration.json"
+    store.save(path, KEY, params(dense_s=0.2), {}, {})
+    store.save(path, KEY, params(**bad), {}, {})
+    saved = store.load_saved(path, KEY)
+    assert saved["samples"] == 1 and saved["params"]["dense_s"] == 0.2
+    store.save(path, KEY, params(dense_s=0.4), {}, {})
+    assert [e["params"]["dense_s"] for e in json.loads(path.read_text())["entries"]] == [0.2, 0.4]
+    path.write_text(json.dumps({"entries": [json.loads(path.read_text())["entries"][0] | {"params": {"dense_s": 1}}]}))
+    assert store.load_saved(path, KEY) is None  # terms missing: not a calibration

@@ -3,13 +3,9 @@
 import numpy as np
 import pytest
 
-from weightstream.sim.page_cache_model import (
-    PageCacheModel,
-    Readahead,
-    inactive_ratio,
-    merge_spans,
-    replay,
-)
+from weightstream.cache.slot_plan import file_runs, merge_spans
+from weightstream.sim.page_cache_model import PageCacheModel, Readahead, inactive_ratio, replay
+from weightstream.store.layout import Piece
 from weightstream.units import GIB, MIB
 
 
@@ -17,6 +13,17 @@ def test_adjacent_pieces_merge_into_one_span_and_far_ones_do_not():
     pieces = [(0, 8 * MIB, 4 * MIB), (0, 0, 4 * MIB), (0, 4 * MIB + 64, 4 * MIB), (1, 0, MIB), (0, 40 * MIB, MIB)]
     assert merge_spans(pieces, gap=4096) == [(0, 0, 12 * MIB), (0, 40 * MIB, 41 * MIB), (1, 0, MIB)]
     assert merge_spans(pieces, gap=0)[0] == (0, 0, 4 * MIB)
+
+
+def test_the_reader_merges_a_checkpoints_pieces_as_the_page_cache_model_does():
+    """One merge for both: the slot plan's stretches of `Piece`s are the page-cache model's spans at gap 0."""
+    pieces = [Piece("b", 0, 100), Piece("a", 300, 50), Piece("a", 0, 300), Piece("a", 400, 10), Piece("a", 0, 300)]
+    runs = file_runs(pieces, 0, lambda p: (p.path, p.offset, p.nbytes))
+    assert [(f, a, b) for f, a, b, _ in runs] == [("a", 0, 350), ("a", 400, 410), ("b", 0, 100)]
+    assert [len(members) for *_, members in runs] == [2, 1, 1]  # the piece given twice counts once
+    ids = {"a": 0, "b": 1}
+    as_spans = merge_spans((ids[p.path], p.offset, p.nbytes) for p in pieces)
+    assert as_spans == [(ids[f], a, b) for f, a, b, _ in runs]
 
 
 def test_readahead_splits_the_calibrated_extra_bytes_around_the_span():

@@ -1,14 +1,42 @@
-"""tune's budget arithmetic: KV bytes against transformers' own cache, real configs against published sizes."""
+"""tune's budget arithmetic: KV bytes against transformers' own cache, real configs against published sizes, and the
+budget `tune` divides for a checkpoint (`sim.budget.checkpoint_budget`, through `budget_of` as these tests are)."""
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of_config, kv_cache_bytes
+from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of, kv_cache_bytes
+from weightstream.store.layout import experts_modules
 from weightstream.store.presets import REAL, TINY, preset_config
 from weightstream.trace.shapes import shape_from_config
 from weightstream.units import GIB, MIB
+
+
+def _config(fields: dict):
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def dense_tensors_of_config(fields: dict) -> dict[str, int]:
+    """Bytes (bf16) of each parameter and buffer outside the experts modules of a model known by its config alone
+    (a meta model): what a checkpoint's `ModelLayout.dense` holds, for the real models no test can download."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_config(fields), dtype=torch.bfloat16)
+    experts = set(experts_modules(model))
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    seen, sizes = set(), {}
+    for name, t in tensors:
+        if name.rpartition(".")[0] not in experts and id(t) not in seen:
+            seen.add(id(t))
+            sizes[name] = t.numel() * t.element_size()
+    return sizes
+
+
+def budget_of_config(fields: dict, memory_bytes: int, context: int = 4096) -> Budget:
+    """The shipped `budget_of` on a bf16 model known by its config fields (working set from its expert shape)."""
+    working_set = shape_from_config(fields, "config", dtype_bytes=2).working_set_bytes
+    return budget_of(_config(fields), memory_bytes, context, dense_tensors_of_config(fields), working_set, 2)
 
 
 def _cache_storage_bytes(cache) -> int:
@@ -123,3 +151,48 @@ def test_budget_parts_add_up():
     assert lazy.to_dict()["lazy_dense_bytes"] == 256 * MIB
     assert b.to_dict()["expert_bytes"] == 6 * GIB
     b.check()
+
+
+@pytest.fixture(scope="module")
+def bf16_and_quantized(tmp_path_factory):
+    """A tiny bf16 OLMoE and its int4 and int8 quantizations."""
+    from weightstream.store.quantize import quantize_checkpoint
+    from weightstream.store.synth import synthesize
+
+    root = tmp_path_factory.mktemp("budget")
+    src = str(root / "bf16")
+    synthesize(src, preset_config("tiny", "olmoe"), dtype="bf16", seed=3)
+    quantized = {}
+    for bits, group in ((4, 32), (8, None)):
+        quantized[bits] = str(root / f"int{bits}")
+        quantize_checkpoint(src, quantized[bits], bits, group)
+    return src, quantized
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_checkpoint_budgets_the_kv_cache_its_attention_computes_in(bf16_and_quantized, bits):
+    """The KV cache holds the attention's activations (bf16: the manifest's activation dtype), not the experts'
+    int8 / uint8 weights: tune's budget of the quantized checkpoint has the bf16 one's KV bytes."""
+    from weightstream.commands.tune_steps import TuneSession
+
+    src, quantized = bf16_and_quantized
+    bf16, quant = (TuneSession(d, GIB, 512, 4).budget for d in (src, quantized[bits]))
+    assert bf16.kv_cache_bytes == 3 * 2 * 4 * 16 * 2 * 512  # layers x (k, v) x kv heads x head dim x bf16 x tokens
+    assert quant.kv_cache_bytes == bf16.kv_cache_bytes
+    assert (quant.dense_bytes, quant.lazy_dense_bytes) == (bf16.dense_bytes, bf16.lazy_dense_bytes)
+    assert quant.expert_bytes == bf16.expert_bytes
+
+
+def test_on_a_checkpoint_tune_budgets_what_the_config_alone_says(bf16_and_quantized):
+    """The real-config tests above stand for checkpoints no test can download: on one it has, tune's budget has
+    the dense bytes of the config's meta model (less the rotary buffers, made at load, never stored), its KV and
+    its embedding left on disk; only the working set differs, counted in the cache's aligned slots."""
+    from weightstream.commands.tune_steps import TuneSession
+
+    fields = preset_config("tiny", "olmoe")
+    session = TuneSession(bf16_and_quantized[0], GIB, 512, 4)
+    tune, config = session.budget, budget_of_config(fields, GIB, 512)
+    buffers = sum(n for name, n in dense_tensors_of_config(fields).items() if "rotary_emb" in name)
+    assert tune.dense_bytes == config.dense_bytes - buffers
+    assert (tune.kv_cache_bytes, tune.lazy_dense_bytes) == (config.kv_cache_bytes, config.lazy_dense_bytes)
+    assert tune.working_set_bytes == session.layout.working_set_bytes > config.working_set_bytes

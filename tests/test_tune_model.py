@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from weightstream.bench.calibrate import MISS_STEPS, fresh_sets, miss_levels, partial_sets
-from weightstream.sim.cost_model import fit_cost_model
+from weightstream.sim.cost_model import fit_cost_model, fit_line
 from weightstream.sim.overlap_model import (
     CostParams,
     Measurements,
@@ -152,6 +152,41 @@ def test_linear_fallback_recovers_fixed_and_per_mib():
     model = fit_cost_model(list(mib), list(0.15 + 0.0008 * mib + rng.normal(0, 0.002, 30)))
     assert model.fixed_s == pytest.approx(0.15, abs=0.003) and model.per_mib_s == pytest.approx(0.0008, rel=0.03)
     assert model.r2 > 0.95
+
+
+def test_the_bench_fit_never_charges_a_negative_cost():
+    """Runs whose decode got faster as they read more (noise on a busy machine) tilt a free line below 0: bench's
+    fit pins the slope at 0 (and the intercept where the line would cross below the origin)."""
+    mib = [10.0, 50.0, 100.0, 200.0]
+    faster = fit_cost_model(mib, [0.30, 0.29, 0.27, 0.26])
+    assert faster.per_mib_s == 0.0 and faster.fixed_s == pytest.approx(0.28)
+    steep = fit_cost_model(mib, [0.001, 0.05, 0.11, 0.23])  # the free line crosses 0 above 0 MiB
+    assert steep.fixed_s == 0.0 and steep.per_mib_s == pytest.approx(np.dot(mib, [0.001, 0.05, 0.11, 0.23]) / 52600)
+
+
+def _nnls_by_grid(x, y) -> float:
+    """The least squared error of any line with both terms at 0 or more, searched on a fine grid (no scipy here)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    best = np.inf
+    for b in np.linspace(0, 2 * max(y.max(), 0) + 1e-9, 401):
+        a = max(float(x @ (y - b) / (x @ x)), 0.0)  # the best slope at this intercept, held at 0 or more
+        best = min(best, float(((y - b - a * x) ** 2).sum()))
+    return best
+
+
+def test_one_non_negative_line_fit_serves_bench_and_the_read_line():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        x = rng.uniform(0, 10, 6)
+        y = rng.uniform(-1, 1) + rng.uniform(-1, 1) * x + rng.normal(0, 0.5, 6)
+        intercept, slope = fit_line(x, y)
+        assert intercept >= 0 and slope >= 0
+        error = float(((y - intercept - slope * x) ** 2).sum())
+        assert error <= _nnls_by_grid(x, y) + 1e-9
+        assert fit_read_line(x, y) == (intercept, slope)
+        model = fit_cost_model(list(x), list(y))
+        assert (model.fixed_s, model.per_mib_s) == (intercept, slope)
+    assert fit_line([4, 4], [0.1, 0.2]) is None and fit_cost_model([4, 4], [0.1, 0.2]) is None
 
 
 def test_noise_is_not_a_negative_cost():

@@ -131,6 +131,19 @@ def test_n_cpu_moe_keeps_on_the_cpu_the_layers_the_gpu_cannot_hold():
     assert "pass --gpu-memory" in llamacpp_advice(facts, budget, page, None, verdict([page]))[1]
 
 
+def test_a_gpu_too_small_for_the_dense_weights_gets_no_n_cpu_moe():
+    """1 GiB of GPU memory cannot hold 3 GiB of dense weights: no layer count, and the line says why (it used to
+    say `--n-cpu-moe 32: 1.0 GiB of GPU memory holds the dense weights`)."""
+    facts = ModelFacts(32, 8, 2, 336 * MIB, 336 * MIB + 8192, 336 * MIB, 64 * 336 * MIB)
+    budget = Budget(64 * GIB, 3 * GIB, GIB // 2, GIB // 2, 21 * GIB, 4096)
+    page = _config("page-cache", "kernel", None)
+    line = llamacpp_advice(facts, budget, page, GIB, verdict([page]))[1]
+    assert "-ngl 99 --n-cpu-moe" not in line and "holds the dense weights" not in line
+    assert "1.0 GiB of GPU memory is less than the dense weights and KV (3.5 GiB)" in line
+    just = 3 * GIB + GIB // 2 + 512 * MIB  # dense, KV and the allowance exactly: every layer's experts on the CPU
+    assert "--n-cpu-moe 32:" in llamacpp_advice(facts, budget, page, just, verdict([page]))[1]
+
+
 def test_options_default_threshold_on_a_matching_trace():
     trace = onto_shape(deepseek(1), ModelShape("ds-like", list(range(16)), 64, 6, [EXPERT] * 16))
     facts = ModelFacts(16, 64, 6, EXPERT, EXPERT, EXPERT, 16 * 6 * EXPERT)
@@ -149,17 +162,18 @@ def _laid_out(facts: ModelFacts, gap: int) -> ModelFacts:
 
 def test_page_cache_over_byte_ranges_sees_readahead_that_helps_and_readahead_that_only_reads():
     """Mixtral's routing on the OLMoE shape uses experts 0-7 of each layer. Stored next to each other, the
-    readahead past one expert brings in the next: fewer bytes read than the whole-expert model charges. Stored far
-    apart, readahead is only read, and reclaimed first: the two-list model still reads no more."""
+    readahead past one expert brings in the next: fewer bytes read, and faster, than stored far apart, where
+    readahead is only read. Without the checkpoint's byte ranges there is no page-cache model."""
     trace = onto_shape(mixtral(), OLMOE16)
     params = dataclasses.replace(PARAMS, page_cached_per_byte=1.7)
     room = int(0.9 * 128 * EXPERT)  # less than the 128 experts the routing uses
-    whole = Search(trace, FACTS, params).page_cache(room)
     near = Search(trace, _laid_out(FACTS, 0), params).page_cache(room)
     far = Search(trace, _laid_out(FACTS, 64 * MIB), params).page_cache(room)
     assert near.policy == far.policy == "kernel (two-list model)"
-    assert near.mib_read_per_token < far.mib_read_per_token <= whole.mib_read_per_token
-    assert near.predicted_decode_tokens_per_s > whole.predicted_decode_tokens_per_s
+    assert near.mib_read_per_token < far.mib_read_per_token
+    assert near.predicted_decode_tokens_per_s > far.predicted_decode_tokens_per_s
+    with pytest.raises(ValueError, match="byte ranges"):
+        Search(trace, FACTS, params).page_cache(room)
 
 
 def _with_dense(facts: ModelFacts, per_layer: int) -> ModelFacts:

@@ -310,7 +310,7 @@ class Calibrator:
 
     def _readahead_pass(self, expert: int) -> list[list[tuple[int, int]]]:
         """One step with `expert` alone in every layer, from evicted files: (ahead, past) per span, per layer."""
-        from weightstream.sim.page_cache_model import merge_spans
+        from weightstream.cache.slot_plan import merge_spans
 
         spans = []  # per layer: (path, start, end) of each span of the expert
         for layer in self.layers:

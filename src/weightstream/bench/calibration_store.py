@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
 import time
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import torch
@@ -74,6 +76,31 @@ def _entries(path: Path) -> list[dict]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
+_REQUIRED = [f.name for f in fields(CostParams) if f.default is MISSING and f.default_factory is MISSING]
+
+
+def usable_params(params) -> bool:
+    """Whether a saved entry's params can price: every term of `CostParams` it needs, each a finite number of 0 or
+    more (None where not measured; the readahead's lists of bytes likewise), and `dense_s` above 0, which every step
+    pays (0 would predict a step that reads nothing at infinite speed). A hand-edited or damaged entry fails this
+    and is passed over as a damaged file is: `tune` measures again."""
+    if not isinstance(params, dict) or any(not _number(params.get(name)) for name in _REQUIRED):
+        return False
+    for name in CostParams.__dataclass_fields__:
+        value = params.get(name)
+        if value is not None and not all(_number(v) and v >= 0 for v in _flat(value)):
+            return False
+    return params["dense_s"] > 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _flat(v) -> list:
+    return [x for item in v for x in _flat(item)] if isinstance(v, list) else [v]
+
+
 def load_saved(path: Path, key: dict) -> dict | None:
     """The calibrations saved for `key` combined, or None (no file, another machine or setting, a damaged file):
     {"params": the term-by-term median of their params, "created": the newest's time, "samples": how many,
@@ -83,7 +110,7 @@ def load_saved(path: Path, key: dict) -> dict | None:
     20-minute proof (the cost of a MiB read that does not overlap came out 0.06-0.33 ms in five calibrations back to
     back); the median of the last few calibrations is what the machine usually does."""
     key = json.loads(json.dumps(key))  # tuples become lists, as they were saved
-    entries = [e for e in _entries(path) if e.get("key") == key and isinstance(e.get("params"), dict)]
+    entries = [e for e in _entries(path) if e.get("key") == key and usable_params(e.get("params"))]
     if not entries:
         return None
     entries.sort(key=lambda e: e.get("created", 0))
@@ -143,7 +170,11 @@ def save(path: Path, key: dict, params: CostParams, measurements: dict, extra: d
     key = json.loads(json.dumps(key))
     now = time.time()
     entries = _entries(path)
-    mine = [e for e in entries if e.get("key") == key and now - e.get("created", 0) < MAX_AGE_S]
+    mine = [
+        e
+        for e in entries
+        if e.get("key") == key and now - e.get("created", 0) < MAX_AGE_S and usable_params(e.get("params"))
+    ]
     mine.sort(key=lambda e: e.get("created", 0))
     mine = mine[-(keep - 1) :] if keep > 1 else []
     entries = [e for e in entries if e.get("key") != key] + mine
@@ -157,7 +188,9 @@ def save(path: Path, key: dict, params: CostParams, measurements: dict, extra: d
 
 
 def read_cost_model(path: str) -> CostModel:
-    """The linear cost model of a `weightstream bench --json` report (or of its `cost_model` object alone)."""
+    """The linear cost model of a `weightstream bench --json` report (or of its `cost_model` object alone), its
+    terms checked: each a finite number of seconds, 0 or more, and `fixed_s` above 0 (a step that reads nothing
+    takes time; at 0 tune would predict it at infinite tok/s)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -170,6 +203,29 @@ def read_cost_model(path: str) -> CostModel:
             f"--cost-model {path}: no cost model in it; pass the output of `weightstream bench --json` with several "
             "--expert-cache sizes (its 'cost_model' has fixed_s and per_mib_s)"
         )
+    for name in ("fixed_s", "per_mib_s"):
+        value = cm[name]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        shown = value if is_number else repr(value)
+        if not is_number:
+            wrong = "not a number"
+        elif not math.isfinite(value):
+            wrong = "not a finite number of seconds"
+        elif value < 0:
+            wrong = "a negative cost"
+        elif name == "fixed_s" and value == 0:
+            wrong = "a decode step that reads nothing would take no time (infinite tok/s)"
+        else:
+            continue
+        raise WeightstreamError(
+            f"--cost-model {path}: {name} {shown}: {wrong}; pass the 'cost_model' of a `weightstream bench --json` "
+            "run with several --expert-cache sizes (fixed_s above 0, per_mib_s 0 or more), or leave out "
+            "--cost-model to calibrate this machine"
+        )
+    r2, points = cm.get("r2"), cm.get("points")
     return CostModel(
-        float(cm["fixed_s"]), float(cm["per_mib_s"]), float(cm.get("r2", float("nan"))), cm.get("points", 0)
+        float(cm["fixed_s"]),
+        float(cm["per_mib_s"]),
+        float(r2) if _number(r2) else float("nan"),  # reported, not used: a missing or odd one is not an error
+        points if isinstance(points, int) else 0,
     )

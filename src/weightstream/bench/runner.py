@@ -276,10 +276,12 @@ def cost_model(runs: list[dict]) -> dict:
     if model is None:
         return {"error": "needs expert-cache runs with different read volumes: pass several --expert-cache sizes"}
     out = model.to_dict()
-    if model.per_mib_s <= 0 or model.r2 < 0.5:  # the line is noise, not a cost: say so rather than let it be used
+    # the line is noise, not a cost: say so rather than let it be used (a term is pinned at 0 where noise tilted the
+    # fit below it, `sim.cost_model.fit_line`; tune refuses fixed_s 0, which would price a step at no time)
+    if model.per_mib_s <= 0 or model.fixed_s <= 0 or model.r2 < 0.5:
         out["warning"] = (
-            f"poor fit (R^2 {model.r2:.2f}, {model.per_mib_s * 1000:.3f} ms per MiB): the runs' read "
-            "volumes barely differ; pass several --expert-cache sizes (e.g. 1x,1.5x,2x,3x)"
+            f"poor fit (R^2 {model.r2:.2f}, {model.fixed_s * 1000:.1f} ms fixed, {model.per_mib_s * 1000:.3f} ms "
+            "per MiB): the runs' read volumes barely differ; pass several --expert-cache sizes (e.g. 1x,1.5x,2x,3x)"
         )
     return out
 

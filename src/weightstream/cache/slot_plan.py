@@ -11,10 +11,14 @@ the model's contiguous layout.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from weightstream.io.aligned import aligned_bytes, region_bytes
 from weightstream.store.layout import MEMORY_ALIGN, ExpertLayout, Piece
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,26 +45,44 @@ def _plan(requests: list, packs: list, views: list, file_sizes: dict[str, int]) 
     return SlotPlan(tuple(requests), tuple(packs), tuple(views), aligned)
 
 
-def _runs(expert: ExpertLayout) -> list[list[Piece]]:
-    """Maximal stretches of file-adjacent pieces, each in file order; stretches in the order their bytes are used."""
-    order = {piece: i for i, piece in enumerate(expert.pieces)}
-    runs: list[list[Piece]] = []
-    for piece in sorted(set(expert.pieces), key=lambda p: (p.path, p.offset)):
-        last = runs[-1][-1] if runs else None
-        if last is not None and last.path == piece.path and last.offset + last.nbytes == piece.offset:
-            runs[-1].append(piece)
+def file_runs(pieces: Iterable[P], gap: int = 0, where=lambda p: p) -> list[tuple[object, int, int, list[P]]]:
+    """Pieces grouped into stretches of one file: [(file, first byte, end byte, its pieces in file order)], in file
+    order. `where(piece)` is (file, offset, nbytes): a (file id, offset, nbytes) tuple as it is, or a `Piece`'s
+    fields. A piece joins the stretch before it when it starts at most `gap` bytes past that stretch's end (0:
+    touching or overlapping); a piece given twice counts once. The one merge of byte ranges: the reader's slot plans
+    and the page-cache model's spans (`merge_spans`) both use it."""
+    runs: list[list] = []
+    for piece in sorted(set(pieces), key=where):
+        file, offset, nbytes = where(piece)
+        if runs and runs[-1][0] == file and offset <= runs[-1][2] + gap:
+            runs[-1][2] = max(runs[-1][2], offset + nbytes)
+            runs[-1][3].append(piece)
         else:
-            runs.append([piece])
-    return sorted(runs, key=lambda run: min(order[p] for p in run))  # gate projection first
+            runs.append([file, offset, offset + nbytes, [piece]])
+    return [(file, start, end, members) for file, start, end, members in runs]
+
+
+def merge_spans(pieces: Iterable[tuple[int, int, int]], gap: int = 0) -> list[tuple[int, int, int]]:
+    """Pieces (file id, offset, nbytes) merged into contiguous spans (file id, first byte, end byte) (`file_runs`)."""
+    return [(file, start, end) for file, start, end, _ in file_runs(pieces, gap)]
+
+
+def _piece_where(piece: Piece) -> tuple[str, int, int]:
+    return piece.path, piece.offset, piece.nbytes
+
+
+def _runs(expert: ExpertLayout) -> list[tuple[str, int, int, list[Piece]]]:
+    """Maximal stretches of file-adjacent pieces (`file_runs`); stretches in the order their bytes are used."""
+    order = {piece: i for i, piece in enumerate(expert.pieces)}
+    runs = file_runs(expert.pieces, 0, _piece_where)
+    return sorted(runs, key=lambda run: min(order[p] for p in run[3]))  # gate projection first
 
 
 def _in_place(expert: ExpertLayout, file_sizes: dict[str, int]) -> SlotPlan | None:
-    runs = _runs(expert)
     requests, where, dest = [], {}, 0
-    for run in runs:
-        start = run[0].offset
-        nbytes = run[-1].offset + run[-1].nbytes - start
-        requests.append((run[0].path, start, nbytes, dest))
+    for path, start, end, run in _runs(expert):
+        nbytes = end - start
+        requests.append((path, start, nbytes, dest))
         for piece in run:  # the piece lands `start % 4096` into the run's region, after the pieces before it
             where[piece] = dest + start % 4096 + (piece.offset - start)
         dest += region_bytes(nbytes)

@@ -71,7 +71,9 @@ def register(sub) -> None:
 
 
 def _check_args(args) -> None:
-    from weightstream.cache.policies import POLICY_NAMES
+    """Refuse bad arguments before any work (importing torch, loading the checkpoint, recording, calibrating); sets
+    `args.memory_bytes`, `args.gpu_memory_bytes`, `args.policy_names` and `args.linear` (bench's cost model)."""
+    from weightstream.units import parse_size
 
     if args.max_new_tokens < 2:
         raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: need at least 2 (one decode step)")
@@ -79,27 +81,56 @@ def _check_args(args) -> None:
         raise WeightstreamError("--forget-calibrations: only with --calibrate (it replaces them with a new one)")
     if args.context < 1:
         raise WeightstreamError(f"--context {args.context}: need at least 1 token")
+    if args.io_threads < 1:
+        raise WeightstreamError(f"--io-threads {args.io_threads}: need at least 1 I/O thread (default 4)")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise WeightstreamError(f"--plot {args.plot}: its directory does not exist")
-    unknown = [n for n in args.policies.split(",") if n.strip() and n.strip() not in POLICY_NAMES]
-    if unknown or not args.policies.strip():
-        raise WeightstreamError(f"--policies: unknown {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    args.memory_bytes = parse_size(args.memory, what="--memory")
+    args.gpu_memory_bytes = None
+    if args.gpu_memory is not None:
+        args.gpu_memory_bytes = parse_size(args.gpu_memory, what="--gpu-memory")
+        if args.gpu_memory_bytes <= 0:
+            raise WeightstreamError(
+                f"--gpu-memory {args.gpu_memory}: need more than 0 bytes (leave it out for a CPU-only answer)"
+            )
+    args.policy_names = policy_names(args.policies)
+    args.linear = None
+    if args.cost_model:
+        from weightstream.bench.calibration_store import read_cost_model
+
+        args.linear = read_cost_model(args.cost_model)
+
+
+def policy_names(text: str) -> list[str]:
+    """The policies of `--policies` (comma-separated, each once, in order), or an error listing the valid ones."""
+    from weightstream.cache.policies import POLICY_NAMES
+
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown:
+        raise WeightstreamError(
+            f"--policies: unknown {unknown}; choose from {', '.join(POLICY_NAMES)} (belady, the bound, is always "
+            "searched)"
+        )
+    if not names:
+        raise WeightstreamError(
+            f"--policies {text!r}: no policy; choose from {', '.join(POLICY_NAMES)}, comma-separated"
+        )
+    return names
 
 
 def run(args) -> int:
+    _check_args(args)
     from weightstream.commands import tune_report
     from weightstream.commands.tune_steps import TuneSession
-    from weightstream.units import parse_size
 
-    _check_args(args)
     started = time.perf_counter()
-    session = TuneSession(args.model, parse_size(args.memory, what="--memory"), args.context, args.io_threads)
+    session = TuneSession(args.model, args.memory_bytes, args.context, args.io_threads)
     try:
         session.budget.check()
         trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)
-        cost = session.cost(args.calibrate, args.cost_model, forget=args.forget_calibrations)
-        policies = [n.strip() for n in args.policies.split(",") if n.strip()]
-        report = session.answer(trace, routing, cost, policies, args)
+        cost = session.cost(args.calibrate, args.linear, args.cost_model, forget=args.forget_calibrations)
+        report = session.answer(trace, routing, cost, args.policy_names, args)
     finally:
         session.close()
     report["timings_s"]["total"] = time.perf_counter() - started

@@ -35,11 +35,7 @@ def build_report(session, trace, routing: dict, cost: dict, policies: list[str],
         pinned = session.write_pinned(pinned_set(search.w, rec.slots, search.options), rec.slots)
     who_wins = verdict(configs)
     page = next(c for c in configs if c.path == "page-cache")
-    gpu = None
-    if args.gpu_memory:
-        from weightstream.units import parse_size
-
-        gpu = parse_size(args.gpu_memory, what="--gpu-memory")
+    gpu = args.gpu_memory_bytes  # parsed and checked with the other arguments (`commands.tune._check_args`)
     command = generate_command(session.model_dir, rec, session.io_threads, args.max_new_tokens, pinned)
     return {
         "model": session.model_dir,

@@ -9,27 +9,14 @@ import time
 
 import numpy as np
 
-from weightstream.bench.calibration_store import (
-    HISTORY,
-    calibration_key,
-    load_saved,
-    read_cost_model,
-    save,
-    store_path,
-)
-from weightstream.engine.loader import read_layout
+from weightstream.bench.calibration_store import HISTORY, calibration_key, load_saved, save, store_path
+from weightstream.cache.slot_plan import merge_spans
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import (
-    RUNTIME_OVERHEAD_BYTES,
-    Budget,
-    is_lazy_dense,
-    kv_cache_bytes,
-    lazy_dense_bytes,
-    ties_embeddings,
-)
+from weightstream.sim.budget import checkpoint_budget, is_lazy_dense, ties_embeddings
+from weightstream.sim.cost_model import CostModel
 from weightstream.sim.tune import ModelFacts
-from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.layout import ModelLayout
+from weightstream.store.model import map_model
 
 BUILTIN_NOTE = (
     "recorded on the built-in prompts: real prompts (--prompts FILE) or a trace of your workload give a better answer"
@@ -45,7 +32,6 @@ def model_facts(layout: ModelLayout, tied: bool = False) -> ModelFacts:
     the output head is the input embedding (so every step reads all of it)."""
     from weightstream.bench.machine import read_ahead_bytes
     from weightstream.cache.slot_plan import plan_slot
-    from weightstream.sim.page_cache_model import merge_spans
 
     file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
     file_sizes.update({t.path: os.path.getsize(t.path) for t in layout.dense.values()})
@@ -81,7 +67,6 @@ def dense_spans(layout: ModelLayout, file_ids: dict[str, int], tied: bool) -> tu
     before that layer's experts (its attention, norms and router, and those of any dense layer before it), then the
     spans read after the last one (the output head, the final norm). An untied input embedding is left out: a step
     reads one row of it per token (`sim.budget.lazy_dense_bytes`)."""
-    from weightstream.sim.page_cache_model import merge_spans
     from weightstream.store.layout import layer_index
 
     groups: list[list[tuple[int, int, int]]] = [[] for _ in range(len(layout.layers) + 1)]
@@ -101,21 +86,10 @@ class TuneSession:
         if not os.path.isdir(model_dir):
             raise WeightstreamError(f"{model_dir}: not a model directory (config.json + *.safetensors)")
         self.model_dir, self.io_threads = model_dir, io_threads
-        self.config, self.layout = read_layout(model_dir)
-        self.ckpt = open_checkpoint(model_dir)
-        tied = ties_embeddings(self.config)
-        self.facts = model_facts(self.layout, tied)
-        dtype_bytes = next(iter(self.layout.experts.values())).params[0].dtype.itemsize
-        dense = {name: t.nbytes for name, t in self.layout.dense.items()}
-        self.budget = Budget(
-            memory_bytes,
-            sum(dense.values()),
-            kv_cache_bytes(self.config.get_text_config(), context, dtype_bytes),
-            RUNTIME_OVERHEAD_BYTES,
-            self.layout.working_set_bytes,
-            context,
-            lazy_dense_bytes(dense, tied),
-        )
+        mapped = map_model(model_dir)
+        self.config, self.layout, self.ckpt = mapped.config, mapped.layout, mapped.ckpt
+        self.facts = model_facts(self.layout, ties_embeddings(self.config))
+        self.budget = checkpoint_budget(mapped, memory_bytes, context)
         self.store = store_path(model_dir)
         self.model = None
         self.timings: dict[str, float] = {}
@@ -175,19 +149,20 @@ class TuneSession:
             pass
         return trace, info
 
-    def cost(self, calibrate: bool, cost_model_path: str | None, forget: bool = False) -> dict:
-        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}. Calibrations add up:
-        the params are the median of this machine's last `calibration_store.HISTORY` (only the new one with
-        `forget`)."""
+    def cost(
+        self, calibrate: bool, linear: CostModel | None = None, linear_path: str | None = None, forget: bool = False
+    ) -> dict:
+        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}; `linear`: bench's
+        line read from `linear_path` (`calibration_store.read_cost_model`). Calibrations add up: the params are the
+        median of this machine's last `calibration_store.HISTORY` (only the new one with `forget`)."""
         from weightstream.sim.overlap_model import CostParams
 
         start = time.perf_counter()
         key = calibration_key(self.ckpt, self.io_threads, None)
         saved = None if calibrate else load_saved(self.store, key)
-        if cost_model_path:
-            linear = read_cost_model(cost_model_path)
+        if linear is not None:
             params = CostParams.from_dict(saved["params"]) if saved else None
-            info = {"source": f"bench cost model {cost_model_path}", "linear": linear.to_dict()}
+            info = {"source": f"bench cost model {linear_path}", "linear": linear.to_dict()}
             if params is None:
                 info["page_cache"] = "not predicted: no saved calibration (run tune --calibrate once)"
             return {"params": params, "linear": linear, "info": info}

@@ -120,6 +120,13 @@ def llamacpp_advice(
 
 def _n_cpu_moe_line(facts: ModelFacts, budget: Budget, gpu_memory: int, layer_bytes: int, room: int) -> str:
     gpu_room = gpu_memory - budget.dense_bytes - budget.kv_cache_bytes - GPU_RUNTIME_BYTES
+    if gpu_room < 0:
+        return (
+            f"llama.cpp with a GPU: {format_bytes(gpu_memory)} of GPU memory is less than the dense weights and KV "
+            f"({format_bytes(budget.dense_bytes + budget.kv_cache_bytes)}) plus "
+            f"{format_bytes(GPU_RUNTIME_BYTES)} for the CUDA context and buffers, so -ngl 99 does not fit and "
+            "--n-cpu-moe cannot help: offload fewer layers (-ngl) or run on the CPU as above"
+        )
     on_gpu = max(min(gpu_room // layer_bytes, facts.layers), 0)
     n_cpu = facts.layers - on_gpu
     cpu_bytes = n_cpu * layer_bytes

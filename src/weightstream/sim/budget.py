@@ -18,7 +18,6 @@ from weightstream.units import GIB, MIB, format_bytes
 # prompt. Stated with 10% headroom. (It was 512 MiB while the formula subtracted every dense byte, embedding
 # included, which hid 196 MiB on OLMoE and 1.08 GiB on gpt-oss.)
 RUNTIME_OVERHEAD_BYTES = 726 * MIB
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,54 +123,33 @@ def _kv_elements_per_token(cfg) -> int:
     return 2 * int(heads) * int(head_dim)
 
 
-def dense_bytes_of_config(fields: dict, dtype_bytes: int = 2) -> int:
-    """Bytes of every parameter and buffer outside the experts modules, from config fields alone (a meta model)."""
-    return sum(dense_tensors_of_config(fields, dtype_bytes)[0].values())
-
-
-def dense_tensors_of_config(fields: dict, dtype_bytes: int = 2) -> tuple[dict[str, int], bool]:
-    """(bytes of each parameter and buffer outside the experts modules, whether the output head is tied to the
-    input embedding), from config fields alone (a meta model)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from weightstream.store.layout import experts_modules
-
-    fields = dict(fields)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    experts = set(experts_modules(model))
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embedding is not None and head.weight is embedding.weight
-    seen, sizes = set(), {}
-    for name, t in tensors:
-        if name.rpartition(".")[0] not in experts and id(t) not in seen:
-            seen.add(id(t))
-            sizes[name] = t.numel() * t.element_size()
-    return sizes, tied
-
-
-def budget_of_config(
-    fields: dict, memory_bytes: int, context: int = DEFAULT_CONTEXT, dtype_bytes: int = 2, overhead: int | None = None
+def budget_of(
+    config,
+    memory_bytes: int,
+    context: int,
+    dense_nbytes: dict[str, int],
+    working_set_bytes: int,
+    activation_bytes: int,
+    overhead: int = RUNTIME_OVERHEAD_BYTES,
 ) -> Budget:
-    """The budget of a model known only by its config fields (working set from the config's expert shape)."""
-    from transformers import AutoConfig
-
-    from weightstream.trace.shapes import shape_from_config
-
-    rest = {k: v for k, v in fields.items() if k != "model_type"}
-    text_config = AutoConfig.for_model(fields["model_type"], **rest).get_text_config()
-    shape = shape_from_config(fields, "config", dtype_bytes=dtype_bytes)
-    dense, tied = dense_tensors_of_config(fields, dtype_bytes)
+    """The budget of a model: its transformers config (the KV cache's shape, a tied head), the bytes of each dense
+    tensor, one token's working set as the cache holds it, and the bytes of one element of the dtype its attention
+    computes in (what the KV cache holds)."""
     return Budget(
         memory_bytes,
-        sum(dense.values()),
-        kv_cache_bytes(text_config, context, dtype_bytes),
-        RUNTIME_OVERHEAD_BYTES if overhead is None else overhead,
-        shape.working_set_bytes,
+        sum(dense_nbytes.values()),
+        kv_cache_bytes(config.get_text_config(), context, activation_bytes),
+        overhead,
+        working_set_bytes,
         context,
-        lazy_dense_bytes(dense, tied),
+        lazy_dense_bytes(dense_nbytes, ties_embeddings(config)),
     )
+
+
+def checkpoint_budget(mapped, memory_bytes: int, context: int) -> Budget:
+    """`budget_of` a checkpoint opened by `store.model.map_model`: dense tensors as stored, the working set from its
+    layout, and the KV cache in the dtype the model is built and computes in (the checkpoint's; for a quantized
+    checkpoint the manifest's activation dtype, never the int8 / uint8 of its experts' weights)."""
+    layout = mapped.layout
+    dense = {name: t.nbytes for name, t in layout.dense.items()}
+    return budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, mapped.model.dtype.itemsize)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from weightstream.sim.cost_model import CostModel
+from weightstream.sim.cost_model import CostModel, fit_line
 
 
 @dataclass(slots=True)
@@ -143,14 +143,12 @@ class Measurements:
 
 
 def fit_read_line(batches: list[int], seconds: list[float]) -> tuple[float, float]:
-    """(latency, seconds per expert) of t = latency + experts x per expert, least squares, neither below 0."""
-    x, y = np.asarray(batches, float), np.asarray(seconds, float)
-    if len(x) < 2 or np.ptp(x) == 0:
+    """(latency, seconds per expert) of t = latency + experts x per expert, least squares, neither below 0
+    (`cost_model.fit_line`: a negative latency is noise, and the line is then refitted through the origin)."""
+    line = fit_line(batches, seconds)
+    if line is None:
         raise ValueError("the read line needs batches of at least two sizes")
-    slope, intercept = np.polyfit(x, y, 1)
-    if intercept < 0:  # a negative latency is noise: refit through the origin
-        return 0.0, float((x @ y) / (x @ x))
-    return float(intercept), max(float(slope), 0.0)
+    return line
 
 
 def fit_cost_params(m: Measurements) -> CostParams:

@@ -38,25 +38,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from weightstream.units import GIB, MIB
 
-Span = tuple[int, int, int]  # (file id, first byte, end byte)
-
-
-def merge_spans(pieces: Iterable[tuple[int, int, int]], gap: int = 0) -> list[Span]:
-    """Pieces (file id, offset, nbytes) merged into contiguous spans (pieces at most `gap` bytes apart join)."""
-    spans: list[list[int]] = []
-    for file_id, offset, nbytes in sorted(pieces):
-        if spans and spans[-1][0] == file_id and offset <= spans[-1][2] + gap:
-            spans[-1][2] = max(spans[-1][2], offset + nbytes)
-        else:
-            spans.append([file_id, offset, offset + nbytes])
-    return [(f, a, b) for f, a, b in spans]
+Span = tuple[int, int, int]  # (file id, first byte, end byte): `cache.slot_plan.merge_spans` makes them
 
 
 def inactive_ratio(capacity_bytes: int) -> int:

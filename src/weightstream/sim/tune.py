@@ -45,7 +45,7 @@ class ModelFacts:
     read_bytes: int  # what the reader fetches for one miss (4 KiB-aligned spans)
     working_set_bytes: int  # one token's working set as the runtime counts it (its 1x)
     # where each expert lies in the checkpoint: spans[layer position][expert] = ((file id, start, end), ...), the
-    # files' sizes and the kernel's readahead window; without them the page cache is modelled as LRU over experts
+    # files' sizes and the kernel's readahead window; the page-cache row needs them (`commands.tune_steps`)
     spans: tuple | None = None
     file_bytes: tuple[int, ...] | None = None
     readahead_window: int | None = None
@@ -153,23 +153,13 @@ class Search:
 
     def page_cache(self, room_bytes: int) -> Config:
         """mmap with `room_bytes` of page cache for experts: the kernel's two lists over the checkpoint's real
-        byte ranges (`sim.page_cache_model`) where the layout is known, else LRU over whole experts, each miss
-        taking the calibrated readahead's share of room and of bytes read."""
+        byte ranges (`sim.page_cache_model`), with the dense weights in the same lists where `dense_spans` says
+        where they lie, each fault reading the calibrated readahead around it."""
+        facts = self.facts
+        if facts.spans is None:
+            raise ValueError("the page-cache model needs the checkpoint's byte ranges (ModelFacts.spans)")
         known = self.params is not None and self.params.page_cache_s_per_mib is not None
         spread = self.params.page_cached_per_byte if known else 1.0
-        if self.facts.spans is not None:
-            return self._page_cache_ranges(room_bytes, spread, known)
-        slots = max(min(int(room_bytes / (self.facts.expert_nbytes * spread)), self.facts.total_experts), 1)
-        hit = access_hits(self.w, "lru", max(slots, self.w.min_slots) * self.sim_expert_bytes, self.options)
-        load = self.steps.load(hit)
-        mib = self.facts.expert_nbytes / MIB
-        seconds = page_cache_step_s(self.params, load, mib) if known else None
-        config = self._config("page-cache", "kernel (lru model)", room_bytes, slots, hit, load, mib * spread, seconds)
-        config.extra = {"page_cached_per_byte": spread}
-        return config
-
-    def _page_cache_ranges(self, room_bytes: int, spread: float, known: bool) -> Config:
-        facts = self.facts
         n = self.w.trace.shape.n_experts
         spans = [facts.spans[key // n][key % n] for key in range(self.w.n_keys)]
         measured = self.params.page_readahead if known else None
