@@ -311,3 +311,241 @@ def test_decode_steps_announce_themselves_to_the_clock_floor(server, listener):
     time.sleep(1.2)
     client(server).completions.create(model=NAME, prompt="Hello there", max_tokens=8, temperature=0)
     assert server.pid in listener.collect()
+
+
+def reference_greedy(engine, ids, n, bias=None, presence=0.0, frequency=0.0):
+    """Greedy decoding with OpenAI's logit_bias and penalties, one token at a time, written independently of the
+    server: logits[j] += bias[j]; logits[j] -= c[j] * frequency + (c[j] > 0) * presence; argmax; stop at EOS."""
+    from transformers.cache_utils import DynamicCache
+
+    model, tokenizer = engine
+    cache, counts, out = DynamicCache(config=model.config), {}, []
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(input_ids=inputs, cache=cache, use_cache=True).logits[0, -1].float().tolist()
+            for token, b in (bias or {}).items():
+                logits[token] += b
+            for token, c in counts.items():
+                logits[token] -= c * frequency + presence
+            token = max(range(len(logits)), key=logits.__getitem__)
+            out.append(token)
+            if token == model.generation_config.eos_token_id:
+                break
+            counts[token] = counts.get(token, 0) + 1
+            inputs = torch.tensor([[token]])
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def batched_steps(before: str, after: str) -> float:
+    """Decode steps between two /metrics scrapes that ran more than one sequence."""
+    count = "weightstream_decode_batch_size_count"
+    alone = ("weightstream_decode_batch_size_bucket", 'le="1.0"')
+    return metric(after, count) - metric(before, count) - (metric(after, *alone) - metric(before, *alone))
+
+
+def stream_in_background(server, body, path="/v1/completions"):
+    """Start a streamed request in a thread; returns (first chunk arrived, result dict: text, finished, error)."""
+    first, result = threading.Event(), {"text": [], "finished": False, "error": None}
+
+    def read() -> None:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream(
+            "POST", f"{server.url}{path}", json={**body, "stream": True}, headers=headers, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result["error"] = chunk["error"]
+                    break
+                choice = chunk["choices"][0]
+                result["text"].append((choice["delta"].get("content") or "") if "delta" in choice else choice["text"])
+                first.set()
+                if choice["finish_reason"]:
+                    result["finished"] = True
+        first.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    result["thread"] = thread
+    return first, result
+
+
+def test_a_tiny_temperature_neither_fails_nor_disturbs_its_batch(server, engine):
+    """temperature 1.5e-39 passes validation (>= 0); logits / 1.5e-39 overflow float32 and used to make the step's
+    sampling meet NaN, failing every request in the batch (issue 31). Now it samples as greedy (below 1e-5), and
+    the greedy request it ran beside gets its solo tokens."""
+    _, tokenizer = engine
+    want_long = greedy_text(engine, tokenizer("Paris").input_ids, 150)[0]
+    want_tiny = greedy_text(engine, tokenizer("Hello there").input_ids, 50)[0]
+    before = httpx.get(f"{server.url}/metrics").text
+    first, long = stream_in_background(server, {"model": NAME, "prompt": "Paris", "max_tokens": 150, "temperature": 0})
+    assert first.wait(60)
+    tiny = client(server).completions.create(model=NAME, prompt="Hello there", max_tokens=50, temperature=1.5e-39)
+    long["thread"].join(120)
+    assert long["error"] is None and long["finished"]
+    assert "".join(long["text"]) == want_long
+    assert tiny.choices[0].text == want_tiny
+    assert batched_steps(before, httpx.get(f"{server.url}/metrics").text) > 0  # they did decode together
+
+
+def openai_error(server, path, body, status=400):
+    """POST `body`; assert the answer is an OpenAI error object with `status`; returns its error."""
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", (body, r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def test_out_of_range_integers_and_malformed_bodies_get_400_error_objects(server):
+    """Integers no field can hold, and JSON Python cannot load (5000 digits, nesting past the recursion limit, a
+    lone surrogate), used to be plain-text 500s with a traceback in the log (issue 31)."""
+    hi = {"model": NAME, "prompt": "Hi", "max_tokens": 3}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    big = 10**30
+    cases = [
+        ("/v1/completions", {**hi, "seed": 2**64}, "seed"),
+        ("/v1/completions", {**hi, "seed": -(2**63) - 1}, "seed"),
+        ("/v1/chat/completions", {**chat, "seed": 2**64}, "seed"),
+        ("/v1/completions", {**hi, "max_tokens": big}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": big}, "max_completion_tokens"),
+        ("/v1/completions", {**hi, "n": big}, "n"),
+        ("/v1/completions", {**hi, "logprobs": big}, "logprobs"),
+        ("/v1/completions", {**hi, "best_of": big}, "best_of"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": big}, "top_logprobs"),
+        ("/v1/completions", {**hi, "prompt": [big]}, "prompt"),
+        ("/v1/completions", {**hi, "logit_bias": {str(big): 1}}, "logit_bias"),
+    ]
+    for path, body, param in cases:
+        error = openai_error(server, path, body)
+        assert error["param"] == param and param in error["message"], (body, error)
+    digits = b'{"model": "tiny-chat", "prompt": "Hi", "max_tokens": ' + b"1" * 5000 + b"}"
+    nested = b"[" * 100_000 + b"]" * 100_000
+    surrogate = b'{"model": "tiny-chat", "prompt": "\\ud800"}'
+    for body, words in ((digits, "4300 digits"), (nested, "nested"), (surrogate, "surrogate")):
+        error = openai_error(server, "/v1/completions", body)
+        assert words in error["message"] and error["param"] is None, error
+    assert "Traceback" not in server.stderr
+
+
+def test_logit_bias_forces_and_bans_tokens(server, engine):
+    _, tokenizer = engine
+    c = client(server)
+    forced = tokenizer("Paris").input_ids[-1]
+    got = c.completions.create(model=NAME, prompt="Hello there", max_tokens=12, temperature=0, logit_bias={forced: 100})
+    assert got.choices[0].text == tokenizer.decode([forced] * 12) and got.usage.completion_tokens == 12
+    ids = tokenizer("Once upon a time").input_ids
+    plain = c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text
+    first_id = int(generate(engine[0], torch.tensor([ids]), 1)[0][0, 0])
+    banned = c.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=12, temperature=0, logit_bias={str(first_id): -100}
+    )
+    want = reference_greedy(engine, ids, 12, bias={first_id: -100})
+    assert banned.choices[0].text == want != plain
+    sampled = c.completions.create(
+        model=NAME, prompt="Hello there", max_tokens=8, temperature=1.0, seed=3, logit_bias={forced: 100}
+    )
+    assert sampled.choices[0].text == tokenizer.decode([forced] * 8)  # +100 dominates sampling too
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(server, engine):
+    """A repetitive greedy answer ("Tell me a story" repeats "xtu"); the penalties change it to exactly what
+    OpenAI's formula gives, computed here without the server."""
+    _, tokenizer = engine
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    ids = chat_ids(tokenizer, messages)
+    c = client(server)
+    plain = c.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0)
+    plain_text = plain.choices[0].message.content
+    assert plain_text == reference_greedy(engine, ids, 40) and "xtuxtuxtu" in plain_text
+    for presence, frequency in ((2.0, 0.0), (0.0, 1.5), (-0.5, 0.8)):
+        got = c.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        )
+        want = reference_greedy(engine, ids, 40, presence=presence, frequency=frequency)
+        assert got.choices[0].message.content == want != plain_text, (presence, frequency)
+
+
+def test_a_biased_request_leaves_its_batch_neighbours_alone(server, engine):
+    _, tokenizer = engine
+    forced = tokenizer("Paris").input_ids[-1]
+    want = greedy_text(engine, tokenizer("The quick brown fox").input_ids, 24)[0]
+    before = httpx.get(f"{server.url}/metrics").text
+    body = {"model": NAME, "prompt": "Hello there", "max_tokens": 80, "temperature": 0, "presence_penalty": 1.0}
+    first, biased = stream_in_background(server, {**body, "logit_bias": {str(forced): 100}})
+    assert first.wait(60)
+    plain = client(server).completions.create(model=NAME, prompt="The quick brown fox", max_tokens=24, temperature=0)
+    biased["thread"].join(120)
+    assert plain.choices[0].text == want
+    assert "".join(biased["text"]) == reference_greedy(
+        engine, tokenizer("Hello there").input_ids, 80, bias={forced: 100}, presence=1.0
+    )
+    assert batched_steps(before, httpx.get(f"{server.url}/metrics").text) > 0
+
+
+def test_sampling_fields_out_of_range_and_unhonoured_fields_are_refused_by_name(server):
+    hi = {"model": NAME, "prompt": "Hi", "max_tokens": 3}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    refused = [
+        ("/v1/completions", {**hi, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {**hi, "logit_bias": {"5": 100.5}}, "logit_bias"),
+        ("/v1/completions", {**hi, "logit_bias": {"512": 1}}, "logit_bias"),
+        ("/v1/completions", {**hi, "logit_bias": [5]}, "logit_bias"),
+        ("/v1/completions", {**hi, "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {**chat, "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {**hi, "echo": True}, "echo"),
+        ("/v1/completions", {**hi, "best_of": 2}, "best_of"),
+        ("/v1/completions", {**hi, "suffix": "!"}, "suffix"),
+        ("/v1/completions", {**hi, "logprobs": 1}, "logprobs"),
+        ("/v1/chat/completions", {**chat, "n": 2}, "n"),
+        ("/v1/chat/completions", {**chat, "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {**chat, "function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {**chat, "parallel_tool_calls": True}, "parallel_tool_calls"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**chat, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("/v1/chat/completions", {**chat, "web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {**chat, "reasoning_effort": "high"}, "reasoning_effort"),
+    ]
+    for path, body, param in refused:
+        error = openai_error(server, path, body)
+        assert error["param"] == param and param in error["message"], (body, error)
+    ignored = {"user": "u-1", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (
+        ("/v1/completions", {**hi, **ignored, "best_of": 1, "echo": False, "logit_bias": {}}),
+        ("/v1/chat/completions", {**chat, **ignored, "tool_choice": "none", "logprobs": False, "modalities": ["text"]}),
+    ):
+        r = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_chat_without_max_tokens_does_not_hold_back_a_short_request(server):
+    """Such a chat may run to the context (here 317 tokens, most of the 341-position KV budget). It used to reserve
+    all of it at admission, so a 4-token completion waited for the whole chat (issue 31). Reservations now grow
+    with the sequences: the completion joins the running chat and is answered while the chat still streams."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    first, chat = stream_in_background(
+        server, {"model": NAME, "messages": messages, "temperature": 0}, "/v1/chat/completions"
+    )
+    assert first.wait(60)
+    short = client(server).completions.create(model=NAME, prompt="Hello there", max_tokens=4, temperature=0)
+    still_streaming = not chat["finished"]
+    chat["thread"].join(120)
+    assert short.usage.completion_tokens == 4
+    assert chat["finished"] and chat["error"] is None and len("".join(chat["text"])) > 200
+    assert still_streaming, "the short completion was answered only after the chat had finished"

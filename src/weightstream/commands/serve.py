@@ -46,6 +46,14 @@ def register(sub) -> None:
         "rereads most of its experts every step",
     )
     p.add_argument(
+        "--max-queue",
+        type=int,
+        default=128,
+        metavar="N",
+        help="requests that may wait for a place in the batch (default 128); beyond them a request gets HTTP 429 "
+        "with Retry-After at once",
+    )
+    p.add_argument(
         "--batch-beyond-cache",
         action="store_true",
         help="batch up to --max-batch even when the batch's experts overflow the expert cache",
@@ -60,7 +68,8 @@ def register(sub) -> None:
         "--kv-cache",
         default="1GiB",
         metavar="SIZE",
-        help="KV cache budget of the running batch; requests that would exceed it wait (default 1GiB)",
+        help="KV cache budget of the running batch; requests that would exceed it wait, and when running ones grow "
+        "past it the newest goes back to wait (default 1GiB)",
     )
     p.add_argument(
         "--shutdown-grace",
@@ -98,6 +107,7 @@ def run(args) -> int:
         engine=engine_kwargs(args),
         model_name=args.served_model_name or _default_name(args.model),
         max_batch=args.max_batch,
+        max_queue=args.max_queue,
         batch_beyond_cache=args.batch_beyond_cache,
         max_model_len=args.max_model_len,
         kv_cache=args.kv_cache,

@@ -1,9 +1,9 @@
 """`weightstream serve`: an OpenAI-compatible HTTP server over the streaming engine, with batched decode.
 
-sampling: per-request greedy / temperature / top-p with its own generator; text: generated ids to text with stop
-strings; sequence: one request's state and the events it sends; batch: the running sequences' KV caches as one
-left-padded DynamicCache; scheduler: the thread that owns the model (admission, prefill, one forward per decode
-step); steps: per-step records (distinct experts per layer against batch x top-k) and the step log; metrics:
-Prometheus metrics; protocol: OpenAI request and response shapes and error objects; app: the FastAPI routes;
-server: loading, uvicorn, graceful shutdown.
+sampling: per-request logit bias and penalties, greedy / temperature / top-p with its own generator; text:
+generated ids to text with stop strings; sequence: one request's state and the events it sends; batch: the running
+sequences' KV caches as one left-padded DynamicCache; scheduler: the thread that owns the model (admission and
+preemption, prefill, one forward per decode step); steps: per-step records (distinct experts per layer against
+batch x top-k) and the step log; metrics: Prometheus metrics; protocol: OpenAI request and response shapes and
+error objects; app: the Starlette routes; server: loading, uvicorn, graceful shutdown.
 """

@@ -1,6 +1,7 @@
 """The HTTP API (Starlette): OpenAI-style completions and chat completions, models, health and metrics.
 
-Every error is an OpenAI error object with a 4xx/5xx status, and nothing about it reaches the scheduler. A
+Every error is an OpenAI error object with a 4xx/5xx status, and nothing about it reaches the scheduler; an
+unexpected exception (a bug) is one too, a 500, with its traceback in the log. A
 streamed answer is server-sent events ending in `data: [DONE]`; when its client disconnects, Starlette cancels
 the stream and the sequence is cancelled with it (it leaves the batch at the next step boundary).
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
 import time
+import traceback
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -66,6 +69,14 @@ class _Api:
                 response = await handler(request)
             except ApiError as exc:
                 response = _api_error(request, exc)
+            except Exception as exc:  # a bug, not the client's doing: it still gets an error object
+                print(f"weightstream serve: {request.method} {request.url.path} failed:", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
+                message = (
+                    f"internal error: {type(exc).__name__}: {exc}; this is a bug in weightstream serve: please report "
+                    "it with the request that caused it"
+                )
+                response = _api_error(request, ApiError(500, message))
             self.stats.requests.labels(endpoint, str(response.status_code)).inc()
             return response
 
@@ -207,7 +218,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _api_error(request: Request, exc: ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:

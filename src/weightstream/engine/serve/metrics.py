@@ -117,6 +117,11 @@ class _LiveCollector:
         lookups = stats.hits + stats.misses
         yield _gauge("weightstream_queue_depth", "Requests waiting to be admitted", sched.queued)
         yield _gauge("weightstream_running_batch_size", "Sequences decoding now", sched.running)
+        yield _counter(
+            "weightstream_preemptions",
+            "Sequences sent back to wait (their KV dropped, prefilled again later) so the batch fits the KV budget",
+            sched.preemptions,
+        )
         yield _gauge("weightstream_kv_cache_bytes", "Bytes held by the running batch's KV cache", sched.kv_bytes)
         yield _gauge("weightstream_kv_cache_budget_bytes", "The KV budget (--kv-cache)", sched.kv_budget_bytes)
         yield _gauge(

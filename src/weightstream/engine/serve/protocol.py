@@ -1,28 +1,45 @@
 """The OpenAI API's request and response shapes for /v1/completions and /v1/chat/completions, and its error object.
 
 Requests are validated by pydantic models (unknown fields are accepted and ignored, as OpenAI-compatible servers
-do); fields whose meaning this server cannot honour are refused by name instead of silently ignored.
+do); fields whose meaning this server cannot honour are refused by name instead of silently ignored. Every field
+has its range: a value outside it is a 400 that names the field, never a failure further in.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+INT64 = 2**63  # seed: OpenAI's range, -2^63 .. 2^63 - 1
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: biases in -100 .. 100
+PENALTY_LIMIT = 2.0  # OpenAI: presence_penalty and frequency_penalty in -2 .. 2
 
 
 class ApiError(Exception):
     """An OpenAI-style error: HTTP `status` and the body {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # extra response headers (Retry-After on a 429)
 
     @property
     def type(self) -> str:
         # as OpenAI labels them: a wrong key or an unknown model is an invalid request too, told apart by `code`
+        if self.status == 429:
+            return "rate_limit_error"
         return "server_error" if self.status >= 500 else "invalid_request_error"
 
     def body(self) -> dict:
@@ -40,14 +57,32 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias added to its logit
+    presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_and_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not re.fullmatch(r"[0-9]{1,18}", key):  # 18 digits: any vocabulary, and int() stays cheap
+                raise ValueError(
+                    f'key {key[:40]!r} is not a token id; keys are token ids as decimal strings, e.g. {{"1234": -100}}'
+                )
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # NaN fails this too
+                raise ValueError(f"token {key}: bias {value} is outside -100..100; send a bias in that range")
+        return bias
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
 
 
 class TextPart(BaseModel):
@@ -65,51 +100,90 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins when both are set
-    logprobs: bool | None = None
-    tools: list | None = None
-    response_format: dict | None = None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # the legacy endpoint's default
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
 
-# (field, value that is fine) for fields a request may send but this server cannot honour otherwise
-_CHAT_UNSUPPORTED = (("n", 1), ("logprobs", None), ("tools", None), ("response_format", None))
-_COMPLETION_UNSUPPORTED = (("n", 1), ("echo", False), ("logprobs", None), ("best_of", None), ("suffix", None))
+# Fields of OpenAI's API that change the answer and that this server cannot honour, each with the values that ask
+# for nothing it lacks: any other value is refused by name rather than ignored. Fields that change nothing in the
+# answer (user, metadata, store, service_tier, prediction, ...) are accepted and ignored, as unknown fields are.
+_CHAT_UNSUPPORTED = (
+    ("n", (1,)),
+    ("logprobs", (None, False)),
+    ("top_logprobs", (None,)),
+    ("tools", (None, [])),
+    ("tool_choice", (None, "none")),
+    ("functions", (None, [])),
+    ("function_call", (None, "none")),
+    ("parallel_tool_calls", (None,)),
+    ("response_format", (None, {"type": "text"})),
+    ("audio", (None,)),
+    ("modalities", (None, ["text"])),
+    ("web_search_options", (None,)),
+    ("reasoning_effort", (None,)),
+    ("verbosity", (None,)),
+)
+_COMPLETION_UNSUPPORTED = (
+    ("n", (1,)),
+    ("echo", (False,)),
+    ("logprobs", (None,)),
+    ("best_of", (None, 1)),
+    ("suffix", (None, "")),
+)
 
 
 def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
     """The validated request, or a 400 that names the field and what is wrong with it."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body is JSON {type(data).__name__}; send a JSON object")
+    data = _load_json(raw)
     try:
         request = kind.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
-    _refuse_unsupported(request, data)
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}", param=param) from None
+    _refuse_unsupported(request)
     return request
 
 
-def _refuse_unsupported(request: _Request, data: dict) -> None:
+def _load_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 for anything Python's json cannot turn into one the server can use."""
+    try:
+        data = json.loads(raw)
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (\ud800) loads, then fails every encoder
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    except UnicodeEncodeError:
+        raise ApiError(
+            400,
+            "the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not "
+            "text; send valid Unicode",
+        ) from None
+    except ValueError:  # an integer literal past Python's digit limit
+        raise ApiError(
+            400,
+            f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits, which no field "
+            "takes; send numbers in each field's range",
+        ) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is JSON nested too deeply to read; send a JSON object") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body is JSON {type(data).__name__}; send a JSON object")
+    return data
+
+
+def _refuse_unsupported(request: _Request) -> None:
     pairs = _CHAT_UNSUPPORTED if isinstance(request, ChatRequest) else _COMPLETION_UNSUPPORTED
     for field, fine in pairs:
-        value = getattr(request, field)
-        if value != fine and not (field == "logprobs" and value is False):
-            raise ApiError(400, f"{field}={value!r} is not supported by this server; leave it out", param=field)
-    if isinstance(request, ChatRequest) and request.response_format not in (None, {"type": "text"}):
-        raise ApiError(400, "response_format is not supported by this server; leave it out", "response_format")
+        value = getattr(request, field, None)  # declared, or an unknown field the request sent
+        if not any(value == ok and type(value) is type(ok) for ok in fine):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise ApiError(400, f"{field}={shown} is not supported by this server; leave {field} out", param=field)
 
 
 def message_dicts(request: ChatRequest) -> list[dict]:

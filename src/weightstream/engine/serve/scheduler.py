@@ -1,10 +1,15 @@
 """One thread owns the model: each step it admits waiting requests (a prefill each, alone), then decodes every
 running sequence in one forward, so each MoE layer looks up the union of the batch's experts once per step.
 
-Admission is first come, first served, bounded by `max_batch` rows and by the KV budget: a padded batch of B rows
-whose longest sequence may reach N positions holds at most B x N x (KV bytes per position), and a request joins
-only when that bound, counted with its own reservation (prompt + max_tokens), stays within the budget. Requests
-that do not fit wait; one that could never fit is refused before it is queued (`check_fits`).
+Admission is first come, first served, bounded by `max_batch` rows and by the KV budget. A padded batch of B rows
+of L positions holds B x L x (KV bytes per position). Reservations grow with the sequences: a request joins when
+(B + 1) x the longest reach stays within the budget, where a sequence's reach is the positions it may hold
+`kv_headroom` steps from now (capped at its prompt + max_tokens), so a long request does not hold back short ones
+for the positions it has yet to use. Before each decode step, if B x (L + 1) would exceed the budget, the newest
+sequence is preempted: its KV is dropped and it waits at the head of the queue, to be prefilled again with its
+prompt and the tokens it has so far once there is room (its sampler and its text carry on). A lone sequence always
+fits: one whose own prompt + max_tokens exceeds the budget is refused before it is queued (`check_fits`). At most
+`max_queue` requests wait; more are refused (429) at once.
 
 With an expert cache smaller than the model, a third bound (`ExpertCacheFit`): a row joins only while the batch's
 expected distinct experts per step fit the cache's slots. A step that needs more evicts, within the step, what the
@@ -26,13 +31,16 @@ from transformers.cache_utils import DynamicCache
 from weightstream.engine.serve.batch import DecodeBatch
 from weightstream.engine.serve.sequence import Sequence
 
+KV_HEADROOM = 64  # positions past its current length that admission reserves for each sequence
+RETRY_AFTER_S = 1  # what a 429 for a full queue tells the client to wait
+
 
 class Refused(Exception):
     """A request the scheduler will not take: `status` is the HTTP status, the message says what to do."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code, self.retry_after_s = status, code, retry_after_s
 
 
 class ExpertCacheFit:
@@ -57,7 +65,8 @@ class ExpertCacheFit:
 
 class Scheduler:
     """Runs submitted sequences to completion on `model`; `hooks` see each step (routing replay, step records);
-    `expert_fit` (an `ExpertCacheFit`, or None for no such bound) caps the batch by the expert cache."""
+    `expert_fit` (an `ExpertCacheFit`, or None for no such bound) caps the batch by the expert cache; `max_queue`
+    bounds the requests waiting for admission; `kv_headroom` is what admission reserves past a sequence's length."""
 
     def __init__(
         self,
@@ -68,14 +77,20 @@ class Scheduler:
         hooks=(),
         observer=None,
         expert_fit=None,
+        max_queue: int = 128,
+        kv_headroom: int = KV_HEADROOM,
     ):
         self.model, self.max_batch, self.expert_fit = model, max_batch, expert_fit
         self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
+        self.max_queue, self.kv_headroom = max_queue, kv_headroom
         self.hooks, self.observer = list(hooks), observer
         self.batch = DecodeBatch()
         self.kv_bytes = 0  # the batch's KV bytes after the last step (read by metrics from other threads)
+        self.preemptions = 0  # sequences sent back to the queue to make room (read by metrics)
         self.waiting: deque[Sequence] = deque()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._queued = 0  # in the inbox or waiting: counted under the lock, so the bound holds across threads
+        self._queue_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
         self.accepting = True
@@ -91,7 +106,7 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return len(self.waiting) + self._inbox.qsize()
+        return self._queued
 
     def check_fits(self, kv_tokens: int) -> None:
         """Refuse (400) a request whose own KV reservation exceeds the whole budget: it could never run."""
@@ -110,6 +125,17 @@ class Scheduler:
         if not self.accepting:
             raise Refused("the server is shutting down; retry on another instance", 503)
         self.check_fits(seq.kv_tokens)
+        with self._queue_lock:
+            if self._queued >= self.max_queue:
+                raise Refused(
+                    f"{self._queued} requests are already waiting for a place in the batch, as many as this server "
+                    f"queues (--max-queue {self.max_queue}); retry after {RETRY_AFTER_S} s (Retry-After), or send "
+                    "it to another instance",
+                    429,
+                    "queue_full",
+                    RETRY_AFTER_S,
+                )
+            self._queued += 1
         self._inbox.put(seq)
         self._wake.set()
 
@@ -135,6 +161,7 @@ class Scheduler:
                 self._fail_all("the server is shutting down; this request did not finish within the shutdown grace")
             self._admit()
             if self.batch.seqs:
+                self._make_room()
                 self._guarded(self.batch.seqs, self._decode_step)
             else:  # idle: a submit wakes us; the timeout only bounds how late a drain deadline is noticed
                 self._wake.wait(0.05)
@@ -148,18 +175,27 @@ class Scheduler:
             except queue.Empty:
                 return
 
+    def _unqueue(self, n: int = 1) -> None:
+        with self._queue_lock:
+            self._queued -= n
+
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(seq)
+            self._unqueue()
             self._ended(seq, "cancelled")
         gone = {s.id for s in self.batch.seqs if s.cancelled}
         for seq in [s for s in self.batch.seqs if s.id in gone]:
             self._ended(seq, "cancelled")
         self.batch.leave(gone)
 
+    def _reach(self, seq: Sequence) -> int:
+        """Positions `seq` may hold `kv_headroom` steps from now: what admission reserves for it."""
+        return min(seq.kv_tokens, len(seq.prompt_ids) + len(seq.generated) + self.kv_headroom)
+
     def _fits(self, seq: Sequence) -> bool:
         rows = len(self.batch) + 1
-        longest = max([s.kv_tokens for s in self.batch.seqs] + [seq.kv_tokens])
+        longest = max(self._reach(s) for s in [*self.batch.seqs, seq])
         if rows > self.max_batch or rows * longest * self.kv_bytes_per_token > self.kv_budget_bytes:
             return False
         return self.expert_fit is None or self.expert_fit(rows)
@@ -167,14 +203,29 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and not self._stop and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
+            self._unqueue()
             self._guarded([seq], self._prefill, seq)
 
+    def _make_room(self) -> None:
+        """Preempt the newest sequences until the step's padded KV, rows x (length + 1), fits the budget."""
+        while len(self.batch) > 1 and (
+            len(self.batch) * (self.batch.length + 1) * self.kv_bytes_per_token > self.kv_budget_bytes
+        ):
+            seq = self.batch.seqs[-1]  # rows are in the order they joined
+            self.batch.leave({seq.id})
+            self.waiting.appendleft(seq)
+            with self._queue_lock:
+                self._queued += 1
+            self.preemptions += 1
+
     def _prefill(self, seq: Sequence) -> None:
-        """The prompt alone through the model, as `generate` runs it; the sequence then joins the batch."""
+        """The prompt alone through the model, as `generate` runs it; the sequence then joins the batch. A preempted
+        sequence comes back with its prompt and the tokens it has so far (a routing replay's cursor moves on)."""
         cache = DynamicCache(config=self.model.config)
-        n = len(seq.prompt_ids)
+        ids = seq.prompt_ids + seq.generated
+        n = len(ids)
         inputs = {
-            "input_ids": torch.tensor([seq.prompt_ids]),
+            "input_ids": torch.tensor([ids]),
             "attention_mask": torch.ones(1, n, dtype=torch.long),
             "position_ids": torch.arange(n).unsqueeze(0),
             "cache": cache,
@@ -197,7 +248,13 @@ class Scheduler:
         gone = set()
         for row, seq in enumerate(seqs):
             cancelled = seq.cancelled  # read once: a client may go away while this loop runs
-            if cancelled or seq.append(seq.sampler(logits[row])):
+            try:
+                finished = cancelled or seq.append(seq.sampler(logits[row]))
+            except Exception as exc:  # this row's own sampling or text: it fails alone, the others keep their tokens
+                self._fail([seq], "picking this request's next token failed", exc)
+                gone.add(seq.id)
+                continue
+            if finished:
                 gone.add(seq.id)
                 self._ended(seq, "cancelled" if cancelled else "finished")
         self.batch.leave(gone)
@@ -218,18 +275,23 @@ class Scheduler:
         try:
             step(*args)
         except Exception as exc:  # an I/O error in an expert read, a bug: the requests get it, the server lives
-            print(f"weightstream serve: step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            for seq in list(seqs):
-                if not seq.done:
-                    seq.fail(f"the engine failed on this request: {type(exc).__name__}: {exc}", 500)
-                    self._ended(seq, "failed")
+            self._fail(list(seqs), "the engine failed on this request", exc)
             self.batch.leave({s.id for s in seqs})
+
+    def _fail(self, seqs: list[Sequence], what: str, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        print(f"weightstream serve: {len(seqs)} request(s) failed: {what}: {reason}", file=sys.stderr)
+        for seq in seqs:
+            if not seq.done:
+                seq.fail(f"{what}: {reason}", 500)
+                self._ended(seq, "failed")
 
     def _fail_all(self, message: str) -> None:
         self._take_arrivals()
         for seq in list(self.waiting) + list(self.batch.seqs):
             seq.fail(message, 503)
             self._ended(seq, "shutdown")
+        self._unqueue(len(self.waiting))
         self.waiting.clear()
         self.batch.leave({s.id for s in self.batch.seqs})
 

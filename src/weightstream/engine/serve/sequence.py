@@ -64,7 +64,7 @@ class Sequence:
 
     @property
     def kv_tokens(self) -> int:
-        """KV cache positions this sequence may reach: what its admission reserves."""
+        """KV cache positions this sequence may reach (prompt + max_tokens): its reservation's cap."""
         return len(self.prompt_ids) + self.params.max_tokens
 
     def cancel(self) -> None:

@@ -29,6 +29,7 @@ class ServeSettings:
     engine: dict = field(default_factory=dict)  # load_streaming_model keyword arguments
     model_name: str | None = None  # the name clients send as `model` (default: the directory's name)
     max_batch: int = 8
+    max_queue: int = 128  # requests waiting for admission; more get 429
     batch_beyond_cache: bool = False  # batch past what the expert cache holds (scheduler.ExpertCacheFit)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache: str = "1GiB"
@@ -41,6 +42,8 @@ class ServeSettings:
     def __post_init__(self):
         if self.max_batch < 1:
             raise WeightstreamError(f"--max-batch {self.max_batch}: must be at least 1")
+        if self.max_queue < 1:
+            raise WeightstreamError(f"--max-queue {self.max_queue}: must be at least 1 (every request waits briefly)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise WeightstreamError(f"--max-model-len {self.max_model_len}: must be at least 2 (a prompt and a token)")
         if self.shutdown_grace_s < 0:
@@ -66,8 +69,8 @@ def _warn_ignored_generation_settings(config) -> None:
         value = getattr(config, name, neutral)
         if value not in (neutral, None):
             print(
-                f"weightstream serve: note: generation_config.json sets {name}={value!r}; serve applies only "
-                "temperature, top_p, stop and max_tokens, so its greedy output can differ from `generate`'s",
+                f"weightstream serve: note: generation_config.json sets {name}={value!r}; serve applies only the "
+                "request's sampling fields, so its greedy output can differ from `generate`'s",
                 file=sys.stderr,
             )
 
@@ -132,7 +135,14 @@ class ModelService:
         model.weightstream.routing_observer = self.recorder
         hooks = [self._replay(), self.recorder] if s.routing_trace else [self.recorder]
         self.scheduler = Scheduler(
-            model, s.max_batch, s.kv_budget_bytes, self.kv_bytes_per_token, hooks, self.observer, self._expert_fit()
+            model,
+            s.max_batch,
+            s.kv_budget_bytes,
+            self.kv_bytes_per_token,
+            hooks,
+            self.observer,
+            self._expert_fit(),
+            max_queue=s.max_queue,
         )
         self.scheduler.start()
 
@@ -229,12 +239,30 @@ class ModelService:
             raise ApiError(400, "prompt: it is empty (0 tokens); send at least one token", "prompt")
         if min(ids) < 0 or max(ids) >= vocab:
             raise ApiError(400, f"prompt: token ids must be in 0..{vocab - 1} for this model", "prompt")
+        bias = request.bias_pairs()
+        outside = [token for token, _ in bias if token >= vocab]
+        if outside:
+            raise ApiError(
+                400,
+                f"logit_bias: token id {outside[0]} is outside this model's vocabulary (0..{vocab - 1}); bias only "
+                "ids its tokenizer produces",
+                "logit_bias",
+            )
         max_tokens = self._max_tokens(request, len(ids))
         try:
             self.scheduler.check_fits(len(ids) + max_tokens)
         except Refused as exc:
             raise ApiError(exc.status, str(exc), "max_tokens") from None
-        params = SamplingParams(max_tokens, request.temperature, request.top_p, request.seed, request.stop_strings())
+        params = SamplingParams(
+            max_tokens,
+            request.temperature,
+            request.top_p,
+            request.seed,
+            request.stop_strings(),
+            bias,
+            request.presence_penalty,
+            request.frequency_penalty,
+        )
         return Sequence(ids, params, self.tokenizer, self.eos_ids, emit)
 
     def _max_tokens(self, request, n: int) -> int:
@@ -247,6 +275,7 @@ class ModelService:
                 "prompt",
                 "context_length_exceeded",
             )
+        field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         explicit = getattr(request, "max_completion_tokens", None) or (
             request.max_tokens if "max_tokens" in request.model_fields_set else None
         )
@@ -256,9 +285,9 @@ class ModelService:
         if explicit > room:
             raise ApiError(
                 400,
-                f"max_tokens: {explicit} new tokens after a {n}-token prompt exceed this server's context of "
+                f"{field}: {explicit} new tokens after a {n}-token prompt exceed this server's context of "
                 f"{self.max_model_len} tokens; ask for at most {room}",
-                "max_tokens",
+                field,
                 "context_length_exceeded",
             )
         return explicit
@@ -267,4 +296,5 @@ class ModelService:
         try:
             self.scheduler.submit(seq)
         except Refused as exc:
-            raise ApiError(exc.status, str(exc)) from None
+            headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+            raise ApiError(exc.status, str(exc), code=exc.code, headers=headers) from None
