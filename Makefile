@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || $(PY) -m pip install -q 'torch>=2.9'
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q 'setuptools>=77' wheel
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	touch $@
 
 venv: $(VENV)/.installed

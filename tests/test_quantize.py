@@ -33,15 +33,18 @@ PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model, tmp_path_factory):
-    """quantized(arch, bits, dtype) -> directory of the tiny model's experts quantized, built once."""
+    """quantized(arch, bits, dtype, kernel) -> directory of the tiny model's experts quantized, built once: torch's
+    layouts (int4 in groups of 32) or GGML blocks for the native kernels (Q8_0, Q4_1: hidden 64 is no Q4_K)."""
     built = {}
 
-    def make(arch: str, bits: int, dtype: str = "bf16") -> str:
-        if (arch, bits, dtype) not in built:
-            out = str(tmp_path_factory.mktemp(f"q{bits}-{arch}-{dtype}") / "model")
-            quantize_checkpoint(tiny_model(arch, dtype), out, bits, 32 if bits == 4 else None)
-            built[(arch, bits, dtype)] = out
-        return built[(arch, bits, dtype)]
+    def make(arch: str, bits: int, dtype: str = "bf16", kernel: str = "torch") -> str:
+        key = (arch, bits, dtype, kernel)
+        if key not in built:
+            out = str(tmp_path_factory.mktemp(f"q{bits}-{arch}-{dtype}-{kernel}") / "model")
+            group = 32 if bits == 4 and kernel == "torch" else None
+            quantize_checkpoint(tiny_model(arch, dtype), out, bits, group, kernel=kernel)
+            built[key] = out
+        return built[key]
 
     return make
 
@@ -124,12 +127,14 @@ def _logits(model_dir, **kwargs):
         model.weightstream.close()
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("arch", sorted(TINY))
-def test_streamed_logits_equal_resident_bitwise(quantized, arch, bits):
-    model_dir = quantized(arch, bits)
+def test_streamed_logits_equal_resident_bitwise(quantized, arch, bits, kernel):
+    model_dir = quantized(arch, bits, kernel=kernel)
     tokens, logits, runtime = _logits(model_dir, expert_cache="100x", io_threads=2)
-    assert runtime.kernels and all(k == f"int{bits}-packed" for k in runtime.kernels.values())
+    name = f"int{bits}-packed" if kernel == "torch" else f"{'q8_0' if bits == 8 else 'q4_1'}-native"
+    assert runtime.kernels and all(k == name for k in runtime.kernels.values())
     for size in ("1x", "1.5x", "4x"):
         for threads in (1, 2, 8):
             got_tokens, got_logits, _ = _logits(model_dir, expert_cache=size, io_threads=threads)
@@ -196,9 +201,11 @@ def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_pa
         (("quantize", src, "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "b")), "for --bits 4"),
         (("quantize", quantized("olmoe", 8), "--bits", "4", "--out", str(tmp_path / "c")), "already quantized"),
         (
-            ("quantize", narrow, "--bits", "8", "--out", str(tmp_path / "d")),
+            ("quantize", narrow, "--bits", "8", "--kernel", "torch", "--out", str(tmp_path / "d")),
             "40 inputs; int8 experts need a multiple of 16 (no int8 or int4 scheme fits",
         ),
+        (("quantize", narrow, "--bits", "8", "--out", str(tmp_path / "e")), "q8_0 needs inputs in whole blocks of 32"),
+        (("quantize", src, "--bits", "4", "--kernel", "cuda", "--out", str(tmp_path / "f")), "invalid choice"),
         (("quantize", src, "--bits", "8", "--out", str(a_file)), "exists and is a file"),
         (("quantize", src, "--bits", "8", "--out", str(a_file), "--force"), "exists and is a file"),
         (("quantize", src, "--bits", "8", "--out", str(existing), "--force"), "weightstream did not write it"),
@@ -240,16 +247,18 @@ def test_force_replaces_only_what_weightstream_wrote(tiny_model, tmp_path):
 
 
 def test_the_tiny_preset_quantizes_and_every_hint_is_a_command_that_works(tmp_path):
-    """`synth --preset tiny` (hidden 64) quantizes; the default group (128) is refused with a hint, and the
-    hinted flags then work."""
+    """`synth --preset tiny` (hidden 64) quantizes with the native kernels (Q8_0, Q4_1); with torch's, the
+    default int4 group (128) is refused with a hint, and the hinted flags then work."""
     src = str(tmp_path / "tiny")
     assert _cli("synth", "--preset", "tiny", "--out", src).returncode == 0
-    assert _cli("quantize", src, "--bits", "8", "--out", str(tmp_path / "q8")).returncode == 0
-    r = _cli("quantize", src, "--bits", "4", "--out", str(tmp_path / "q4"))
+    for bits in ("8", "4"):
+        r = _cli("quantize", src, "--bits", bits, "--out", str(tmp_path / f"q{bits}"), "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["scheme"] == {"8": "q8_0", "4": "q4_1"}[bits], r.stderr
+    r = _cli("quantize", src, "--kernel", "torch", "--bits", "4", "--out", str(tmp_path / "t4"))
     assert r.returncode == 2 and "(use --bits 4 --group-size 64 or --bits 8)" in r.stderr, r.stderr
     flags = r.stderr.split("(use ")[1].split(")")[0].split(" or ")
     for i, hint in enumerate(flags):
-        r = _cli("quantize", src, *hint.split(), "--out", str(tmp_path / f"hint{i}"))
+        r = _cli("quantize", src, "--kernel", "torch", *hint.split(), "--out", str(tmp_path / f"hint{i}"))
         assert r.returncode == 0, (hint, r.stderr)
 
 
@@ -390,12 +399,15 @@ def test_a_foreign_int4_layout_is_refused_naming_the_fix(quantized, tmp_path):
         load_streaming_model(model_dir)
 
 
-def test_the_default_group_of_128_streams_bitwise_as_resident(tiny_model, tmp_path):
-    """Every other compute test quantizes with groups of 32; the default (128) needs inputs of 128 or more."""
-    src = tiny_model("qwen3_moe", "bf16", hidden_size=128, moe_intermediate_size=128, head_dim=32)
-    out = str(tmp_path / "g128")
-    quantize_checkpoint(src, out, 4)
-    assert read_manifest(out).group_size == 128
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_the_default_4_bit_formats_stream_bitwise_as_resident(tiny_model, tmp_path, kernel):
+    """The tiny models take neither default: torch's int4 groups of 128 need inputs of 128 or more, the native
+    Q4_K super-blocks of 256 (every other compute test runs groups of 32 and Q4_1)."""
+    src = tiny_model("qwen3_moe", "bf16", hidden_size=256, moe_intermediate_size=256, head_dim=64)
+    out = str(tmp_path / kernel)
+    quantize_checkpoint(src, out, 4, kernel=kernel)
+    fmt = read_manifest(out)
+    assert (fmt.scheme, fmt.group_size) == (("int4", 128) if kernel == "torch" else ("q4_k", None))
     tokens, logits, _ = _logits(out, expert_cache="100x", io_threads=2)
     for size, threads in (("1x", 1), ("1.5x", 8)):
         got_tokens, got_logits, _ = _logits(out, expert_cache=size, io_threads=threads)
@@ -452,5 +464,5 @@ def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model):
     ]
     table, nbytes = blob_layout(entries)
     quant = QuantFormat("int8", "bfloat16", table, nbytes)
-    with pytest.raises(WeightstreamError, match=r"torch.s int8 kernel is off by [0-9.]+% .* \(more than 3%"):
+    with pytest.raises(WeightstreamError, match=r"the int8-packed kernel is off by \S+% .* \(more than 3%"):
         quantized_kernel_for(module, quant)

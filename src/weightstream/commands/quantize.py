@@ -10,9 +10,10 @@ def register(sub) -> None:
     p = sub.add_parser(
         "quantize",
         help="rewrite a checkpoint's experts as int8 or int4 (a quarter of the bytes per miss at 4 bits)",
-        description="Quantize every routed expert of MODEL_DIR by round-to-nearest: --bits 8 with one scale per "
-        "output channel, --bits 4 with a scale and zero per group of inputs. Each expert becomes one blob in the "
-        "layout torch's CPU kernel takes, so a cache miss is one O_DIRECT read and nothing is repacked; dense "
+        description="Quantize every routed expert of MODEL_DIR by round-to-nearest, in blocks of 32 inputs for "
+        "weightstream's native kernels (Q8_0, Q4_K, Q4_1: GGML's block formats, docs/kernels.md) or in torch's "
+        "packed layouts (--kernel torch). Each expert becomes one blob in the layout its kernel takes, so a cache "
+        "miss is one O_DIRECT read and nothing is repacked; dense "
         "weights (attention, norms, router, embeddings, shared experts) keep their precision. The result is a "
         "model directory that generate, bench, trace record, simulate and serve take as they are. It streams: one "
         "expert at a time, never the whole model in memory; the output appears only when complete.",
@@ -21,12 +22,20 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: int8 per output channel; 4: int4")
+    p.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8 or 4 bits per expert weight")
+    p.add_argument(
+        "--kernel",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="native: GGML blocks for weightstream's native kernels (8: Q8_0; 4: Q4_K, or Q4_1 where an input "
+        "size is not a multiple of 256); torch: torch's packed layouts (8: one scale per output channel; 4: "
+        "--group-size groups). auto (default): native where the kernels are built and no --group-size is given",
+    )
     p.add_argument(
         "--group-size",
         type=int,
         metavar="N",
-        help="int4 only: inputs per scale/zero, one of 32, 64, "
+        help="torch int4 only: inputs per scale/zero, one of 32, 64, "
         "128, 256 (default 128; docs/quantization.md, 'Choosing the group size', gives the measured reason)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must be empty unless --force)")
@@ -42,7 +51,9 @@ def run(args) -> int:
     from weightstream.store.quantize import quantize_checkpoint
 
     with byte_progress(f"quantizing {args.model} to int{args.bits}") as progress:
-        result = quantize_checkpoint(args.model, args.out, args.bits, args.group_size, args.force, progress)
+        result = quantize_checkpoint(
+            args.model, args.out, args.bits, args.group_size, args.force, progress, args.kernel
+        )
     summary = {
         "out": result.out_dir,
         "scheme": result.scheme,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from weightstream.engine import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.quant import dequantize_int4, dequantize_int8, torch_int4_layout, unpack_int4
 from weightstream.store.quant_format import QuantFormat
@@ -65,29 +66,51 @@ class OneExpertEager:
 
 
 # Rows per expert from which a projection dequantizes its weight once and multiplies in the activation dtype
-# instead of calling torch's packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the
-# two cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
-DEQUANT_ROWS = {"int8": 32, "int4": 128}
+# instead of calling a packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the two
+# cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
+DEQUANT_ROWS = {"int8": 32, "int4": 128, "q8_0": 16, "q4_1": 16, "q4_k": 16}
 
 
 class QuantizedExperts:
-    """int8 / int4 experts of a `weightstream quantize` checkpoint: each projection by torch's packed-weight kernel
-    (few rows) or dequantized once (many rows), the module's own gate between them, biases as stored."""
+    """Quantized experts of a `weightstream quantize` checkpoint or a GGUF import: each projection by a
+    packed-weight kernel (few rows: torch's for int8/int4, the native one for GGML blocks) or dequantized once
+    (many rows), the module's own gate between them, biases as stored."""
 
     def __init__(self, module: torch.nn.Module, quant: QuantFormat):
-        self.name = f"{quant.scheme}-packed"
+        self.name = f"{quant.scheme}-native" if quant.native else f"{quant.scheme}-packed"
         self.scheme, self.group, self.layout = quant.scheme, quant.group_size, quant.int4_layout
+        self.quant = quant
+        self.blocks = self._blocks(quant.tensors)
         self.gate = module._apply_gate if module.has_gate else module.act_fn
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
         self.dequant_rows = DEQUANT_ROWS[quant.scheme]
+
+    def _blocks(self, table) -> dict:
+        return {t.name: (t.dtype, *t.shape) for t in table if self.quant.native and len(t.shape) == 2}
+
+    def for_layer(self, layer: int) -> QuantizedExperts:
+        """This kernel for the experts of one decoder layer (whose block types may be its own)."""
+        if not self.quant.layer_tables or layer not in self.quant.layer_tables:
+            return self
+        kernel = copy.copy(self)
+        kernel.blocks = self._blocks(self.quant.table(layer)[0])
+        return kernel
 
     def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
         hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
         return self.project(hidden, params, "down_proj") * weights  # (n, D)
 
     def project(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
-        q, scales = params[f"{name}.qweight"], params[f"{name}.scales"]
+        q = params[f"{name}.qweight"]
+        if self.blocks:
+            wtype, n, k = self.blocks[f"{name}.qweight"]
+            if x.shape[0] >= self.dequant_rows:
+                y = F.linear(x, native.dequantize(q, wtype, n, k).to(x.dtype))
+            else:
+                y = native.qmm(x, q, wtype, n, k).to(x.dtype)
+            return y + params[f"{name}_bias"] if self.bias else y
+        scales = params[f"{name}.scales"]
         if x.shape[0] >= self.dequant_rows:
             y = F.linear(x, self.dequantize(q, scales))
         elif self.scheme == "int8":
@@ -96,7 +119,9 @@ class QuantizedExperts:
             y = torch._weight_int4pack_mm_for_cpu(x, q, self.group, scales)
         return y + params[f"{name}_bias"] if self.bias else y
 
-    def dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
+        if self.blocks:
+            return native.dequantize(q, *self.blocks[f"{name}.qweight"])
         if self.scheme == "int8":
             return dequantize_int8(q, scales)
         return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
@@ -173,6 +198,11 @@ def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str 
             f"--expert-kernel {name}: a quantized checkpoint's experts run its "
             f"{quant.scheme} kernel; leave --expert-kernel at auto"
         )
+    if quant.native and not native.available():
+        raise WeightstreamError(
+            f"{quant.scheme} experts need weightstream's native kernels, which are not available here "
+            f"({native.why_not()}); or quantize the original checkpoint with --kernel torch"
+        )
     if quant.scheme == "int4" and torch_int4_layout() != quant.int4_layout:
         raise WeightstreamError(
             f"int4 experts were packed in torch's {quant.int4_layout!r} CPU layout; this machine's torch packs "
@@ -183,7 +213,7 @@ def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str 
     error = quantized_error(kernel, module, quant)
     if not error < QUANT_TOLERANCE:
         raise WeightstreamError(
-            f"torch's {quant.scheme} kernel is off by {error:.1%} on this model's shapes on this machine (more than "
+            f"the {kernel.name} kernel is off by {error:.1%} on this model's shapes on this machine (more than "
             f"{QUANT_TOLERANCE:.0%} of the dequantized product); its weights cannot be computed here"
         )
     return kernel
@@ -218,5 +248,5 @@ def quantized_error(kernel: QuantizedExperts, module: torch.nn.Module, quant: Qu
 def _dequantized(kernel: QuantizedExperts, params: Params, name: str, transposed: bool, like: torch.Tensor):
     if f"{name}.qweight" not in params:
         return params[name]  # a bias, stored as is
-    w = kernel.dequantize(params[f"{name}.qweight"], params[f"{name}.scales"]).to(like.dtype)
+    w = kernel.dequantize(params[f"{name}.qweight"], params.get(f"{name}.scales"), name).to(like.dtype)
     return w.t().contiguous() if transposed else w

@@ -68,7 +68,8 @@ def load_streaming_model(
             runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
         for path, module in experts_modules(model).items():
             module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
-            module._ws_kernel = kernels[type(module)]
+            kernel = kernels[type(module)]
+            module._ws_kernel = kernel.for_layer(module._ws_layer) if hasattr(kernel, "for_layer") else kernel
         runtime.kernels = {cls.__name__: k.name for cls, k in kernels.items()}
         model.weightstream = runtime
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):

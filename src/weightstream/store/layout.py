@@ -26,7 +26,6 @@ from transformers.core_model_loading import (
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import region_bytes
 from weightstream.store.checkpoint import Checkpoint
-from weightstream.store.quant_format import DTYPES as QUANT_DTYPES
 from weightstream.store.quant_format import QuantFormat, blob_key
 from weightstream.store.safetensors_index import TensorInfo
 
@@ -178,22 +177,21 @@ def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) 
     experts = {}
     for path, module in modules.items():
         layer = module_layers[path]
+        table, blob_bytes = quant.table(layer)
         for e in range(module.num_experts):
             info = ckpt.tensors.get(blob_key(path, e))
-            if info is None or info.dtype != "U8" or info.nbytes != quant.blob_bytes:
+            if info is None or info.dtype != "U8" or info.nbytes != blob_bytes:
                 got = "missing" if info is None else f"{info.dtype} of {info.nbytes} bytes"
                 raise WeightstreamError(
                     f"{ckpt.model_dir}: expert blob {blob_key(path, e)!r} is {got}; the manifest "
-                    f"says U8 of {quant.blob_bytes} bytes (re-run `weightstream quantize`)"
+                    f"says U8 of {blob_bytes} bytes (re-run `weightstream quantize`)"
                 )
             experts[(layer, e)] = ExpertLayout(
                 layer,
                 e,
                 tuple(
-                    ExpertParam(
-                        t.name, t.shape, QUANT_DTYPES[t.dtype], (Piece(info.path, info.offset + t.offset, t.nbytes),)
-                    )
-                    for t in quant.tensors
+                    ExpertParam(t.name, *t.storage, (Piece(info.path, info.offset + t.offset, t.nbytes),))
+                    for t in table
                 ),
             )
     return experts

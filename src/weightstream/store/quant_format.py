@@ -23,11 +23,22 @@ from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
 
 MANIFEST = "weightstream-quantized.json"
 FORMAT = "weightstream-quantized-experts"
-VERSION = 1
-SCHEMES = ("int8", "int4")
+# version 1: torch's packed-weight schemes; version 2 adds GGML block schemes for the native kernels
+VERSION = 2
+VERSIONS = (1, 2)
+TORCH_SCHEMES = ("int8", "int4")
+# GGML block schemes (engine/native.py) -> the block types a weight may be stored in (an import keeps each
+# tensor's own type: a Q4_K_M file stores some projections as Q6_K)
+GGML_SCHEMES = {
+    "q8_0": ("Q8_0",),
+    "q4_1": ("Q4_1", "Q4_0", "Q8_0"),
+    "q4_k": ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0"),
+}
+SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
 BLOB_ALIGN = 64
-# the dtypes a blob's tensors may have (names as torch spells them)
+# the dtypes a blob's tensors may have (names as torch spells them), and GGML block types (rows of blocks)
 DTYPES = {name: from_torch_name(name) for name in ("bfloat16", "float16", "float32", "int8", "uint8")}
+BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +52,17 @@ class BlobTensor:
 
     @property
     def nbytes(self) -> int:
+        if self.dtype in BLOCK_TYPES:  # (rows, inputs) of whole blocks
+            block, size = BLOCK_TYPES[self.dtype]
+            return self.shape[0] * (self.shape[1] // block) * size
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def storage(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the tensor as it lies in the slot (a block type's rows are uint8 bytes)."""
+        if self.dtype in BLOCK_TYPES:
+            return (self.shape[0], self.nbytes // self.shape[0]), torch.uint8
+        return self.shape, DTYPES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +76,16 @@ class QuantFormat:
     group_size: int | None = None  # int4
     int4_layout: str | None = None  # int4: the CPU layout of the packed bytes
     source: dict | None = None  # what it was made from (model type, dtype, bytes of one expert)
+    # decoder layer -> (its own table, its blob bytes), where a layer's experts differ from `tensors` (a GGUF
+    # import keeps each tensor's type, and Q4_K_M files store some layers' down projections as Q6_K)
+    layer_tables: dict[int, tuple[tuple[BlobTensor, ...], int]] | None = None
+
+    def table(self, layer: int) -> tuple[tuple[BlobTensor, ...], int]:
+        """The blob table and blob bytes of the experts of decoder layer `layer`."""
+        return (self.layer_tables or {}).get(layer, (self.tensors, self.blob_bytes))
+
+    def tables(self) -> list[tuple[tuple[BlobTensor, ...], int]]:
+        return [(self.tensors, self.blob_bytes), *(self.layer_tables or {}).values()]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,10 +94,30 @@ class QuantFormat:
     def tensor(self, name: str) -> BlobTensor:
         return next(t for t in self.tensors if t.name == name)
 
+    @property
+    def native(self) -> bool:
+        """Whether the experts are GGML blocks the native kernels run (else torch's packed layouts)."""
+        return self.scheme in GGML_SCHEMES
+
     def to_json(self) -> dict:
-        out = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        out["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
+        out = {"format": FORMAT, "version": VERSION if self.native else 1, **asdict(self)}
+        out["tensors"] = _table_json(self.tensors)
+        if self.layer_tables:
+            out["layer_tables"] = {
+                str(layer): {"tensors": _table_json(table), "blob_bytes": nbytes}
+                for layer, (table, nbytes) in sorted(self.layer_tables.items())
+            }
+        else:
+            out.pop("layer_tables")
         return out
+
+
+def _table_json(table: tuple[BlobTensor, ...]) -> list[dict]:
+    return [{**asdict(t), "shape": list(t.shape)} for t in table]
+
+
+def _table(items: list[dict]) -> tuple[BlobTensor, ...]:
+    return tuple(BlobTensor(t["name"], t["dtype"], tuple(int(d) for d in t["shape"]), int(t["offset"])) for t in items)
 
 
 def blob_key(module_path: str, expert: int) -> str:
@@ -109,13 +160,13 @@ def write_manifest(model_dir: str, fmt: QuantFormat) -> None:
 
 
 def _parse(data: dict) -> QuantFormat:
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
+    if data.get("format") != FORMAT or data.get("version") not in VERSIONS:
         raise ValueError(
-            f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+            f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} version "
+            f"{' or '.join(map(str, VERSIONS))}"
         )
-    tensors = tuple(
-        BlobTensor(t["name"], t["dtype"], tuple(int(d) for d in t["shape"]), int(t["offset"])) for t in data["tensors"]
-    )
+    tensors = _table(data["tensors"])
+    layers = {int(k): (_table(v["tensors"]), int(v["blob_bytes"])) for k, v in data.get("layer_tables", {}).items()}
     return QuantFormat(
         data["scheme"],
         data["activation_dtype"],
@@ -124,6 +175,7 @@ def _parse(data: dict) -> QuantFormat:
         data.get("group_size"),
         data.get("int4_layout"),
         data.get("source"),
+        layers or None,
     )
 
 
@@ -139,10 +191,18 @@ def _validate(fmt: QuantFormat, path: str) -> None:
         raise bad(f"scheme {fmt.scheme!r} / activation dtype {fmt.activation_dtype!r} unknown")
     if fmt.scheme == "int4" and (fmt.group_size not in INT4_GROUPS or fmt.int4_layout not in INT4_LAYOUTS):
         raise bad(f"int4 needs group_size in {INT4_GROUPS} and int4_layout in {tuple(INT4_LAYOUTS)}")
-    for t in fmt.tensors:
-        if t.dtype not in DTYPES or t.offset % BLOB_ALIGN or t.offset + t.nbytes > fmt.blob_bytes:
-            raise bad(f"tensor {t.name!r} ({t.dtype}, offset {t.offset}) is unknown, unaligned or outside the blob")
-    for t in fmt.tensors:
+    blocks = GGML_SCHEMES.get(fmt.scheme, ())
+    for table, blob_bytes in fmt.tables():
+        names = [t.name for t in table]
+        if names != [t.name for t in fmt.tensors]:
+            raise bad(f"a layer's blob holds {names}, the others {[t.name for t in fmt.tensors]}")
+        for t in table:
+            known = t.dtype in DTYPES or (
+                t.dtype in blocks and len(t.shape) == 2 and t.shape[1] % BLOCK_TYPES[t.dtype][0] == 0
+            )
+            if not known or t.offset % BLOB_ALIGN or t.offset + t.nbytes > blob_bytes:
+                raise bad(f"tensor {t.name!r} ({t.dtype}, offset {t.offset}) is unknown, unaligned or outside the blob")
+    for t in fmt.tensors if not fmt.native else ():
         if t.name.endswith(".qweight"):
             want = _scales_shape(fmt, t)
             scales = next((s for s in fmt.tensors if s.name == t.name.replace(".qweight", ".scales")), None)

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from weightstream.engine import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME
 from weightstream.store.dtypes import SAFETENSORS, torch_name
+from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.outdir import built_in_place, refuse_existing
@@ -30,11 +32,20 @@ from weightstream.store.quant import (
     quantize_int8,
     torch_int4_layout,
 )
-from weightstream.store.quant_format import MANIFEST, QuantFormat, blob_key, blob_layout, write_manifest
+from weightstream.store.quant_format import (
+    BLOCK_TYPES,
+    GGML_SCHEMES,
+    MANIFEST,
+    QuantFormat,
+    blob_key,
+    blob_layout,
+    write_manifest,
+)
 from weightstream.store.safetensors_index import TensorInfo
 from weightstream.store.safetensors_writer import SafetensorsWriter
 
-DEFAULT_GROUP = 128  # int4: see docs/quantization.md for the measured choice
+DEFAULT_GROUP = 128  # torch int4: see docs/quantization.md for the measured choice
+KERNELS = ("auto", "native", "torch")
 SKIP_FILES = (".safetensors", INDEX_NAME, MANIFEST)
 
 
@@ -68,7 +79,9 @@ def blob_format(
             entries.append((name, act, shape))
             continue
         n, k = shapes[name]
-        if scheme == "int8":
+        if scheme in GGML_SCHEMES:  # scales live inside the blocks
+            entries.append((f"{name}.qweight", GGML_SCHEMES[scheme][0], (n, k)))
+        elif scheme == "int8":
             entries += [(f"{name}.qweight", "int8", (n, k)), (f"{name}.scales", act, (n,))]
         else:
             entries += [(f"{name}.qweight", "uint8", (n, k // 2)), (f"{name}.scales", act, (k // group, n, 2))]
@@ -82,6 +95,8 @@ def _out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
 
 
 def _fits(scheme: str, group: int | None, n: int, k: int) -> bool:
+    if scheme in GGML_SCHEMES:
+        return k % BLOCK_TYPES[GGML_SCHEMES[scheme][0]][0] == 0
     # torch's int8 kernel returns wrong values (no error) for bf16 inputs whose length is not a multiple of 16
     return k % 16 == 0 if scheme == "int8" else (k % group == 0 and n % 16 == 0)
 
@@ -92,14 +107,19 @@ def _check_shapes(shapes: dict[str, tuple[int, int]], scheme: str, group: int | 
     if bad is None:
         return
     name, n, k = bad
-    need = (
-        f"{k} inputs; int8 experts need a multiple of 16"
-        if scheme == "int8"
-        else f"{n} x {k}; int4 with groups of {group} needs inputs divisible by the group and outputs by 16"
-    )
-    groups = [g for g in INT4_GROUPS if all(_fits("int4", g, *s) for s in shapes.values())]
-    works = [f"--bits 4 --group-size {max(groups)}"] if groups else []
-    works += ["--bits 8"] if scheme != "int8" and all(_fits("int8", None, *s) for s in shapes.values()) else []
+    if scheme in GGML_SCHEMES:
+        block = BLOCK_TYPES[GGML_SCHEMES[scheme][0]][0]
+        need = f"{n} x {k}; {scheme} needs inputs in whole blocks of {block}"
+    elif scheme == "int8":
+        need = f"{k} inputs; int8 experts need a multiple of 16"
+    else:
+        need = f"{n} x {k}; int4 with groups of {group} needs inputs divisible by the group and outputs by 16"
+    if scheme in GGML_SCHEMES:
+        works = ["--kernel torch"] if all(k % 16 == 0 for _, k in shapes.values()) else []
+    else:
+        groups = [g for g in INT4_GROUPS if all(_fits("int4", g, *s) for s in shapes.values())]
+        works = [f"--bits 4 --group-size {max(groups)}"] if groups else []
+        works += ["--bits 8"] if scheme != "int8" and all(_fits("int8", None, *s) for s in shapes.values()) else []
     hint = (
         f"use {' or '.join(works)}"
         if works
@@ -116,7 +136,9 @@ def quantize_expert(params: dict[str, torch.Tensor], transposed: bool, quant: Qu
             out[name] = w.to(quant.dtype)
             continue
         w = (w.t() if transposed else w).contiguous()  # (out, in), row-major as the kernels take it
-        if quant.scheme == "int8":
+        if quant.native:
+            out[f"{name}.qweight"] = ENCODERS[quant.tensor(f"{name}.qweight").dtype](w)
+        elif quant.scheme == "int8":
             out[f"{name}.qweight"], out[f"{name}.scales"] = quantize_int8(w, quant.dtype)
         else:
             q, out[f"{name}.scales"] = quantize_int4(w, quant.group_size, quant.dtype)
@@ -129,7 +151,7 @@ def expert_blob(tensors: dict[str, torch.Tensor], quant: QuantFormat) -> torch.T
     blob = torch.zeros(quant.blob_bytes, dtype=torch.uint8)
     for t in quant.tensors:
         data = tensors[t.name].contiguous().reshape(-1).view(torch.uint8)
-        assert data.numel() == t.nbytes and tuple(tensors[t.name].shape) == t.shape, t.name
+        assert data.numel() == t.nbytes and tuple(tensors[t.name].shape) == t.storage[0], t.name
         blob[t.offset : t.offset + t.nbytes] = data
     return blob
 
@@ -141,19 +163,34 @@ def quantize_checkpoint(
     group_size: int | None = None,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    kernel: str = "auto",
 ) -> QuantizeResult:
-    """Write `out`: `src` with every routed expert quantized to `bits` (8: per-channel, 4: groups)."""
+    """Write `out`: `src` with every routed expert quantized to `bits`.
+
+    `kernel` decides the format: `native` stores GGML blocks the native kernels run (8 bits: Q8_0; 4 bits: Q4_K,
+    or Q4_1 where an input size is not whole super-blocks of 256); `torch` stores torch's packed layouts (8 bits:
+    one scale per output channel; 4 bits: groups of `group_size`); `auto` is native where the native kernels are
+    built and no `group_size` is given, else torch."""
     start = time.perf_counter()
-    scheme = {8: "int8", 4: "int4"}.get(bits)
-    if scheme is None:
+    if bits not in (8, 4):
         raise WeightstreamError(f"--bits {bits}: choose 8 or 4")
+    if kernel not in KERNELS:
+        raise WeightstreamError(f"--kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    if kernel == "native" and group_size is not None:
+        raise WeightstreamError(
+            "--group-size is for --kernel torch; the native kernels use blocks of 32 (docs/kernels.md)"
+        )
+    if kernel == "native" and not native.available():
+        raise WeightstreamError(f"--kernel native: the native kernels are not available here ({native.why_not()})")
+    use_torch = kernel == "torch" or group_size is not None or (kernel == "auto" and not native.available())
+    scheme = ("int8" if bits == 8 else "int4") if use_torch else ("q8_0" if bits == 8 else None)
     group = DEFAULT_GROUP if group_size is None else group_size
     if scheme == "int4" and group not in INT4_GROUPS:
         raise WeightstreamError(
             f"--group-size {group}: torch's int4 kernel takes {', '.join(map(str, INT4_GROUPS))} "
             f"(leave it out for {DEFAULT_GROUP}; docs/quantization.md, 'Choosing the group size')"
         )
-    if scheme == "int8" and group_size is not None:
+    if bits == 8 and group_size is not None:
         raise WeightstreamError("--group-size is for --bits 4; int8 experts have one scale per output channel")
     refuse_existing(out, force, sources=[src])
     mapped = map_model(src)
@@ -163,14 +200,16 @@ def quantize_checkpoint(
     layout = mapped.layout
     first = layout.experts[next(iter(layout.experts))]
     transposed = next(iter(modules.values())).is_transposed
+    params = {p.name: (p.shape, p.dtype) for p in first.params}
+    if scheme is None:  # native 4-bit: Q4_K where every input size is whole super-blocks of 256, else Q4_1
+        inputs = [_out_in(shape, transposed)[1] for shape, _ in params.values() if len(shape) > 1]
+        scheme = "q4_k" if all(k % 256 == 0 for k in inputs) else "q4_1"
     source = {
         "model_type": layout.model_type,
         "dtype": str(mapped.model.dtype).removeprefix("torch."),
         "expert_bytes": first.nbytes,
     }
-    quant = blob_format(
-        {p.name: (p.shape, p.dtype) for p in first.params}, transposed, scheme, group, mapped.model.dtype, source
-    )
+    quant = blob_format(params, transposed, scheme, group, mapped.model.dtype, source)
     with built_in_place(out, "quantize") as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)

@@ -1,0 +1,449 @@
+// Quantized-weight products for CPU decode: weights in GGML's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: the
+// byte layouts GGUF files store), activations quantized to int8 in blocks of 32, products summed in integers.
+//
+// Written from the formats' arithmetic (docs/kernels.md):
+//   Q8_0 (34 bytes / 32):  fp16 d, int8 q[32]                       w = d q
+//   Q4_0 (18 bytes / 32):  fp16 d, 16 bytes of nibbles              w = d (q - 8)
+//   Q4_1 (20 bytes / 32):  fp16 d, fp16 m, 16 bytes of nibbles      w = d q + m
+//     nibbles: element j < 16 is the low nibble of byte j, element j + 16 its high nibble
+//   Q4_K (144 bytes / 256): fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32, 128 bytes of
+//     nibbles: 64-element chunk c holds sub-block 2c in the low nibbles of its 32 bytes, 2c + 1 in the high ones;
+//     w = d sc q - dmin m
+//   Q6_K (210 bytes / 256): 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (one per 16), fp16 d;
+//     w = d sc (q - 32)
+// Activations: per block of 32 values (256 for the K types), dx = max|x| / 127, qx = round(x / dx) in -127..127,
+// and per 32 values sx = sum of qx. K types sum each super-block in integers (sub-block scales are integers), so
+// a super-block of 256 costs one float multiply-add.
+//
+// Determinism: each output element is computed by one thread, in one order, whatever the thread count. The AVX2
+// path and the portable path give bitwise the same result: integer block sums are exact, and the float arithmetic
+// is the same sequence of operations in both (8 lane accumulators fed by explicit fused multiply-adds, one
+// scalar accumulator for the min terms, a fixed final order). Compiled with -ffp-contract=off so the compiler
+// fuses nothing on its own.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define WS_X86 1
+#endif
+
+namespace {
+
+enum WType : int64_t { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14 };  // GGML's type ids
+
+struct Format {
+  int64_t block;  // elements per block
+  int64_t bytes;  // bytes per block
+};
+
+Format format_of(int64_t wtype) {
+  switch (wtype) {
+    case Q8_0: return {32, 34};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "weightstream qmm: unknown weight type ", wtype);
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = mant;
+    do { e++; m <<= 1; } while ((m & 0x400) == 0);
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Activations of one row quantized: K / ablock scales, K / 32 sums.
+struct QAct {
+  const int8_t* q;   // K values
+  const float* d;    // one scale per activation block (32, or 256 for K types)
+  const int32_t* s;  // one sum of q per 32
+};
+
+void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < k / ablock; b++) {
+    const float* xb = x + b * ablock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < ablock; i++) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t i = 0; i < ablock; i++) q[b * ablock + i] = (int8_t)std::nearbyint(xb[i] * inv);
+    d[b] = scale;
+  }
+  for (int64_t b = 0; b < k / 32; b++) {
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) sum += q[b * 32 + i];
+    s[b] = sum;
+  }
+}
+
+int64_t act_block(int64_t wtype) { return wtype == Q4_K || wtype == Q6_K ? 256 : 32; }
+
+// The 8-lane accumulation both paths share: lane l of a 32-element block sums elements 4l..4l+3.
+struct Acc {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float rest = 0.f;  // min / offset terms, one per block
+
+  float total() const {
+    return (((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]))) + rest;
+  }
+};
+
+// ---- portable path: the reference ----
+
+inline void lanes_fma(Acc& acc, float f, const int32_t* lanes) {
+  for (int l = 0; l < 8; l++) acc.lane[l] = std::fma(f, (float)lanes[l], acc.lane[l]);
+}
+
+// Lane sums of a 32-element block: w (0..255 as unsigned or -128..127 as signed, in int) times qx.
+template <typename W>
+inline void lane_sums(const W* w, const int8_t* x, int32_t* lanes) {
+  for (int l = 0; l < 8; l++) {
+    int32_t s = 0;
+    for (int i = 4 * l; i < 4 * l + 4; i++) s += (int32_t)w[i] * (int32_t)x[i];
+    lanes[l] = s;
+  }
+}
+
+inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 element order
+  for (int j = 0; j < 16; j++) {
+    out[j] = qs[j] & 0xF;
+    out[j + 16] = qs[j] >> 4;
+  }
+}
+
+float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
+  Acc acc;
+  int32_t lanes[8];
+  uint8_t u[32];
+  int8_t sv[32];
+  if (wtype == Q8_0) {
+    for (int64_t b = 0; b < k / 32; b++, row += 34) {
+      lane_sums((const int8_t*)(row + 2), a.q + b * 32, lanes);
+      lanes_fma(acc, fp16(row) * a.d[b], lanes);
+    }
+  } else if (wtype == Q4_0 || wtype == Q4_1) {
+    const int64_t bytes = wtype == Q4_0 ? 18 : 20;
+    for (int64_t b = 0; b < k / 32; b++, row += bytes) {
+      nibbles32(row + bytes - 16, u);
+      lane_sums(u, a.q + b * 32, lanes);
+      const float d = fp16(row), dx = a.d[b];
+      lanes_fma(acc, d * dx, lanes);
+      const float offset = wtype == Q4_0 ? -8.f * d : fp16(row + 2);  // w = d q + offset
+      acc.rest = std::fma(offset * dx, (float)a.s[b], acc.rest);
+    }
+  } else if (wtype == Q4_K) {
+    for (int64_t b = 0; b < k / 256; b++, row += 144) {
+      const float d = fp16(row), dmin = fp16(row + 2);
+      const uint8_t* scales = row + 4;
+      const uint8_t* qs = row + 16;
+      int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0;
+      for (int sub = 0; sub < 8; sub++) {
+        const uint8_t* chunk = qs + 32 * (sub / 2);
+        for (int l = 0; l < 32; l++) u[l] = sub & 1 ? chunk[l] >> 4 : chunk[l] & 0xF;
+        int sc, m;
+        scale_min_k4(sub, scales, &sc, &m);
+        lane_sums(u, a.q + b * 256 + sub * 32, lanes);
+        for (int l = 0; l < 8; l++) isum[l] += sc * lanes[l];
+        msum += m * a.s[b * 8 + sub];
+      }
+      lanes_fma(acc, d * a.d[b], isum);
+      acc.rest = std::fma(-(dmin * a.d[b]), (float)msum, acc.rest);
+    }
+  } else {  // Q6_K
+    for (int64_t b = 0; b < k / 256; b++, row += 210) {
+      const uint8_t* ql = row;
+      const uint8_t* qh = row + 128;
+      const int8_t* sc = (const int8_t*)(row + 192);
+      const float d = fp16(row + 208);
+      int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int sub = 0; sub < 8; sub++) {  // 32 elements each; scales per 16: lanes 0-3 and 4-7
+        const int n = sub / 4, r = sub % 4;  // 128-element half n, quarter r
+        for (int l = 0; l < 32; l++) {
+          const uint8_t byte = ql[64 * n + 32 * (r & 1) + l], lo = r >> 1 ? byte >> 4 : byte & 0xF;
+          const uint8_t hi = (qh[32 * n + l] >> (2 * r)) & 3;
+          sv[l] = (int8_t)((lo | (hi << 4)) - 32);
+        }
+        lane_sums(sv, a.q + b * 256 + sub * 32, lanes);
+        for (int l = 0; l < 8; l++) isum[l] += (int32_t)sc[8 * n + 2 * r + l / 4] * lanes[l];
+      }
+      lanes_fma(acc, d * a.d[b], isum);
+    }
+  }
+  return acc.total();
+}
+
+// ---- AVX2 path ----
+
+#ifdef WS_X86
+#define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+WS_AVX2 inline float fp16_hw(const uint8_t* p) {  // the same value as fp16(): the conversion is exact
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// u8 x s8 pair sums, then pairs of those times `mult` (int16): 8 int32, lane l = mult x elements 4l..4l+3
+WS_AVX2 inline __m256i lanes_u8_s8_times(__m256i w, __m256i x, __m256i mult) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), mult);
+}
+
+WS_AVX2 inline __m256i lanes_u8_s8(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);                // u8 x s8 -> 16 int16 pair sums
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));           // -> 8 int32: lane l = elements 4l..4l+3
+}
+
+WS_AVX2 inline __m256i lanes_s8_s8(__m256i w, __m256i x) {
+  return lanes_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |w| x sign(w) x
+}
+
+WS_AVX2 inline __m256i nibbles32_avx2(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i mask = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
+  __m256 acc = _mm256_setzero_ps();
+  float rest = 0.f;
+  if (wtype == Q8_0) {
+    for (int64_t b = 0; b < k / 32; b++, row += 34) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(row + 2));
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(row) * a.d[b]), _mm256_cvtepi32_ps(lanes_s8_s8(w, x)), acc);
+    }
+  } else if (wtype == Q4_0 || wtype == Q4_1) {
+    const int64_t bytes = wtype == Q4_0 ? 18 : 20;
+    for (int64_t b = 0; b < k / 32; b++, row += bytes) {
+      const __m256i w = nibbles32_avx2(row + bytes - 16);
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
+      const float d = fp16_hw(row), dx = a.d[b];
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes_u8_s8(w, x)), acc);
+      const float offset = wtype == Q4_0 ? -8.f * d : fp16_hw(row + 2);
+      rest = std::fma(offset * dx, (float)a.s[b], rest);
+    }
+  } else if (wtype == Q4_K) {
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    for (int64_t b = 0; b < k / 256; b++, row += 144) {
+      const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
+      const uint8_t* scales = row + 4;
+      const uint8_t* qs = row + 16;
+      const int8_t* xq = a.q + b * 256;
+      __m256i isum = _mm256_setzero_si256();
+      int32_t msum = 0;
+      for (int c = 0; c < 4; c++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        int sc0, m0, sc1, m1;
+        scale_min_k4(2 * c, scales, &sc0, &m0);
+        scale_min_k4(2 * c + 1, scales, &sc1, &m1);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc0)));
+        isum = _mm256_add_epi32(
+            isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1, _mm256_set1_epi16(sc1)));
+        msum += m0 * a.s[b * 8 + 2 * c] + m1 * a.s[b * 8 + 2 * c + 1];
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+      rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
+    }
+  } else {  // Q6_K
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < k / 256; b++, row += 210) {
+      const uint8_t* ql = row;
+      const uint8_t* qh = row + 128;
+      const int8_t* sc = (const int8_t*)(row + 192);
+      const float d = fp16_hw(row + 208);
+      __m256i isum = _mm256_setzero_si256();
+      for (int sub = 0; sub < 8; sub++) {
+        const int n = sub / 4, r = sub % 4;
+        const __m256i l4 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32 * (r & 1)));
+        const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
+        const __m256i h2 = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h2, 2 * r), m2);
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 256 + sub * 32));
+        // int16 pair sums; scales per 16 elements: the low 128 bits take sc[2r], the high ones sc[2r + 1]
+        const __m256i mult = _mm256_setr_m128i(_mm_set1_epi16(sc[8 * n + 2 * r]), _mm_set1_epi16(sc[8 * n + 2 * r + 1]));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, mult));
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    }
+  }
+  Acc out;
+  _mm256_storeu_ps(out.lane, acc);
+  out.rest = rest;
+  return out.total();
+}
+#endif
+
+bool have_avx2() {
+#ifdef WS_X86
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+int64_t resolve_path(int64_t path) {  // 0: best this CPU runs, 1: portable, 2: AVX2
+  if (path == 0) return have_avx2() ? 2 : 1;
+  TORCH_CHECK(path == 1 || (path == 2 && have_avx2()), "weightstream qmm: path ", path, " is not available here");
+  return path;
+}
+
+void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
+  const Format f = format_of(wtype);
+  TORCH_CHECK(k % f.block == 0, "weightstream qmm: ", k, " inputs are not whole blocks of ", f.block);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "weightstream qmm: weights must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(w.numel() == n * (k / f.block) * f.bytes, "weightstream qmm: weights hold ", w.numel(),
+              " bytes; ", n, " x ", k, " of this type need ", n * (k / f.block) * f.bytes);
+}
+
+// y (M, N) float32 = x (M, K) times W^T, W the N x K matrix the blocks encode.
+at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
+  check_weights(w, wtype, n, k);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "weightstream qmm: x must be (rows, ", k, ")");
+  path = resolve_path(path);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), ablock = act_block(wtype), blocks = k / ablock, sums = k / 32;
+  at::Tensor q = at::empty({m, k}, at::kChar), d = at::empty({m, blocks}, at::kFloat),
+             s = at::empty({m, sums}, at::kInt);
+  for (int64_t r = 0; r < m; r++) {
+    quantize_row(x.data_ptr<float>() + r * k, k, ablock, q.data_ptr<int8_t>() + r * k,
+                 d.data_ptr<float>() + r * blocks, s.data_ptr<int32_t>() + r * sums);
+  }
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const Format f = format_of(wtype);
+  const int64_t row_bytes = (k / f.block) * f.bytes;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const int32_t* sp = s.data_ptr<int32_t>();
+  // grain: enough rows per task that a task reads about 64 KiB of weights
+  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+      const uint8_t* row = wp + j * row_bytes;
+      for (int64_t r = 0; r < m; r++) {
+        const QAct a{qp + r * k, dp + r * blocks, sp + r * sums};
+#ifdef WS_X86
+        yp[r * n + j] = path == 2 ? dot_avx2(wtype, row, a, k) : dot_portable(wtype, row, a, k);
+#else
+        yp[r * n + j] = dot_portable(wtype, row, a, k);
+#endif
+      }
+    }
+  });
+  return y;
+}
+
+// W (N, K) float32, every weight as its block encodes it (the reference the products are checked against).
+at::Tensor dequantize(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
+  check_weights(w, wtype, n, k);
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const Format f = format_of(wtype);
+  const int64_t row_bytes = (k / f.block) * f.bytes;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    uint8_t u[32];
+    for (int64_t j = begin; j < end; j++) {
+      const uint8_t* row = wp + j * row_bytes;
+      float* o = op + j * k;
+      for (int64_t b = 0; b < k / f.block; b++, row += f.bytes, o += f.block) {
+        if (wtype == Q8_0) {
+          const float d = fp16(row);
+          for (int i = 0; i < 32; i++) o[i] = d * (float)((const int8_t*)(row + 2))[i];
+        } else if (wtype == Q4_0 || wtype == Q4_1) {
+          nibbles32(row + f.bytes - 16, u);
+          const float d = fp16(row);
+          if (wtype == Q4_0) {
+            for (int i = 0; i < 32; i++) o[i] = d * (float)(u[i] - 8);
+          } else {
+            const float m = fp16(row + 2);
+            for (int i = 0; i < 32; i++) o[i] = d * (float)u[i] + m;
+          }
+        } else if (wtype == Q4_K) {
+          const float d = fp16(row), dmin = fp16(row + 2);
+          for (int sub = 0; sub < 8; sub++) {
+            int sc, m;
+            scale_min_k4(sub, row + 4, &sc, &m);
+            const float scale = d * (float)sc, offset = dmin * (float)m;
+            for (int l = 0; l < 32; l++) {
+              const uint8_t byte = row[16 + 32 * (sub / 2) + l];
+              o[32 * sub + l] = scale * (float)(sub & 1 ? byte >> 4 : byte & 0xF) - offset;
+            }
+          }
+        } else {
+          const float d = fp16(row + 208);
+          const int8_t* sc = (const int8_t*)(row + 192);
+          for (int sub = 0; sub < 8; sub++) {
+            const int n2 = sub / 4, r = sub % 4;
+            for (int l = 0; l < 32; l++) {
+              const uint8_t b4 = row[64 * n2 + 32 * (r & 1) + l];
+              const int lo = r >> 1 ? b4 >> 4 : b4 & 0xF, hi = (row[128 + 32 * n2 + l] >> (2 * r)) & 3;
+              o[32 * sub + l] = (d * (float)sc[8 * n2 + 2 * r + l / 16]) * (float)((lo | (hi << 4)) - 32);
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool avx2_available() { return have_avx2(); }
+
+}  // namespace
+
+TORCH_LIBRARY(weightstream, m) {
+  m.def("qmm(Tensor x, Tensor w, int wtype, int n, int k, int path=0) -> Tensor");
+  m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
+  m.impl("qmm", &qmm);
+  m.impl("dequantize", &dequantize);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "weightstream's native CPU kernels (registered as torch.ops.weightstream.*)";
+  module.def("avx2", &avx2_available, "whether this CPU runs the AVX2 path");
+}

@@ -1,0 +1,82 @@
+"""weightstream's native CPU kernels (csrc/, built by pip as the extension `weightstream._native`).
+
+Products of weights in GGML's block formats (the byte layouts GGUF files store: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+with activations quantized to int8 in blocks of 32, summed in integers: an AVX2 path and a portable path that is
+its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
+count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.dequantize`), run on torch's
+intra-op threads.
+
+When the extension was not built (no compiler or no torch at install time) or is disabled with
+WEIGHTSTREAM_NATIVE=0, `available()` is False and callers run torch's own kernels; that is said once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# GGML's type ids and (elements, bytes) per block
+BLOCKS = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+PATHS = {"auto": 0, "portable": 1, "avx2": 2}
+
+_module = None
+_why_not: str | None = None
+_said = False
+
+
+def _load():
+    global _module, _why_not
+    if _module is not None or _why_not is not None:
+        return
+    if os.environ.get("WEIGHTSTREAM_NATIVE", "1") == "0":
+        _why_not = "WEIGHTSTREAM_NATIVE=0"
+        return
+    try:
+        from weightstream import _native
+    except ImportError as exc:
+        _why_not = (
+            f"the extension weightstream._native is not built or does not load ({exc}); reinstall with "
+            "`pip install --no-build-isolation -e .` where torch and a C++ compiler are installed"
+        )
+        return
+    _module = _native
+
+
+def available() -> bool:
+    """Whether the native kernels run here; the first time they do not, stderr says why (once per process)."""
+    global _said
+    _load()
+    if _module is None and not _said:
+        _said = True
+        print(f"weightstream: native kernels off, torch's kernels run instead: {_why_not}", file=sys.stderr)
+    return _module is not None
+
+
+def why_not() -> str | None:
+    _load()
+    return _why_not
+
+
+def best_path() -> str:
+    """The path `auto` takes on this CPU."""
+    return "avx2" if available() and _module.avx2() else "portable"
+
+
+def row_bytes(wtype: str, k: int) -> int:
+    """Bytes of one row of `k` weights in block format `wtype`."""
+    _, block, nbytes = BLOCKS[wtype]
+    if k % block:
+        raise ValueError(f"{k} inputs are not whole {wtype} blocks of {block}")
+    return k // block * nbytes
+
+
+def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str = "auto") -> torch.Tensor:
+    """x (M, K) times the (N, K) matrix whose rows `w` (uint8, N x row_bytes) encodes; float32 (M, N)."""
+    return torch.ops.weightstream.qmm(x, w, BLOCKS[wtype][0], n, k, PATHS[path])
+
+
+def dequantize(w: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
+    """float32 (N, K): every weight as its block encodes it."""
+    return torch.ops.weightstream.dequantize(w, BLOCKS[wtype][0], n, k)
