@@ -32,6 +32,14 @@ def register(sub) -> None:
         "--group-size groups). auto (default): native where the kernels are built and no --group-size is given",
     )
     p.add_argument(
+        "--dense",
+        choices=("keep", "int8", "int4"),
+        default="keep",
+        help="also quantize the dense linear weights (attention, shared experts, dense MLPs, an untied output "
+        "head; never the router, norms or embeddings) for the native kernels: int8 (Q8_0) or int4 (Q4_K, or Q4_1). "
+        "Default keep: their source precision",
+    )
+    p.add_argument(
         "--group-size",
         type=int,
         metavar="N",
@@ -52,7 +60,7 @@ def run(args) -> int:
 
     with byte_progress(f"quantizing {args.model} to int{args.bits}") as progress:
         result = quantize_checkpoint(
-            args.model, args.out, args.bits, args.group_size, args.force, progress, args.kernel
+            args.model, args.out, args.bits, args.group_size, args.force, progress, args.kernel, args.dense
         )
     summary = {
         "out": result.out_dir,

@@ -127,6 +127,30 @@ class QuantizedExperts:
         return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
 
 
+class NativeLinear(torch.nn.Module):
+    """A dense Linear whose weight is GGML blocks (`quantize --dense`): the native product for fewer rows than
+    its scheme's DEQUANT_ROWS, else the weight dequantized once and F.linear, as the experts do."""
+
+    def __init__(self, blocks: torch.Tensor, wtype: str, n: int, k: int, bias: torch.nn.Parameter | None):
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.wtype, self.in_features, self.out_features = wtype, k, n
+        self.bias = bias
+        self.dequant_rows = DEQUANT_ROWS[{"Q8_0": "q8_0", "Q4_1": "q4_1"}.get(wtype, "q4_k")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= self.dequant_rows:
+            y = F.linear(
+                rows, native.dequantize(self.blocks, self.wtype, self.out_features, self.in_features).to(x.dtype)
+            )
+        else:
+            y = native.qmm(rows, self.blocks, self.wtype, self.out_features, self.in_features).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]
 _EAGER = {"eager-linear": EagerLinear, "eager-matmul-bias": EagerMatmulBias}
 

@@ -11,9 +11,9 @@ from transformers import GenerationConfig
 
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
-from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
+from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES, native
 from weightstream.engine import experts as ws_experts
-from weightstream.engine.kernels import check_kernel_name, choose_kernel
+from weightstream.engine.kernels import NativeLinear, check_kernel_name, choose_kernel
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
@@ -47,7 +47,7 @@ def load_streaming_model(
     ws_experts.register()
     mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
     model, layout = mapped.model, mapped.layout
-    _load_dense(model, layout.dense, model_dir)
+    _load_dense(model, layout.dense, model_dir, mapped.quant)
     kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
     if expert_source == "page-cache":
         cache = PageCacheSource(layout)
@@ -125,8 +125,9 @@ def _kernels(model, expert_kernel: str, quant: QuantFormat | None) -> dict[type,
     return kernels
 
 
-def _load_dense(model, dense: dict, model_dir: str) -> None:
-    """Load every non-expert tensor into memory, tie weights, and compute buffers the checkpoint lacks."""
+def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = None) -> None:
+    """Load every non-expert tensor into memory, tie weights, and compute buffers the checkpoint lacks; dense
+    weights stored as GGML blocks (`quantize --dense`) become NativeLinear modules."""
     state = {}
     by_file: dict[str, list[tuple[str, str]]] = {}
     for target, info in dense.items():
@@ -135,6 +136,18 @@ def _load_dense(model, dense: dict, model_dir: str) -> None:
         with safe_open(path, framework="pt") as f:
             for target, name in keys:
                 state[target] = f.get_tensor(name)
+    blocks = (quant.dense or {}) if quant is not None else {}
+    for target in [t for t in state if dense[t].name in blocks]:
+        if not native.available():
+            raise WeightstreamError(
+                f"{model_dir}: its dense weights are GGML blocks, which need weightstream's native kernels "
+                f"({native.why_not()}); or quantize the original checkpoint with --dense keep"
+            )
+        path = target.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        linear = model.get_submodule(path)
+        wtype, (n, k) = blocks[dense[target].name]
+        setattr(model.get_submodule(parent), attr, NativeLinear(state.pop(target), wtype, n, k, linear.bias))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     _init_buffers(model)

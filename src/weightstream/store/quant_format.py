@@ -79,6 +79,9 @@ class QuantFormat:
     # decoder layer -> (its own table, its blob bytes), where a layer's experts differ from `tensors` (a GGUF
     # import keeps each tensor's type, and Q4_K_M files store some layers' down projections as Q6_K)
     layer_tables: dict[int, tuple[tuple[BlobTensor, ...], int]] | None = None
+    # dense weights stored as GGML blocks too (`quantize --dense`): parameter name -> its block type and
+    # logical (out, in) shape; the checkpoint holds them as uint8 (out, row bytes), run by engine/native.py
+    dense: dict[str, tuple[str, tuple[int, int]]] | None = None
 
     def table(self, layer: int) -> tuple[tuple[BlobTensor, ...], int]:
         """The blob table and blob bytes of the experts of decoder layer `layer`."""
@@ -109,6 +112,10 @@ class QuantFormat:
             }
         else:
             out.pop("layer_tables")
+        if self.dense:
+            out["dense"] = {name: {"dtype": t, "shape": list(shape)} for name, (t, shape) in sorted(self.dense.items())}
+        else:
+            out.pop("dense")
         return out
 
 
@@ -176,6 +183,7 @@ def _parse(data: dict) -> QuantFormat:
         data.get("int4_layout"),
         data.get("source"),
         layers or None,
+        {name: (d["dtype"], tuple(int(x) for x in d["shape"])) for name, d in data.get("dense", {}).items()} or None,
     )
 
 
@@ -202,6 +210,9 @@ def _validate(fmt: QuantFormat, path: str) -> None:
             )
             if not known or t.offset % BLOB_ALIGN or t.offset + t.nbytes > blob_bytes:
                 raise bad(f"tensor {t.name!r} ({t.dtype}, offset {t.offset}) is unknown, unaligned or outside the blob")
+    for name, (dtype, shape) in (fmt.dense or {}).items():
+        if dtype not in BLOCK_TYPES or len(shape) != 2 or shape[1] % BLOCK_TYPES[dtype][0]:
+            raise bad(f"dense weight {name!r} is {dtype} {list(shape)}, not whole blocks of a type the kernels run")
     for t in fmt.tensors if not fmt.native else ():
         if t.name.endswith(".qweight"):
             want = _scales_shape(fmt, t)

@@ -8,6 +8,7 @@ manifest written last: an interrupted run leaves nothing that loads as a quantiz
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -46,6 +47,30 @@ from weightstream.store.safetensors_writer import SafetensorsWriter
 
 DEFAULT_GROUP = 128  # torch int4: see docs/quantization.md for the measured choice
 KERNELS = ("auto", "native", "torch")
+DENSE_CHOICES = ("keep", "int8", "int4")
+# Linear modules that stay in the source precision under --dense: routers (a wrong expert is a different model)
+KEEP_DENSE = ("gate", "router", "shared_expert_gate")
+
+
+def dense_plan(mapped, bits: str) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Checkpoint tensor name -> (block type, (out, in)) for every Linear outside the experts that --dense
+    quantizes."""
+    experts = set(experts_modules(mapped.model))
+    tied = bool(getattr(mapped.config.get_text_config(), "tie_word_embeddings", False))
+    plan = {}
+    for path, module in mapped.model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or any(path.startswith(e + ".") for e in experts):
+            continue
+        if path.rpartition(".")[2] in KEEP_DENSE or (tied and module is mapped.model.get_output_embeddings()):
+            continue
+        n, k = module.out_features, module.in_features
+        if f"{path}.weight" not in mapped.layout.dense or k % 32:
+            continue
+        wtype = "Q8_0" if bits == "int8" else ("Q4_K" if k % 256 == 0 else "Q4_1")
+        plan[mapped.layout.dense[f"{path}.weight"].name] = (wtype, (n, k))  # by the name in the checkpoint
+    return plan
+
+
 SKIP_FILES = (".safetensors", INDEX_NAME, MANIFEST)
 
 
@@ -164,13 +189,16 @@ def quantize_checkpoint(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     kernel: str = "auto",
+    dense: str = "keep",
 ) -> QuantizeResult:
     """Write `out`: `src` with every routed expert quantized to `bits`.
 
     `kernel` decides the format: `native` stores GGML blocks the native kernels run (8 bits: Q8_0; 4 bits: Q4_K,
     or Q4_1 where an input size is not whole super-blocks of 256); `torch` stores torch's packed layouts (8 bits:
     one scale per output channel; 4 bits: groups of `group_size`); `auto` is native where the native kernels are
-    built and no `group_size` is given, else torch."""
+    built and no `group_size` is given, else torch. `dense` (`keep`, `int8`, `int4`) quantizes the dense linear
+    weights too (attention, shared experts, dense MLPs, an untied output head; not the router, norms or
+    embeddings) into the same block formats, for the native kernels."""
     start = time.perf_counter()
     if bits not in (8, 4):
         raise WeightstreamError(f"--bits {bits}: choose 8 or 4")
@@ -180,6 +208,12 @@ def quantize_checkpoint(
         raise WeightstreamError(
             "--group-size is for --kernel torch; the native kernels use blocks of 32 (docs/kernels.md)"
         )
+    if dense not in DENSE_CHOICES:
+        raise WeightstreamError(f"--dense {dense!r}: choose one of {', '.join(DENSE_CHOICES)}")
+    if dense != "keep" and (kernel == "torch" or group_size is not None):
+        raise WeightstreamError(f"--dense {dense}: dense weights run on the native kernels only; drop --kernel torch")
+    if dense != "keep" and not native.available():
+        raise WeightstreamError(f"--dense {dense}: the native kernels are not available here ({native.why_not()})")
     if kernel == "native" and not native.available():
         raise WeightstreamError(f"--kernel native: the native kernels are not available here ({native.why_not()})")
     use_torch = kernel == "torch" or group_size is not None or (kernel == "auto" and not native.available())
@@ -210,6 +244,8 @@ def quantize_checkpoint(
         "expert_bytes": first.nbytes,
     }
     quant = blob_format(params, transposed, scheme, group, mapped.model.dtype, source)
+    if dense != "keep":
+        quant = dataclasses.replace(quant, dense=dense_plan(mapped, dense))
     with built_in_place(out, "quantize") as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)
@@ -240,10 +276,12 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     done, weight_map, total = 0, {}, 0
     for i, layer in enumerate(sorted(shards)):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        specs = {k: _spec(v, quant) for k, v in shards[layer].items()}
+        specs = {k: _spec(k, v, quant) for k, v in shards[layer].items()}
         with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
             for key, item in shards[layer].items():
-                if isinstance(item, TensorInfo):
+                if isinstance(item, TensorInfo) and key in (quant.dense or {}):
+                    writer.write(key, ENCODERS[quant.dense[key][0]](_read_tensor(item).float()))
+                elif isinstance(item, TensorInfo):
                     writer.write(key, _read_tensor(item))
                 else:
                     params = {p.name: _read_param(p) for p in item.params}
@@ -258,7 +296,10 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     return total
 
 
-def _spec(item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
+def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
+    if isinstance(item, TensorInfo) and key in (quant.dense or {}):
+        wtype, (n, k) = quant.dense[key]
+        return torch.uint8, (n, native.row_bytes(wtype, k))
     if isinstance(item, TensorInfo):
         return SAFETENSORS[item.dtype], tuple(item.shape)
     return torch.uint8, (quant.blob_bytes,)
