@@ -6,7 +6,7 @@
 - reaction: seconds from a flagged process starting to the floor rising, and from its exit to the floor
   falling (hold 1.0 s), per detection method, on a fake Jetson devfreq tree with real processes.
 
-Run: PYTHONPATH=src python benchmarks/clockfloor.py [--rounds N]
+Run: .venv/bin/python benchmarks/clockfloor.py [--rounds N] [--out FILE]   (prints JSON, writes it to --out)
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake sysfs tree and helpers
+
+from common.results import default, save  # noqa: E402
 
 from weightstream.clock.activity import AnnounceListener, Announcer  # noqa: E402
 from weightstream.clock.procscan import YOUNG_S, FlagMatcher, ProcessPoller, read_argv  # noqa: E402
@@ -206,6 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--out", default=default("clockfloor.json"), help="result file (default: %(default)s)")
     args = parser.parse_args()
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     results = {"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -221,7 +224,9 @@ def main() -> None:
             results["reaction"][method] = (
                 {"skipped": reason} if reason else reaction(Path(directory), method, args.rounds)
             )
-    print(json.dumps(results, indent=2))
+    text = json.dumps(results, indent=2)
+    print(text)
+    save(text, args.out)
 
 
 if __name__ == "__main__":

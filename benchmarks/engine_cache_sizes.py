@@ -1,8 +1,9 @@
 """Decode speed, hit rate and MiB read per token of the streaming engine at several cache sizes.
 
 Baseline in the same run: transformers with every weight in memory (eager experts), when RAM allows.
-Prints one JSON object. Example:
-    .venv/bin/python benchmarks/engine_cache_sizes.py --preset olmoe-1b-7b --layers 16 --tokens 32
+Prints one JSON object and writes it to --out. Example:
+    .venv/bin/python benchmarks/engine_cache_sizes.py --preset olmoe-1b-7b --layers 16 --tokens 32 \
+        --out benchmarks/results/engine-cache-sizes-olmoe16.json
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import psutil
 import torch
+from common.results import default, save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1x,2x,4x")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--root", default=".work/bench-models")
+    ap.add_argument("--out", default=default("engine-cache-sizes.json"), help="result file (default: %(default)s)")
     args = ap.parse_args()
     hf_logging.disable_progress_bar()
     model_dir = ensure_model(args.preset, args.layers, args.root)
@@ -101,25 +104,25 @@ def main() -> None:
             run["tokens_equal_in_memory"] = new[0].tolist() == baseline["token_ids"]
             run["decode_speed_vs_in_memory"] = stats.decode_tokens_per_s / baseline["decode_tokens_per_s"]
         runs.append(run)
-    print(
-        json.dumps(
-            {
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-                    "platform": platform.platform(),
-                    "torch": torch.__version__,
-                },
-                "model": model_dir,
-                "expert_bytes_total": open_checkpoint(model_dir).total_bytes(),
-                "prompt_tokens": ids.shape[1],
-                "tokens": args.tokens,
-                "in_memory": {k: v for k, v in baseline.items() if k != "token_ids"},
-                "runs": runs,
+    text = json.dumps(
+        {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
             },
-            indent=1,
-        )
+            "model": model_dir,
+            "expert_bytes_total": open_checkpoint(model_dir).total_bytes(),
+            "prompt_tokens": ids.shape[1],
+            "tokens": args.tokens,
+            "in_memory": {k: v for k, v in baseline.items() if k != "token_ids"},
+            "runs": runs,
+        },
+        indent=1,
     )
+    print(text)
+    save(text, args.out)
 
 
 if __name__ == "__main__":

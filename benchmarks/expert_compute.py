@@ -9,7 +9,9 @@ memory limit, the lean kernel against the one-expert-eager path it replaces.
 4. `--profile`: where the time of one decode token goes, by torch op, for eager and both engine kernels.
 
     .venv/bin/python benchmarks/expert_compute.py .work/bench-models/olmoe-16l-bf16 --llamacpp \\
-        --memory-limit 5GiB --caches 1x,2x --profile
+        --memory-limit 5GiB --caches 1x,2x --profile --out benchmarks/results/expert-compute-olmoe16.json
+
+Prints one JSON object and writes it to --out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llamacpp  # noqa: E402
+from common.results import default, save  # noqa: E402
 
 from weightstream.bench.machine import block_device_of, machine_info  # noqa: E402
 from weightstream.bench.runner import BenchConfig, child_config, run_bench, run_child, summarize  # noqa: E402
@@ -231,6 +234,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one decode token by torch op")
     ap.add_argument("--profile-tokens", type=int, default=8)
     ap.add_argument("--skip-compute-only", action="store_true")
+    ap.add_argument("--out", default=default("expert-compute.json"), help="result file (default: %(default)s)")
     args = ap.parse_args()
     prompts = tokenized_prompts(args.model, None)[: args.prompts]
     report = {
@@ -248,7 +252,9 @@ def main() -> None:
         report["limited"] = limited(args, prompts)
     if args.profile:
         report["profile"] = profile(args)
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
+    save(text, args.out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
-"""Benchmark: model loading cold, plain vs under `weightstream prefetch run`, with ample memory and in a memory
+"""Load templates: model loading cold, plain vs under `weightstream prefetch run`, with ample memory and in a memory
 cgroup limited to 45% of the checkpoint (plus the loader's own anonymous memory).
 
 usage: python benchmarks/prefetch_bench.py [--gib N] [--loaders a,b] [--reps N] [--keep] [--json FILE]
-Default size 1 GiB; WEIGHTSTREAM_SLOW=1 makes it 8 GiB. Prints one JSON document on stdout, progress on
-stderr. Every figure is from this run; ratios compare runs interleaved in the same session.
+Default size 1 GiB; WEIGHTSTREAM_SLOW=1 makes it 8 GiB. Prints one JSON document on stdout (and writes it to
+--json), progress on stderr. Every figure is from this run; ratios compare runs interleaved in the same session.
+The synthetic checkpoint, the loaders and the timing live in common/prefetch_*.py.
+
+One part runs by name instead:
+
+    variants   prefetch settings side by side on one loader, each a cold run, rounds interleaved:
+               python benchmarks/prefetch_bench.py variants --help
 """
 
 from __future__ import annotations
@@ -21,16 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefetch_checkpoint import build  # noqa: E402
-
-from weightstream.bench.cgroup import MemoryCgroup  # noqa: E402
-from weightstream.prefetch.template import LoadTemplate  # noqa: E402
-
-from prefetch_measure import (
+from common.prefetch_checkpoint import build  # noqa: E402
+from common.prefetch_measure import (  # noqa: E402
     Outcome,
     buffered_read_bandwidth,
     direct_read_bandwidth,
-    global_drop_note,  # noqa: E402
+    global_drop_note,
     loader_argv,
     make_cold,
     mem_available,
@@ -38,6 +40,10 @@ from prefetch_measure import (
     timed,
     weight_files,
 )
+from common.results import default, save  # noqa: E402
+
+from weightstream.bench.cgroup import MemoryCgroup  # noqa: E402
+from weightstream.prefetch.template import LoadTemplate  # noqa: E402
 
 GIB = 1 << 30
 LOADERS = ("safetensors", "transformers", "runai", "fastsafetensors")
@@ -286,13 +292,15 @@ def device(model: Path) -> dict:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["variants"]:
+        return variants_main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=8.0 if os.environ.get("WEIGHTSTREAM_SLOW") == "1" else 1.0)
     p.add_argument("--loaders", default=",".join(LOADERS))
     p.add_argument("--reps", type=int, default=1 if os.environ.get("WEIGHTSTREAM_SLOW") == "1" else 3)
     p.add_argument("--work", type=Path, default=Path(".work/bench-prefetch"))
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (it is deleted by default)")
-    p.add_argument("--json", type=Path, help="also write the JSON document here")
+    p.add_argument("--json", default=default("prefetch.json"), help="result file (default: %(default)s)")
     args = p.parse_args()
     return bench(args)
 
@@ -323,8 +331,7 @@ def bench(args) -> int:
             shutil.rmtree(model, ignore_errors=True)
     text = json.dumps(doc, indent=1)
     print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    save(text, args.json)
     return 0
 
 
@@ -336,6 +343,95 @@ def machine() -> dict:
         "python": platform.python_version(),
         "disk": "virtio /dev/vda, ext4",
     }
+
+
+VARIANTS_DOC = """Prefetch settings side by side on one loader: each variant a cold run, interleaved over rounds, with
+ample memory or inside a memory cgroup limited to the loader's peak anonymous memory + 45% of the checkpoint (as
+the main benchmark's capped runs). For trying budgets and reclaim gaps; the main benchmark runs every loader.
+
+    .venv/bin/python benchmarks/prefetch_bench.py variants --loader safetensors --gib 8 --cap --reps 2 \\
+        --variant plain= --variant gap1g=--reclaim-gap,1GiB \\
+        --variant burn-only=--memory-budget,2MiB,--reclaim-gap,256MiB
+
+A variant is NAME=ARGS (comma-separated `prefetch run` options); an empty ARGS after `plain` means no prefetch.
+A variant whose name ends in `-text` runs with WEIGHTSTREAM_TRACE_TEXT=1 (the kernel's text trace instead of
+the binary ring-buffer pages). Prints JSON (and writes it to --json): per variant the wall seconds, the process
+tree's CPU seconds, the loader's own load and CPU seconds, and the prefetch report's byte counters.
+"""
+
+
+def variants_main(argv: list[str]) -> int:
+    """Prefetch settings side by side on one loader (the `variants` part: VARIANTS_DOC)."""
+    p = argparse.ArgumentParser(
+        prog="prefetch_bench.py variants",
+        description=VARIANTS_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--loader", default="safetensors")
+    p.add_argument("--gib", type=float, default=8.0)
+    p.add_argument("--cap", action="store_true", help="run inside the 45%% memory cgroup (else ample memory)")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS")
+    p.add_argument("--work", type=Path, default=Path(".work/bench-prefetch"))
+    p.add_argument("--json", default=default("prefetch-variants.json"), help="result file (default: %(default)s)")
+    args = p.parse_args(argv)
+    variants = {}
+    for v in args.variant or ["plain=", "prefetch=--reclaim-gap,1GiB"]:
+        name, _, opts = v.partition("=")
+        variants[name] = None if name == "plain" else tuple(o for o in opts.split(",") if o)
+    work = args.work.resolve()
+    model = work / f"moe-{args.gib:g}g"
+    build(model, int(args.gib * GIB))
+    lb = LoaderBench(args.loader, model, bench_env(work / "home"), args.reps, work)
+    cold = lb.cold
+
+    def cold_with_env(kind, prefetch, cgroup=None, extra=()):
+        lb.env["WEIGHTSTREAM_TRACE_TEXT"] = "1" if kind.endswith("-text") else "0"
+        return cold(kind, prefetch, cgroup, extra)
+
+    lb.cold = cold_with_env
+    lb.cold("warm-up", False)
+    rec = lb.record()
+    timed(loader_argv(lb.loader, lb.model), lb.env)  # warm, then a warm run measures the loader's own memory
+    warm = timed(loader_argv(lb.loader, lb.model), lb.env)
+    limit = int(warm.loader.get("peak_anon", 0) + LIMIT_SHARE * lb.bytes) if args.cap else None
+    out = lb.rounds("limited" if args.cap else "ample", variants, limit)
+    keep = (
+        "bytes_prefetched",
+        "bytes_used",
+        "bytes_reclaimed",
+        "bytes_reread_after_reclaim",
+        "bytes_loader_missed",
+        "bytes_evicted_before_use",
+        "memory_budget",
+        "events",
+    )
+    doc = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(sys.argv),
+        "loader": args.loader,
+        "bytes": lb.bytes,
+        "cgroup_limit": limit,
+        "warm_s": warm.wall_s,
+        "record": {k: rec[k] for k in ("wall_s", "template_bytes")},
+        "variants": {
+            name: [
+                {
+                    "wall_s": round(o.wall_s, 2),
+                    "tree_cpu_s": round(o.cpu_s, 2),
+                    "loader_load_s": o.loader.get("load_s"),
+                    "loader_cpu_s": o.loader.get("cpu_s"),
+                    "prefetch": {k: o.report.get(k) for k in keep} if o.report else None,
+                }
+                for o in outs
+            ]
+            for name, outs in out.items()
+        },
+    }
+    text = json.dumps(doc, indent=1)
+    print(text)
+    save(text, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ first's) / (tokens - 1)), block-device bytes read per generated token, and from 
 union ratio (distinct experts per layer / (batch x top-k)): at 1 a step reads what its tokens would read one by
 one. The ratio predicts bytes per token relative to sequential serving; the JSON puts the two side by side.
 
-Needs root for the cgroup and the page-cache drop (--no-cgroup runs without both, for a smoke test). Example:
+Prints one JSON object and writes it to --out. Needs root for the cgroup and the page-cache drop (--no-cgroup
+runs without both, for a smoke test). Example:
     weightstream synth --preset olmoe-1b-7b --layers 16 --out models/olmoe-16l
     weightstream trace import --format moe-beyond-csv --model-shape deepseek-v2-lite -o ds.npz \\
         $(ls ../shared/traces/deepseek-v2-lite-chat/prompt_*_data.csv | sort -t_ -k3 -n)
     sudo .venv/bin/python benchmarks/serve_concurrency.py models/olmoe-16l --routing-trace ds.npz \\
-        --expert-cache 1.5x --clients 1,4,8 --requests 16 --max-tokens 64 -o docs/serve-olmoe16.json
+        --expert-cache 1.5x --clients 1,4,8 --requests 16 --max-tokens 64 -o benchmarks/results/serve-olmoe16.json
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import threading
 import time
 
 import httpx
+from common.results import default, save
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightstream.bench.cgroup import MemoryCgroup
@@ -279,7 +281,7 @@ def main() -> None:
         action="store_true",
         help="let batches outgrow the expert cache (serve's flag): shows what the cap avoids",
     )
-    ap.add_argument("-o", "--out", help="also write the JSON here")
+    ap.add_argument("-o", "--out", default=default("serve.json"), help="result file (default: %(default)s)")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     ckpt = open_checkpoint(args.model_dir)
@@ -297,10 +299,8 @@ def main() -> None:
         "runs": [run_routing(args, r, ckpt.files, device) for r in routings],
     }
     text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
     print(text)
+    save(text, args.out)
 
 
 if __name__ == "__main__":

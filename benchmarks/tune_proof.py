@@ -1,21 +1,42 @@
-"""Proof for `weightstream tune` (issue 14): its recommendation and predictions against `bench` measurements.
+"""Proof for `weightstream tune`: its recommendation and predictions against `bench` measurements, judged against
+the run-to-run spread of the same measurements.
 
-For each model, memory limit and routing: `tune --calibrate --json` (timed; every case calibrates anew, so that the
-machine it predicts for is the one of the minutes that follow), then `bench` (each configuration in its own cgroup
-at the limit, cold page cache) on the recommended configuration and a grid around it (three cache sizes x
-lru/slru/pinned, and the page cache): every configuration `--runs` times in rounds (each round in the reverse order
-of the one before, so that a drifting machine weighs on all alike; the median counts), then the ones within 5% of the
-best measured again (--repeats). Before calibration and before every bench run a one-second probe times a fixed
-decode-like workload (bf16 matrix-vector products, `machine_drift.py`): how fast the machine itself was then; and
-a disk probe lands one layer's top-k experts as the engine's reader does (O_DIRECT, 4 I/O threads; a different
-layer each time): milliseconds per MiB then. Calibration prices every read at the disk's speed of its minute.
-Replayed routing (DeepSeek-V2-Lite, Mixtral) is cut into the
-steps the bench will run (each prompt's prefill, then one token per step), and the same file goes to tune and bench.
-Prints one JSON object with the targets checked (--out writes it too). Needs root (bench's cgroups).
+Method. For each model, memory limit and routing (the model's own; DeepSeek-V2-Lite and Mixtral traces from
+../shared/traces, replayed: cut into the steps the bench will run, each prompt's prefill then one token per step, and
+the same file given to tune and bench):
+1. `tune --calibrate --json`, timed. Every case calibrates anew, so that tune predicts for the machine of the minutes
+   that follow.
+2. `bench` of the recommended configuration and a grid around it (three of tune's cache sizes around it, and the
+   largest size tune says loses to the page cache, x lru/slru/pinned; and the page cache with the whole expert
+   budget), each run in its own memory cgroup at the limit, from a cold page cache: every configuration `--runs`
+   times in rounds, each round in the reverse order of the one before (a drifting machine weighs on all alike); a
+   configuration's figure is the median of its runs; then the ones within 5% of the best once more (`--repeats`).
+3. With `--calibrate-each-round`, `tune --calibrate --forget-calibrations` again before every round after the first
+   (the recorded routing reused), and each run is judged by the prediction of the calibration just before it: this
+   machine's own speed moves by a third within one grid's 25 minutes.
+4. Before calibration and before every run, a one-second CPU probe (`common/drift.py`: bf16 matrix-vector products,
+   the shape of an MoE decode step) and a disk probe (one layer's top-k experts read as the engine's reader does:
+   O_DIRECT, 4 I/O threads): how fast the machine itself was then.
+Checks, per case: the recommendation within 5% of the best measured configuration, or tied with it inside the
+spread of their runs; every prediction within 15% of its configuration's median; the page-cache-vs-expert-cache
+call wherever the two differ by more than 10%; `tune --calibrate` under 2 minutes. The yardstick for the 15%: each
+configuration's `spread`, (max - min) / median of its runs, recorded beside every prediction.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/tune_proof.py --model .work/bench-models/olmoe-16l-bf16 \\
-        --limits 3GiB,5GiB,8GiB --routings own,deepseek,mixtral --tokens 16 --context 512 \\
-        --gpt-oss-model .work/bench-models/gpt-oss-4l-bf16 --gpt-oss-limits 4GiB,5GiB --out docs/tune-proof.json
+Prints one JSON object with the checks and writes it to --out after every case (a proof cut short keeps what it
+measured). Needs root (bench's cgroups).
+
+    .venv/bin/python benchmarks/tune_proof.py --model .work/bench-models/olmoe-16l-bf16 --limits 8GiB \\
+        --routings own,mixtral --tokens 16 --context 512 --runs 3 --repeats 1 --gpt-oss-model "" \\
+        --calibrate-each-round --out benchmarks/results/tune-proof-olmoe16-8gib.json
+
+Two parts run by name instead:
+
+    table      the Markdown tables of one or more reports (common/tune_table.py)
+    overhead   the runtime's memory beyond dense weights, expert cache and KV, which tune budgets as
+               `RUNTIME_OVERHEAD_BYTES` (common/tune_overhead.py)
+
+    .venv/bin/python benchmarks/tune_proof.py table benchmarks/results/tune-proof-olmoe16-8gib.json
+    .venv/bin/python benchmarks/tune_proof.py overhead MODEL_DIR [MODEL_DIR ...] --prompt-tokens 256
 """
 
 from __future__ import annotations
@@ -29,8 +50,11 @@ import sys
 import time
 from pathlib import Path
 
-from machine_drift import probe_workload
-from machine_drift import sample as probe_sample
+from common import run_part
+from common.drift import probe_workload
+from common.drift import sample as probe_sample
+from common.results import default
+from common.results import save as save_result
 
 from weightstream.bench.machine import block_device_of, machine_info
 from weightstream.bench.runner import BenchConfig, run_bench
@@ -343,7 +367,9 @@ def gpt_oss_model(path: str, layers: int) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if run_part("tune_proof.py", {"table": "tune_table", "overhead": "tune_overhead"}):
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--limits", default="3GiB,5GiB,8GiB")
     p.add_argument("--routings", default="own,deepseek,mixtral")
@@ -368,7 +394,7 @@ def main() -> None:
     p.add_argument("--gpt-oss-layers", type=int, default=4)
     p.add_argument("--gpt-oss-limits", default="4GiB,5GiB")
     p.add_argument("--gpt-oss-first", action="store_true", help="run the gpt-oss-shaped cases before the others")
-    p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument("--out", default=default("tune-proof.json"), help="result file (default: %(default)s)")
     args = p.parse_args()
     work = Path(".work/tune-proof")  # replay traces and pinned sets: scratch, never beside the report
     work.mkdir(parents=True, exist_ok=True)
@@ -390,8 +416,7 @@ def main() -> None:
             model, limit, routing = case_args[:3]
             say(f"  failed: {exc}")
             report["cases"].append({"model": model, "limit": limit, "routing": routing, "error": str(exc)} | extra)
-        if args.out:  # written after every case: a long proof cut short keeps what it measured
-            Path(args.out).write_text(json.dumps(report, indent=1))
+        save_result(json.dumps(report, indent=1), args.out)  # after every case: a proof cut short keeps its runs
 
     def run_gpt_oss() -> None:
         model = gpt_oss_model(args.gpt_oss_model, args.gpt_oss_layers)

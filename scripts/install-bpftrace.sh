@@ -10,10 +10,11 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
-if timeout 600 apt-get update -q >/tmp/install-bpftrace.log 2>&1 \
-    && timeout 900 apt-get install -y -q bpftrace >>/tmp/install-bpftrace.log 2>&1; then
+log="$(mktemp -t install-bpftrace.XXXXXX.log)"
+if timeout 600 apt-get update -q >"$log" 2>&1 \
+    && timeout 900 apt-get install -y -q bpftrace >>"$log" 2>&1; then
     echo "install-bpftrace: installed $(bpftrace --version)"
 else
-    echo "install-bpftrace: apt-get failed (see /tmp/install-bpftrace.log); uprobe tests will skip"
+    echo "install-bpftrace: apt-get failed (see $log); uprobe tests will skip"
 fi
 exit 0

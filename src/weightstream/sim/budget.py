@@ -12,7 +12,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
-# and heap), the tokenizer, activations and the reader's bookkeeping. Measured with benchmarks/tune_overhead.py
+# and heap), the tokenizer, activations and the reader's bookkeeping. Measured with `benchmarks/tune_proof.py overhead`
 # (docs/tune.md), peak RSS less the checkpoint pages the process maps (an untied input embedding's unused rows
 # never come in): 660 MiB on the 16-layer OLMoE-shaped model, 561 MiB on the 4-layer gpt-oss-shaped one, 256-token
 # prompt. Stated with 10% headroom. (It was 512 MiB while the formula subtracted every dense byte, embedding

@@ -31,7 +31,7 @@ The model used to activate a chunk touched twice while inactive and keep the act
 pages read with read(2)); with mapped pages the kernel does neither, and that model kept a hot set the kernel does
 not: at 3 GiB on the 16-layer OLMoE shape it counted 1596 MiB read per token and 36% of experts fault-free, where
 the kernel read 3933 MiB; this one, with the dense weights in the same lists (`sim.tune`) and the readahead measured
-around a lone expert's fault (`bench.calibrate`), 3830 (docs/benchmarks.md, "Fifth proof").
+around a lone expert's fault (`bench.calibrate`), 3830 (the fifth tune proof, in the git history of docs/benchmarks.md).
 """
 
 from __future__ import annotations

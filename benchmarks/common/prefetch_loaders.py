@@ -1,6 +1,6 @@
 """The loaders the prefetch benchmark runs as commands; each prints one JSON line.
 
-usage: python prefetch_loaders.py safetensors|transformers|runai|fastsafetensors MODEL_DIR
+usage: python benchmarks/common/prefetch_loaders.py safetensors|transformers|runai|fastsafetensors MODEL_DIR
 Every loader touches every byte it loads (a checksum of every tensor), so lazy (mmap) loading cannot hide I/O.
 The checksum is a blake2b over (name, wrapping int64 sum of the tensor's bytes) in name order.
 """

@@ -8,7 +8,7 @@ expert cache's arena - the KV cache the context holds. Also prints what the old 
 resident) gave and `tune`'s resident dense estimate (`Budget.resident_dense_bytes`). Prints one JSON object;
 `sim.budget.RUNTIME_OVERHEAD_BYTES` states the figure measured with it (docs/tune.md).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/tune_overhead.py MODEL_DIR [MODEL_DIR ...] --prompt-tokens 256
+    .venv/bin/python benchmarks/tune_proof.py overhead MODEL_DIR [MODEL_DIR ...] --prompt-tokens 256
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import argparse
 import json
 import subprocess
 import sys
+
+from common.results import default, save
 
 CHILD = r"""
 import json, os, sys
@@ -65,12 +67,13 @@ print(json.dumps({"model": model_dir, "start": start, "after_import": after_impo
 """
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="+", metavar="MODEL_DIR")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=8)
-    args = p.parse_args()
+    p.add_argument("--out", default=default("tune-overhead.json"), help="result file (default: %(default)s)")
+    args = p.parse_args(argv)
     runs = []
     for model in args.models:
         out = subprocess.run(
@@ -80,8 +83,6 @@ def main() -> None:
             check=True,
         )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(json.dumps({"runs": runs, "max_overhead_peak_bytes": max(r["overhead_peak_bytes"] for r in runs)}))
-
-
-if __name__ == "__main__":
-    main()
+    text = json.dumps({"runs": runs, "max_overhead_peak_bytes": max(r["overhead_peak_bytes"] for r in runs)})
+    print(text)
+    save(text, args.out)

@@ -1,7 +1,7 @@
 """Plot decode tok/s against expert cache size from `weightstream bench --json` reports (direct points per cache
 size; page-cache, which has no cache of its own, as a line at the same memory limit).
 
-    .venv/bin/python benchmarks/plot_bench.py docs/bench-own.json docs/bench-ds.json --out docs/bench-tok-s.png
+    .venv/bin/python benchmarks/bench_sweep.py plot own.json replay.json --out docs/bench-tok-s-vs-cache.png
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, path in enumerate(args.reports):
         report = json.load(open(path))
@@ -43,7 +43,3 @@ def main() -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,17 @@
-"""The figures and plots behind docs/cache-policies.md, from real traces (prints JSON, writes PNGs).
+"""The simulator on the real routing traces: the figures and plots behind docs/cache-policies.md (LRU against
+pinning, below 1x, where SLRU overtakes LRU, how far LRU is from Belady). Prints JSON, writes it to --json, draws
+the PNGs into --out.
 
-    PYTHONPATH=src python benchmarks/policy_findings.py --trace deepseek=ds.npz --trace mixtral=mix.npz --out docs
+    .venv/bin/python benchmarks/simulator.py --trace deepseek=ds.npz --trace mixtral=mix.npz --out docs \\
+        --json benchmarks/results/simulator-policies.json
+
+One part runs by name instead:
+
+    speed      lookups per CPU second of every policy on one core, against the reference path (the runtime's
+               access_layer) and libCacheSim's C replay (common/sim_speed.py):
+               .venv/bin/python benchmarks/simulator.py speed --trace ds.npz
+
+Traces are imported from ../shared/traces as docs/trace-format.md shows.
 
 Every figure judges the second half of the requests after the first half chose the pinned set and warmed
 every cache (`weightstream simulate --train-share 0.5`, the default), unless marked "flat".
@@ -13,6 +24,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+from common import run_part
+from common.results import default, save
 
 from weightstream.sim import Workload
 from weightstream.sim.plot import plot_results
@@ -153,14 +166,19 @@ def plot_crossover(results: dict, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if run_part("simulator.py", {"speed": "sim_speed"}):
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", action="append", required=True, help="NAME=PATH of an imported trace (repeat)")
     ap.add_argument("--out", default="docs", help="directory for the PNGs (default docs)")
+    ap.add_argument("--json", default=default("simulator-policies.json"), help="result file (default: %(default)s)")
     args = ap.parse_args()
     out = Path(args.out)
     results = {name: study(name, path, out) for name, path in (t.split("=", 1) for t in args.trace)}
     plot_crossover(results, out)
-    print(json.dumps({k: {f: v for f, v in r.items() if not f.startswith("_")} for k, r in results.items()}, indent=1))
+    text = json.dumps({k: {f: v for f, v in r.items() if not f.startswith("_")} for k, r in results.items()}, indent=1)
+    print(text)
+    save(text, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The Markdown tables of docs/benchmarks.md ("weightstream tune") from `tune_proof.py` reports.
+"""The Markdown tables of a `tune_proof.py` report (docs/benchmarks.md, "tune").
 
-    .venv/bin/python benchmarks/tune_proof_table.py docs/tune-proof-olmoe-evening.json [more.json ...]
+    .venv/bin/python benchmarks/tune_proof.py table benchmarks/results/tune-proof-olmoe16-8gib.json [more.json ...]
 
 Per case: what tune said, each configuration's prediction against the median of its runs (every run listed, with
 the machine probe's passes per second before it), the checks, and how far the machine moved from calibration.
@@ -114,10 +114,10 @@ def _disk(case: dict):
     return statistics.mean(d["at_calibration_ms_per_mib"]), d["runs_over_calibration"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("reports", nargs="+")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     summaries = []
     for path in args.reports:
         with open(path) as f:
@@ -138,7 +138,3 @@ def main() -> None:
             + (_times(times) if times else "")
             + (f", page-cache errors {min(pages):+.0%} to {max(pages):+.0%}" if pages else "")
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ Prints one JSON object: trace load time, lookups per CPU-second of every policy'
 the reference path (the runtime's access_layer + policy objects) and libCacheSim's C replay (one request at a
 time, so no layer pinning) as baselines, and the ratios.
 
-    PYTHONPATH=src python benchmarks/bench_sim.py --trace ds.npz [--reference-prompts 40]
+    .venv/bin/python benchmarks/simulator.py speed --trace ds.npz [--reference-prompts 40]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.results import default, save
 from weightstream.sim import Workload
 from weightstream.sim.replay import Options, run_one
 from weightstream.trace import load
@@ -90,11 +91,12 @@ def libcachesim_rates(w: Workload) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--trace", required=True, help="trace .npz (e.g. the imported DeepSeek-V2-Lite trace)")
     ap.add_argument("--reference-prompts", type=int, default=40, help="requests replayed on the reference path")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=default("simulator-speed.json"), help="result file (default: %(default)s)")
+    args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
     load_before = os.getloadavg()[0]
@@ -103,32 +105,26 @@ def main() -> None:
     fast = fast_rates(w)
     ref = reference_rates(trace, args.reference_prompts)
     lcs = libcachesim_rates(w)
-    print(
-        json.dumps(
-            {
-                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python "
-                f"{platform.python_version()}",
-                "pinned_to_one_core": hasattr(os, "sched_setaffinity"),
-                "clock": "process CPU time (best of 3)",
-                "load_average_1min": [load_before, os.getloadavg()[0]],
-                "trace": args.trace,
-                "accesses": trace.n_accesses,
-                "load_s": round(t_load, 3),
-                "fast_accesses_per_s": {
-                    k: v if isinstance(v, float) else {s: round(r) for s, r in v.items()} for k, v in fast.items()
-                },
-                "min_fast_accesses_per_s": round(
-                    min(r for v in fast.values() if isinstance(v, dict) for r in v.values())
-                ),
-                "reference_accesses_per_s_at_2x": {k: round(v) for k, v in ref.items()},
-                "libcachesim_c_accesses_per_s_at_2x": {k: round(v) for k, v in lcs.items()},
-                "fast_over_reference_at_2x": {k: round(fast[k]["2.0x"] / ref[k], 1) for k in POLICIES},
-                "fast_over_libcachesim_at_2x": {k: round(fast[k]["2.0x"] / lcs[k], 2) for k in lcs},
+    text = json.dumps(
+        {
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python "
+            f"{platform.python_version()}",
+            "pinned_to_one_core": hasattr(os, "sched_setaffinity"),
+            "clock": "process CPU time (best of 3)",
+            "load_average_1min": [load_before, os.getloadavg()[0]],
+            "trace": args.trace,
+            "accesses": trace.n_accesses,
+            "load_s": round(t_load, 3),
+            "fast_accesses_per_s": {
+                k: v if isinstance(v, float) else {s: round(r) for s, r in v.items()} for k, v in fast.items()
             },
-            indent=1,
-        )
+            "min_fast_accesses_per_s": round(min(r for v in fast.values() if isinstance(v, dict) for r in v.values())),
+            "reference_accesses_per_s_at_2x": {k: round(v) for k, v in ref.items()},
+            "libcachesim_c_accesses_per_s_at_2x": {k: round(v) for k, v in lcs.items()},
+            "fast_over_reference_at_2x": {k: round(fast[k]["2.0x"] / ref[k], 1) for k in POLICIES},
+            "fast_over_libcachesim_at_2x": {k: round(fast[k]["2.0x"] / lcs[k], 2) for k in lcs},
+        },
+        indent=1,
     )
-
-
-if __name__ == "__main__":
-    main()
+    print(text)
+    save(text, args.out)

@@ -8,7 +8,7 @@ on them, for a few minutes of CPU. Files are split by a hash of their name: one 
 go outside the repository ($WEIGHTSTREAM_CACHE or ~/.cache/weightstream/small-moe). The model's own routing on
 held-out prompts is recorded with the engine (`--trace-out`): the first non-random routing recorded here.
 
-    .venv/bin/python benchmarks/quant_quality.py --minutes 8 --trace-out docs/traces/small-moe-stdlib.npz
+    .venv/bin/python benchmarks/quant_bench.py quality --minutes 8 --trace-out docs/traces/small-moe-stdlib.npz
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from common.results import default, save
 
 CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "small-moe"
 CONFIG = dict(
@@ -152,8 +154,8 @@ def perplexity(model_dir: str, held: torch.Tensor, seq: int, chunks: int) -> flo
     return math.exp(total / count)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=8.0, help="training time (default 8)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
@@ -162,7 +164,8 @@ def main() -> None:
     ap.add_argument("--groups", default="32,64,128,256", help="int4 group sizes to compare")
     ap.add_argument("--retrain", action="store_true", help="train again even if a checkpoint exists")
     ap.add_argument("--trace-out", help="record the bf16 model's routing on held-out prompts into this .npz")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=default("quant-quality.json"), help="result file (default: %(default)s)")
+    args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
     from weightstream.store.quantize import quantize_checkpoint
@@ -192,7 +195,9 @@ def main() -> None:
     report["vs_bf16"] = {name: p / ppl["bf16"] - 1 for name, p in ppl.items()}
     if args.trace_out:
         report["trace"] = record(str(bf16), tokenizer, corpus()[1], args.trace_out)
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
+    save(text, args.out)
 
 
 def record(model_dir: str, tokenizer, held_texts: list[str], out: str) -> dict:
@@ -202,7 +207,3 @@ def record(model_dir: str, tokenizer, held_texts: list[str], out: str) -> dict:
     prompts = [tokenizer.decode(tokenizer(text).input_ids[:48]) for text in held_texts[:16]]
     trace = record_trace(model_dir, prompts, 32, out)
     return {"path": out, "requests": len(trace.requests), "tokens": trace.n_tokens, "lookups": trace.n_accesses}
-
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,8 @@ Each configuration runs in its own process (`weightstream.bench.child`, the one 
 uses) after the model's files are dropped from the page cache (fadvise, these files only). Configurations are
 interleaved and repeated so that load from other work on the machine shows up as spread, not as a trend.
 Ratios compare prediction on with prediction off at the same cache size and routing, within the same repeat.
-Prints one JSON object. Example:
-    .venv/bin/python benchmarks/predict_next.py --model .work/olmoe-4l --trace .work/ds.npz
+Prints one JSON object and writes it to --out. Example:
+    .venv/bin/python benchmarks/bench_sweep.py predict-next --model .work/olmoe-4l --trace .work/ds.npz
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import psutil
 
+from common.results import default, save
 from weightstream.bench.runner import BenchConfig, child_config, run_child
 from weightstream.engine.loader import load_tokenizer
 from weightstream.engine.prompts import BUILTIN_PROMPTS
@@ -107,8 +108,8 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=".work/olmoe-4l")
     ap.add_argument("--trace", default=".work/ds.npz", help="routing trace to replay as a second workload ('' skips)")
     ap.add_argument("--caches", default="1x,2x")
@@ -116,7 +117,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="how many built-in prompts")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=default("engine-predict-next.json"), help="result file (default: %(default)s)")
+    args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.model, required=True)
     prompts = [tokenizer(t).input_ids for t in BUILTIN_PROMPTS[: args.prompts]]
@@ -151,37 +153,31 @@ def main() -> None:
                             **one_run(config, cache, files),
                         }
                     )
-    print(
-        json.dumps(
-            {
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "memory_bytes": psutil.virtual_memory().total,
-                    "kernel": platform.release(),
-                    "python": platform.python_version(),
-                    "load_avg_at_end": os.getloadavg(),
-                },
-                "command": " ".join(sys.argv),
-                "date": time.strftime("%Y-%m-%d"),
-                "wall_s": time.time() - start,
-                "model": args.model,
-                "model_bytes": model_bytes,
-                "trace": args.trace,
-                "prompts": len(prompts),
-                "new_tokens": args.tokens,
-                "io_threads": args.io_threads,
-                "reference": "transformers in memory" if reference else "none (not enough free memory)",
-                "own_routing_tokens_equal_reference": [
-                    r["token_ids"] == reference for r in runs if r["routing"] == "own"
-                ]
-                if reference
-                else None,
-                "summary": summarize(runs),
-                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
-            }
-        )
+    text = json.dumps(
+        {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "memory_bytes": psutil.virtual_memory().total,
+                "kernel": platform.release(),
+                "python": platform.python_version(),
+                "load_avg_at_end": os.getloadavg(),
+            },
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "wall_s": time.time() - start,
+            "model": args.model,
+            "model_bytes": model_bytes,
+            "trace": args.trace,
+            "prompts": len(prompts),
+            "new_tokens": args.tokens,
+            "io_threads": args.io_threads,
+            "reference": "transformers in memory" if reference else "none (not enough free memory)",
+            "own_routing_tokens_equal_reference": [r["token_ids"] == reference for r in runs if r["routing"] == "own"]
+            if reference
+            else None,
+            "summary": summarize(runs),
+            "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+        }
     )
-
-
-if __name__ == "__main__":
-    main()
+    print(text)
+    save(text, args.out)
