@@ -16,6 +16,7 @@ COMMANDS = (
     "serve",
     "synth",
     "quantize",
+    "import_gguf",
     "trace",
     "simulate",
     "tune",

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.model_dir import gguf_hint
 from weightstream.store.safetensors_index import TensorInfo, read_safetensors_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -32,6 +33,8 @@ class Checkpoint:
 def open_checkpoint(model_dir: str) -> Checkpoint:
     """Index a model directory; raise WeightstreamError naming what is missing or malformed."""
     if not os.path.isdir(model_dir):
+        if model_dir.lower().endswith(".gguf"):
+            raise WeightstreamError(gguf_hint(model_dir))
         raise WeightstreamError(
             f"{model_dir}: not a directory; pass a model directory holding config.json and "
             "*.safetensors (for example one written by `weightstream synth`)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 
 from weightstream.errors import WeightstreamError
 
@@ -13,6 +14,8 @@ def resolve_model(name: str) -> str:
     """A local directory as is; otherwise a Hugging Face model id, downloaded (config, tokenizer, safetensors)."""
     if os.path.isdir(name):
         return name
+    if name.lower().endswith(".gguf"):
+        raise WeightstreamError(gguf_hint(name))
     if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name):
         raise WeightstreamError(
             f"{name}: not a model directory; pass a directory with config.json and "
@@ -27,3 +30,13 @@ def resolve_model(name: str) -> str:
             f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "
             f"{exc}); pass a local model directory instead"
         ) from exc
+
+
+def gguf_hint(path: str) -> str:
+    """What a command given a .gguf file says: the one command that makes it a model directory."""
+    out = re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", os.path.basename(path), flags=re.IGNORECASE) or "model"
+    missing = "" if os.path.exists(path) else " (and there is no such file)"
+    return (
+        f"{path}: a GGUF file{missing}; weightstream runs model directories. Import it once with "
+        f"`weightstream import {shlex.quote(path)} --out {shlex.quote(out)}` and pass that directory"
+    )

@@ -1,0 +1,79 @@
+"""`weightstream import`: a GGUF file (llama.cpp's format) as a model directory, its experts' blocks as they are."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "import",
+        help="make a GGUF file (llama.cpp) a model directory every command takes, experts kept in their blocks",
+        description="Write MODEL.gguf as a model directory: config.json and the tokenizer from the file's metadata, "
+        "dense weights (attention, norms, router, embeddings, head, shared experts) as safetensors in the "
+        "activation dtype (bfloat16, or float32 for an all-F32 file; dequantized where the file quantized them), "
+        "and every routed expert as one blob of its GGML blocks exactly as the file stores them (Q8_0, Q4_0, Q4_1, "
+        "Q4_K, Q6_K: the types weightstream's native kernels run). Other block types are requantized, and every "
+        "lossy step is said on stderr with its measured error. A split model (NAME-00001-of-0000N.gguf) is read "
+        "from all its parts. It streams: one tensor or one expert at a time; the output appears only when "
+        "complete. Architectures: qwen3moe, qwen2moe, olmoe, Mixtral (docs/gguf.md).",
+        epilog="examples:\n  weightstream import Qwen3-30B-A3B-Q4_K_M.gguf --out models/qwen3-30b-q4km\n"
+        "  weightstream generate models/qwen3-30b-q4km --prompt 'Hello' --expert-cache 4GiB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("gguf", metavar="MODEL.gguf", help="the GGUF file (for a split model, any of its parts)")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must be empty unless --force)")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it is a directory weightstream wrote (nothing else)"
+    )
+    p.add_argument(
+        "--requantize",
+        choices=("auto", "q8_0", "q4_k"),
+        default="auto",
+        help="what expert types the native kernels do not run (Q5_K, Q3_K, IQ4_NL, MXFP4, ...) become: auto "
+        "(default) Q4_K for types of at most 4.5 bits a weight, else Q8_0; the error is measured and printed",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from weightstream.store.outdir import refuse_existing
+
+    refuse_existing(args.out, args.force, sources=[args.gguf])  # before torch and transformers (seconds to import)
+
+    from weightstream.commands.progress import byte_progress
+    from weightstream.store.gguf_import import import_gguf
+
+    notes: list[str] = []
+    with byte_progress(f"importing {args.gguf}") as progress:
+        result = import_gguf(args.gguf, args.out, args.force, progress, args.requantize, log=notes.append)
+    for line in notes:  # after the progress display is gone
+        print(f"weightstream import: {line}", file=sys.stderr)
+    summary = {
+        "out": result.out_dir,
+        "architecture": result.architecture,
+        "model_type": result.model_type,
+        "scheme": result.scheme,
+        "activation_dtype": result.activation_dtype,
+        "experts": result.experts,
+        "expert_types": result.expert_types,
+        "layer_tables": result.layer_tables,
+        "requantized": result.requantized,
+        "tokenizer": result.tokenizer,
+        "bytes": result.total_bytes,
+        "gguf_bytes": result.gguf_bytes,
+        "seconds": result.seconds,
+    }
+    types = ", ".join(f"{n} {k}" for k, n in sorted(result.expert_types.items()))
+    experts = f"as {result.scheme} blobs ({types} tensors)" if result.scheme else f"unquantized ({types} tensors)"
+    print(
+        json.dumps(summary)
+        if args.json
+        else f"wrote {result.out_dir}: {result.model_type} from {result.architecture} GGUF, {result.experts} experts "
+        f"{experts}, dense weights {result.activation_dtype}, {result.total_bytes / 2**30:.2f} GiB from "
+        f"{result.gguf_bytes / 2**30:.2f} GiB, {result.seconds:.1f} s"
+    )
+    return 0
