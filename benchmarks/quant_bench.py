@@ -61,8 +61,17 @@ KEEP = (
 
 
 def expert_bytes(models: dict[str, str]) -> dict:
-    sizes = {name: next(iter(map_model(path).layout.experts.values())).nbytes for name, path in models.items()}
-    return {"bytes": sizes, "ratio_to_bf16": {name: b / sizes["bf16"] for name, b in sizes.items()}}
+    mapped = {name: map_model(path) for name, path in models.items()}
+    sizes = {name: next(iter(m.layout.experts.values())).nbytes for name, m in mapped.items()}
+    formats = {
+        name: {
+            "experts": m.quant.scheme if m.quant else str(m.model.dtype).removeprefix("torch."),
+            "dense_quantized": sorted({t for t, _ in (m.quant.dense or {}).values()}) if m.quant else [],
+            "dense_bytes": sum(t.nbytes for t in m.layout.dense.values()),
+        }
+        for name, m in mapped.items()
+    }
+    return {"bytes": sizes, "ratio_to_bf16": {name: b / sizes["bf16"] for name, b in sizes.items()}, "formats": formats}
 
 
 def in_memory(models: dict[str, str], prompts, tokens: int, repeats: int) -> dict:
@@ -206,6 +215,15 @@ def main() -> None:
     ap.add_argument("model", help="the bf16 checkpoint")
     ap.add_argument("--int8", required=True, help="`weightstream quantize MODEL --bits 8` of it")
     ap.add_argument("--int4", required=True, help="`weightstream quantize MODEL --bits 4` of it")
+    # the format of each directory is its manifest's: the scheme and kernels are reported beside each figure
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another quantization of the same weights for the bytes and in-memory parts (repeatable), e.g. "
+        "torch-int4=MODEL-t4 (--kernel torch) or q4k-dense-int4=MODEL-d4 (--dense int4)",
+    )
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -227,6 +245,12 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     models = {"bf16": args.model, "int8": args.int8, "int4": args.int4}
+    for spec in args.also:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not os.path.isdir(path):
+            raise SystemExit(f"--also {spec!r}: give NAME=DIR with an existing model directory")
+        models[name] = path
+    limited_models = {k: models[k] for k in ("bf16", "int8", "int4")}
     prompts = tokenized_prompts(args.model, None)[: args.prompts]
     report = {
         "machine": machine_info(block_device_of(args.model)),
@@ -242,7 +266,7 @@ def main() -> None:
         report["llamacpp_in_memory"] = llama_in_memory(args)
     if "limited" not in skip:
         report["limited"] = limited(
-            models,
+            limited_models,
             prompts,
             args.tokens,
             parse_size(args.limit),

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -335,27 +336,21 @@ void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
               " bytes; ", n, " x ", k, " of this type need ", n * (k / f.block) * f.bytes);
 }
 
-// y (M, N) float32 = x (M, K) times W^T, W the N x K matrix the blocks encode.
-at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
-  check_weights(w, wtype, n, k);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "weightstream qmm: x must be (rows, ", k, ")");
-  path = resolve_path(path);
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0), ablock = act_block(wtype), blocks = k / ablock, sums = k / 32;
-  at::Tensor q = at::empty({m, k}, at::kChar), d = at::empty({m, blocks}, at::kFloat),
-             s = at::empty({m, sums}, at::kInt);
+// y (m, n) = x (m, k) times W^T, into y; x and y float32, contiguous.
+void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
+              int64_t path) {
+  const int64_t ablock = act_block(wtype), blocks = k / ablock, sums = k / 32;
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(m * blocks);
+  std::vector<int32_t> s(m * sums);
   for (int64_t r = 0; r < m; r++) {
-    quantize_row(x.data_ptr<float>() + r * k, k, ablock, q.data_ptr<int8_t>() + r * k,
-                 d.data_ptr<float>() + r * blocks, s.data_ptr<int32_t>() + r * sums);
+    quantize_row(x + r * k, k, ablock, q.data() + r * k, d.data() + r * blocks, s.data() + r * sums);
   }
-  at::Tensor y = at::empty({m, n}, at::kFloat);
   const Format f = format_of(wtype);
   const int64_t row_bytes = (k / f.block) * f.bytes;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  const int32_t* sp = s.data_ptr<int32_t>();
+  const int8_t* qp = q.data();
+  const float* dp = d.data();
+  const int32_t* sp = s.data();
   // grain: enough rows per task that a task reads about 64 KiB of weights
   const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -371,7 +366,47 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64
       }
     }
   });
+}
+
+// y (M, N) float32 = x (M, K) times W^T, W the N x K matrix the blocks encode.
+at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
+  check_weights(w, wtype, n, k);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "weightstream qmm: x must be (rows, ", k, ")");
+  path = resolve_path(path);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, at::kFloat);
+  qmm_into(x.data_ptr<float>(), x.size(0), k, w.data_ptr<uint8_t>(), wtype, n, y.data_ptr<float>(), path);
   return y;
+}
+
+// One expert's SiLU-gated feed-forward for its rows, in one call: h = silu(x G^T) * (x U^T), out = (h D^T) * w,
+// with gate_up the (2I, D) blocks [G; U] and down the (D, I) blocks; float32 in between, out in x's dtype.
+at::Tensor expert_ffn(const at::Tensor& x_in, const at::Tensor& gate_up, int64_t gu_type, const at::Tensor& down,
+                      int64_t down_type, const at::Tensor& weights, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2, "weightstream expert_ffn: x must be (rows, hidden)");
+  const int64_t m = x_in.size(0), hidden = x_in.size(1);
+  const Format fd = format_of(down_type);
+  const int64_t inter = down.numel() / hidden / fd.bytes * fd.block;
+  check_weights(gate_up, gu_type, 2 * inter, hidden);
+  check_weights(down, down_type, hidden, inter);
+  TORCH_CHECK(weights.numel() == m, "weightstream expert_ffn: one router weight per row");
+  path = resolve_path(path);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor wr = weights.to(at::kFloat).contiguous();
+  std::vector<float> gu(m * 2 * inter), h(m * inter);
+  qmm_into(x.data_ptr<float>(), m, hidden, gate_up.data_ptr<uint8_t>(), gu_type, 2 * inter, gu.data(), path);
+  for (int64_t r = 0; r < m; r++) {
+    const float* g = gu.data() + r * 2 * inter;
+    for (int64_t i = 0; i < inter; i++) h[r * inter + i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+  }
+  at::Tensor y = at::empty({m, hidden}, at::kFloat);
+  float* yp = y.data_ptr<float>();
+  qmm_into(h.data(), m, inter, down.data_ptr<uint8_t>(), down_type, hidden, yp, path);
+  const float* w = wr.data_ptr<float>();
+  for (int64_t r = 0; r < m; r++) {
+    for (int64_t j = 0; j < hidden; j++) yp[r * hidden + j] *= w[r];
+  }
+  return y.to(x_in.scalar_type());
 }
 
 // W (N, K) float32, every weight as its block encodes it (the reference the products are checked against).
@@ -436,11 +471,14 @@ bool avx2_available() { return have_avx2(); }
 TORCH_LIBRARY(weightstream, m) {
   m.def("qmm(Tensor x, Tensor w, int wtype, int n, int k, int path=0) -> Tensor");
   m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
+  m.def("expert_ffn(Tensor x, Tensor gate_up, int gu_type, Tensor down, int down_type, Tensor weights, int path=0)"
+        " -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
   m.impl("qmm", &qmm);
   m.impl("dequantize", &dequantize);
+  m.impl("expert_ffn", &expert_ffn);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

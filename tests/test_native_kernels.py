@@ -108,3 +108,28 @@ def test_disabled_native_kernels_are_said_once_and_torch_runs(tmp_path):
     )
     assert r.returncode == 0 and r.stdout.split() == ["False", "False", "portable"], r.stderr
     assert r.stderr.count("native kernels off") == 1 and "WEIGHTSTREAM_NATIVE=0" in r.stderr
+
+
+@pytest.mark.parametrize("wtypes", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q4_1", "Q4_0")])
+def test_one_call_expert_ffn_is_the_composed_product(wtypes):
+    """expert_ffn = (silu(x G^T) * x U^T) D^T * w in one call: close to the same steps through qmm and torch
+    (the steps round between them, the fused op keeps float32), bitwise alone or batched, 1 or 2 threads."""
+    gu_type, down_type = wtypes
+    hidden, inter, rows = 512, 256, 5
+    gate_up = torch.from_numpy(_blocks(gu_type, 2 * inter, hidden, seed=6)).reshape(-1)
+    down = torch.from_numpy(_blocks(down_type, hidden, inter, seed=7)).reshape(-1)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(8))
+    w = torch.rand(rows, 1, generator=torch.Generator().manual_seed(9))
+    fused = native.expert_ffn(x, gate_up, gu_type, down, down_type, w)
+    gu = native.qmm(x, gate_up, gu_type, 2 * inter, hidden)
+    h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    composed = native.qmm(h, down, down_type, hidden, inter) * w
+    assert fused.dtype == x.dtype
+    assert float((fused - composed).abs().max() / composed.abs().max()) < 1e-5  # the same arithmetic, reordered
+    assert torch.equal(native.expert_ffn(x[3:4], gate_up, gu_type, down, down_type, w[3:4]), fused[3:4])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.expert_ffn(x, gate_up, gu_type, down, down_type, w), fused)
+    finally:
+        torch.set_num_threads(threads)

@@ -500,3 +500,21 @@ def test_dense_weights_quantized_run_natively_and_stream_bitwise(tiny_model, tmp
     assert float((first - ref).abs().max() / ref.abs().max()) < (
         0.03 if dense == "int8" else 0.2
     )  # measured 0.9% and 9.8%
+
+
+def test_generate_reports_the_weight_bytes_a_decode_token_touches(tiny_model, tmp_path):
+    """Batch-1 decode multiplies by every dense weight but the untied input embedding, and by top-k experts in
+    every MoE layer: with --dense the dense share is the blocks' bytes."""
+    src = tiny_model("olmoe", "bf16")
+    out = str(tmp_path / "d8")
+    quantize_checkpoint(src, out, 4, dense="int8")
+    model = load_streaming_model(out, expert_cache="1x")
+    try:
+        layout = model.weightstream.layout
+        dense = sum(t.nbytes for n, t in layout.dense.items() if not n.endswith("embed_tokens.weight"))
+        expert = next(iter(layout.experts.values())).nbytes
+        _, stats = generate(model, PROMPT, 5)
+    finally:
+        model.weightstream.close()
+    assert stats.weight_bytes_per_token == dense + len(layout.num_experts) * layout.top_k * expert
+    assert dense < sum(t.nbytes for t in open_checkpoint(src).tensors.values() if ".experts." not in t.name) / 1.5

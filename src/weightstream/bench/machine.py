@@ -54,3 +54,37 @@ def machine_info(device: str) -> dict:
         "block_device": os.path.realpath(device),
         "disk_model": disk,
     }
+
+
+def read_bandwidth(refresh: bool = False) -> float:
+    """Bytes per second this machine reads memory at: a float32 sum over 1 GiB on torch's threads, best of 5.
+    Measured once (about 2 s) and kept beside tune's calibrations, keyed by CPU model, core count, memory and
+    thread count; `refresh` measures again."""
+    import json
+    import time
+    from pathlib import Path
+
+    import torch
+
+    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{psutil.virtual_memory().total}|" + str(
+        torch.get_num_threads()
+    )
+    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightstream" / "read-bandwidth.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if not refresh and isinstance(saved.get(key), (int, float)) and saved[key] > 0:
+        return float(saved[key])
+    t = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - start)
+    saved[key] = t.nbytes / best
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved))
+    os.replace(tmp, path)
+    return saved[key]

@@ -64,7 +64,14 @@ def run(args) -> int:
     token_ids = new[0].tolist()
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text, "stats": stats.to_dict()}))
+        from weightstream.bench.machine import read_bandwidth
+
+        report = stats.to_dict()
+        bandwidth = read_bandwidth()  # measured once on a machine, then kept
+        report["read_bandwidth_bytes_per_s"] = bandwidth
+        report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s
+        report["share_of_read_bandwidth"] = report["weight_bytes_per_s"] / bandwidth
+        print(json.dumps({"token_ids": token_ids, "text": text, "stats": report}))
     else:
         print(text if text is not None else " ".join(map(str, token_ids)))
         print(summary_line(stats), file=sys.stderr)

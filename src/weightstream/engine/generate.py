@@ -40,6 +40,9 @@ class GenerationStats:
     prediction_accuracy: float = 0.0  # share of the layers' actual top-k choices that were predicted
     decode_prediction_accuracy: float = 0.0
     layer_misses: dict = field(default_factory=dict)
+    # weight bytes one decode token touches: the dense weights it multiplies by (not an untied input embedding,
+    # of which it reads one row) and the experts it looks up; what a memory-bound decode must read per token
+    weight_bytes_per_token: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,5 +164,8 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         io_threads=cache.io_threads,
         o_direct=cache.o_direct,
         layer_misses=dict(cache.stats.layer_misses),
+        weight_bytes_per_token=runtime.dense_bytes_touched + decode_lookups * runtime.mean_expert_bytes / decode_tokens
+        if decode_tokens
+        else 0.0,
         **_prediction_stats(runtime, start, first, last),
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.moe import _default_apply_gate
 
 from weightstream.engine import native
 from weightstream.errors import WeightstreamError
@@ -85,6 +86,15 @@ class QuantizedExperts:
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
         self.dequant_rows = DEQUANT_ROWS[quant.scheme]
+        # one native call per expert (gate_up, SiLU gate, down, router weight) where the module's gate is the
+        # default chunked SiLU one; others (gpt-oss's clamped gate, biases) run projection by projection
+        self.fused = (
+            quant.native
+            and module.has_gate
+            and not module.has_bias
+            and getattr(type(module), "_apply_gate", None) is _default_apply_gate
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+        )
 
     def _blocks(self, table) -> dict:
         return {t.name: (t.dtype, *t.shape) for t in table if self.quant.native and len(t.shape) == 2}
@@ -98,6 +108,11 @@ class QuantizedExperts:
         return kernel
 
     def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
+        if self.fused and rows.shape[0] < self.dequant_rows:
+            gate_up, down = self.blocks["gate_up_proj.qweight"][0], self.blocks["down_proj.qweight"][0]
+            return native.expert_ffn(
+                rows, params["gate_up_proj.qweight"], gate_up, params["down_proj.qweight"], down, weights
+            )
         hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
         return self.project(hidden, params, "down_proj") * weights  # (n, D)
 

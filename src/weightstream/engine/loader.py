@@ -18,6 +18,7 @@ from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
+from weightstream.sim.budget import is_lazy_dense, ties_embeddings
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.quant_format import QuantFormat
@@ -71,6 +72,8 @@ def load_streaming_model(
             kernel = kernels[type(module)]
             module._ws_kernel = kernel.for_layer(module._ws_layer) if hasattr(kernel, "for_layer") else kernel
         runtime.kernels = {cls.__name__: k.name for cls, k in kernels.items()}
+        tied = ties_embeddings(model.config)
+        runtime.dense_bytes_touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
         model.weightstream = runtime
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
             model.generation_config = GenerationConfig.from_pretrained(model_dir)

@@ -77,6 +77,16 @@ def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str 
     return torch.ops.weightstream.qmm(x, w, BLOCKS[wtype][0], n, k, PATHS[path])
 
 
+def expert_ffn(
+    x: torch.Tensor, gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor, down_type: str, weights: torch.Tensor
+) -> torch.Tensor:
+    """One expert's SiLU-gated feed-forward in one call: (silu(x G^T) * (x U^T)) D^T times each row's router
+    weight, `gate_up` the (2I, D) blocks [G; U], `down` the (D, I) blocks; in x's dtype."""
+    return torch.ops.weightstream.expert_ffn(
+        x, gate_up, BLOCKS[gate_up_type][0], down, BLOCKS[down_type][0], weights.reshape(-1), 0
+    )
+
+
 def dequantize(w: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
     """float32 (N, K): every weight as its block encodes it."""
     return torch.ops.weightstream.dequantize(w, BLOCKS[wtype][0], n, k)

@@ -36,6 +36,8 @@ class StreamingRuntime:
         # set by load_streaming_model(predict_next=True): read-aheads the next layer's guessed experts
         self.predictor: NextLayerPredictor | None = None
         self.kernels: dict[str, str] = {}  # experts class -> kernel name (set by load_streaming_model)
+        self.dense_bytes_touched = 0  # dense weight bytes one decode token multiplies by (set by the loader)
+        self.mean_expert_bytes = sum(e.nbytes for e in layout.experts.values()) / max(1, len(layout.experts))
 
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         layer = module._ws_layer
