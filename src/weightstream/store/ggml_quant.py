@@ -2,8 +2,9 @@
 
 Each takes a float matrix (N, K) and returns uint8 (N, row bytes): every row its blocks back to back, bytes as a
 GGUF file stores them, so a weight quantized here and a weight imported from a GGUF are the same kind of thing.
-Formats (docs/kernels.md): Q8_0 (fp16 scale per 32, int8), Q4_1 (fp16 scale and minimum per 32, 4-bit codes),
-Q4_K (per 256: fp16 scale and min of scales, 6-bit scale and min per 32, 4-bit codes).
+Formats (docs/kernels.md): Q8_0 (fp16 scale per 32, int8), Q4_0 (fp16 scale per 32, 4-bit codes around 8),
+Q4_1 (fp16 scale and minimum per 32, 4-bit codes), Q4_K (per 256: fp16 scale and min of scales, 6-bit scale and
+min per 32, 4-bit codes), Q6_K (per 256: fp16 scale, int8 scale per 16, 6-bit codes).
 """
 
 from __future__ import annotations
@@ -63,4 +64,43 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), scales, qs], dim=-1).reshape(n, -1)
 
 
-ENCODERS = {"Q8_0": quantize_q8_0, "Q4_1": quantize_q4_1, "Q4_K": quantize_q4_k}
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """Per 32: the value of largest magnitude is -8 steps (the format's asymmetric range, -8..7)."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 32, 32)
+    peak = b.gather(-1, b.abs().argmax(dim=-1, keepdim=True))  # signed
+    d = (peak / -8).to(torch.float16).float()
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(b * inv + 8).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_fp16_bytes(d), _nibbles(q)], dim=-1).reshape(n, -1)
+
+
+def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """Per 256: an fp16 step `d`; per 16 an int8 multiple of it; codes -32..31 stored as 4 low bits and 2 high."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 256, 16, 16)
+    scale = b.abs().amax(dim=-1) / 31  # (n, S, 16)
+    d = (scale.amax(dim=-1, keepdim=True) / 127).to(torch.float16).float()
+    sc = torch.round(scale / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 127)
+    step = (d * sc).unsqueeze(-1)
+    q = torch.round(b * torch.where(step > 0, 1 / step, torch.zeros_like(step))).clamp(-32, 31).to(torch.int32) + 32
+    q = q.reshape(n, k // 256, 2, 4, 32)  # half h, quarter r (sub-blocks of 32), element l
+    low, high = q & 15, q >> 4
+    ql = torch.cat([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], dim=-1)
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    parts = [
+        ql.reshape(n, k // 256, 128).to(torch.uint8),
+        qh.reshape(n, k // 256, 64).to(torch.uint8),
+        sc.to(torch.int8).view(torch.uint8),
+        _fp16_bytes(d),
+    ]
+    return torch.cat(parts, dim=-1).reshape(n, -1)
+
+
+ENCODERS = {
+    "Q8_0": quantize_q8_0,
+    "Q4_0": quantize_q4_0,
+    "Q4_1": quantize_q4_1,
+    "Q4_K": quantize_q4_k,
+    "Q6_K": quantize_q6_k,
+}

@@ -594,7 +594,7 @@ def _scheme(layers: list[_Layer]) -> str:
 
 
 def _tables(layers: list[_Layer], scheme: str, act: str, source: dict) -> QuantFormat:
-    """Each layer's blob table; the manifest's default table is the commonest one the load-time check can encode."""
+    """Each layer's blob table; the manifest's default table is the commonest one, the others per layer."""
     for lay in layers:
         inter, hidden = lay.tensors["gate"].shape[1], lay.tensors["gate"].shape[2]
         lay.table, lay.blob_bytes = blob_layout(
@@ -604,13 +604,7 @@ def _tables(layers: list[_Layer], scheme: str, act: str, source: dict) -> QuantF
             ]
         )
     counts = Counter((lay.table, lay.blob_bytes) for lay in layers)
-    encodable = [t for t, _ in counts.most_common() if all(b.dtype in ENCODERS for b in t[0])]
-    if encodable:
-        base = encodable[0]
-    else:  # no layer's types all have an encoder (the kernels' load-time check encodes random weights): a same-block
-        # stand-in (Q4_0 -> Q4_1, Q6_K -> Q4_K) is the default table, and every layer lists its own
-        sub = {"Q4_0": "Q4_1", "Q6_K": "Q4_K"}
-        base = blob_layout([(b.name, sub.get(b.dtype, b.dtype), b.shape) for b in layers[0].table])
+    base = counts.most_common(1)[0][0]  # every kept type has an encoder, so the load-time check runs on it
     own = {lay.layer: (lay.table, lay.blob_bytes) for lay in layers if (lay.table, lay.blob_bytes) != base}
     return QuantFormat(scheme, act, base[0], base[1], source=source, layer_tables=own or None)
 
