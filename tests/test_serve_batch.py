@@ -32,7 +32,7 @@ class Steps:
     def __init__(self):
         self.batches = []
 
-    def prefilled(self, tokens, seconds):
+    def prefilled(self, tokens, seconds, generated=1):
         pass
 
     def decoded(self, batch, seconds):

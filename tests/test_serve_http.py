@@ -1,6 +1,6 @@
 """`weightstream serve` as clients use it: a real server on 127.0.0.1, the official openai client and raw HTTP.
 
-One server for the module (tiny qwen3_moe in fp32 with a chat template written into its tokenizer_config.json,
+One server for the module (tiny qwen3_moe in fp32 with this module's chat template in its chat_template.jinja,
 an API key, a 256 KiB KV budget = 341 positions, a clock-floor listener on its announce socket). Answers are
 compared with `weightstream generate` (once as the command, otherwise its Python function on the same model).
 """
@@ -44,13 +44,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
-    """A copy of the tiny model whose tokenizer_config.json carries a chat template."""
+    """A copy of the tiny model whose chat template is TEMPLATE (in place of synth's, which answers differently)."""
     model_dir = tmp_path_factory.mktemp("serve") / NAME
     shutil.copytree(tiny_model("qwen3_moe"), model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
     return str(model_dir)
 
 
@@ -234,7 +231,7 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(server):
             "context_length_exceeded",
         ),
         ("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 400}, None, 400, "larger --kv-cache", None),
-        ("/v1/completions", {"model": NAME, "prompt": "Hi", "n": 2}, None, 400, "n=2 is not supported", None),
+        ("/v1/completions", {"model": NAME, "prompt": "Hi", "best_of": 2}, None, 400, "best_of=2 with n=1", None),
         ("/v1/completions", {"model": NAME, "prompt": "Hi", "temperature": -1}, None, 400, "temperature", None),
         ("/v1/completions", {"model": NAME, "prompt": [99999]}, None, 400, "token ids must be in 0..511", None),
         ("/v1/completions", {"model": NAME, "prompt": "Hi"}, "sk-wrong", 401, "wrong API key", "invalid_api_key"),
@@ -503,13 +500,20 @@ def test_sampling_fields_out_of_range_and_unhonoured_fields_are_refused_by_name(
         ("/v1/completions", {**hi, "logit_bias": [5]}, "logit_bias"),
         ("/v1/completions", {**hi, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {**chat, "frequency_penalty": -3}, "frequency_penalty"),
-        ("/v1/completions", {**hi, "echo": True}, "echo"),
         ("/v1/completions", {**hi, "best_of": 2}, "best_of"),
+        ("/v1/completions", {**hi, "n": 3, "best_of": 2}, "best_of"),
         ("/v1/completions", {**hi, "suffix": "!"}, "suffix"),
-        ("/v1/completions", {**hi, "logprobs": 1}, "logprobs"),
-        ("/v1/chat/completions", {**chat, "n": 2}, "n"),
-        ("/v1/chat/completions", {**chat, "logprobs": True}, "logprobs"),
+        ("/v1/completions", {**hi, "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {**hi, "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {**hi, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**hi, "n": 0}, "n"),
+        ("/v1/completions", {**hi, "n": 129}, "n"),
+        ("/v1/completions", {**hi, "prompt": ["Hi"] * 65, "n": 2}, "n"),
+        ("/v1/chat/completions", {**chat, "n": 129}, "n"),
+        ("/v1/chat/completions", {**chat, "logprobs": "yes"}, "logprobs"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
@@ -528,6 +532,7 @@ def test_sampling_fields_out_of_range_and_unhonoured_fields_are_refused_by_name(
     headers = {"Authorization": f"Bearer {KEY}"}
     for path, body in (
         ("/v1/completions", {**hi, **ignored, "best_of": 1, "echo": False, "logit_bias": {}}),
+        ("/v1/completions", {**hi, "n": 2, "best_of": 2, "echo": True, "logprobs": 0}),
         ("/v1/chat/completions", {**chat, **ignored, "tool_choice": "none", "logprobs": False, "modalities": ["text"]}),
     ):
         r = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)

@@ -1,6 +1,8 @@
 """`weightstream serve` starting and stopping: SIGTERM while a stream runs, health before the model is loaded,
 and errors that stop it before it serves (one clear line, status 2)."""
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,9 +20,12 @@ from weightstream.engine.serve.service import ModelService, ServeSettings
 from serve_support import ServerProcess, metric
 
 
-def test_sigterm_while_streaming_ends_the_stream_and_exits_cleanly(tiny_model):
-    """Grace 0: the running stream gets an error event at once, the process stops its threads and exits 0."""
-    model_dir = tiny_model("qwen3_moe")  # the synthetic tokenizer has no chat template
+def test_sigterm_while_streaming_ends_the_stream_and_exits_cleanly(tiny_model, tmp_path):
+    """Grace 0: the running stream gets an error event at once, the process stops its threads and exits 0. (The
+    model is one without a chat template, so chat is refused with a clear error first.)"""
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_model("qwen3_moe"), model_dir)
+    os.remove(os.path.join(model_dir, "chat_template.jinja"))  # synth writes one
     server = ServerProcess(model_dir, "--shutdown-grace", "0", "--expert-cache", "2x", "--io-threads", "2")
     try:
         server.wait_ready()

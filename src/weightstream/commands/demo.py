@@ -32,7 +32,7 @@ def _ensure_model(out: str, layers: int) -> None:
     from weightstream.store.presets import preset_config
     from weightstream.store.synth import synthesize
 
-    wanted = {"demo": {"preset": "olmoe-1b-7b", "layers": layers, "dtype": "bf16", "seed": 0}}
+    wanted = {"demo": {"preset": "olmoe-1b-7b", "layers": layers, "dtype": "bf16", "seed": 0, "chat_template": 1}}
     if (read_owner(out) or {}).get("note") == wanted:
         return
     print(f"writing a synthetic OLMoE-shaped model ({layers} layers, bf16) to {out} ...", file=sys.stderr)

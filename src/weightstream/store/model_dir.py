@@ -24,7 +24,7 @@ def resolve_model(name: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja"])
     except Exception as exc:  # offline, unknown id, gated model: one clear line
         raise WeightstreamError(
             f"{name}: could not download from the Hugging Face Hub ({type(exc).__name__}: "

@@ -37,8 +37,9 @@ def synthesize(
     progress: Callable[[int, int], None] | None = None,
     note: dict | None = None,
 ) -> SynthResult:
-    """Write config, tokenizer and random weights to `out_dir` (built in a temp dir, renamed into place at the end);
-    `note` is kept in the directory's ownership record (`outdir.read_owner`)."""
+    """Write config, tokenizer (with a minimal chat template: store/tokenizer.py) and random weights to `out_dir`
+    (built in a temp dir, renamed into place at the end); `note` is kept in the directory's ownership record
+    (`outdir.read_owner`)."""
     if dtype not in DTYPES:
         raise WeightstreamError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     refuse_existing(out_dir, force)

@@ -1,4 +1,5 @@
-"""A byte-level BPE tokenizer trained locally on a built-in text, so synthetic checkpoints need no download."""
+"""A byte-level BPE tokenizer trained locally on a built-in text, so synthetic checkpoints need no download; with a
+minimal chat template, so `weightstream serve` answers chat completions on them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# ChatML's shape with the special tokens the tokenizer already has (<|bos|> opens a turn as <|im_start|> would,
+# <|eos|> closes it as <|im_end|> would, and is the model's EOS, so an answer ends with its turn). New special
+# tokens would take places the BPE's merges hold now, changing how every synthetic checkpoint tokenizes text.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}" + BOS + "{{ message['role'] }}\n{{ message['content'] }}" + EOS + "\n"
+    "{% endfor %}{% if add_generation_prompt %}" + BOS + "assistant\n{% endif %}"
+)
 
 CORPUS = """\
 Mixture-of-Experts models route every token to a few experts out of many. Only the chosen experts run, so a
@@ -23,7 +31,8 @@ capital of France? Paris is the capital of France. The answer is 42. Hello, worl
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on CORPUS with at most `vocab_size` tokens (special tokens included)."""
+    """Train a byte-level BPE on CORPUS with at most `vocab_size` tokens (special tokens included); its chat template
+    is CHAT_TEMPLATE."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -34,4 +43,6 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -4,6 +4,7 @@ sampling: per-request logit bias and penalties, greedy / temperature / top-p wit
 generated ids to text with stop strings; sequence: one request's state and the events it sends; batch: the running
 sequences' KV caches as one left-padded DynamicCache; scheduler: the thread that owns the model (admission and
 preemption, prefill, one forward per decode step); steps: per-step records (distinct experts per layer against
-batch x top-k) and the step log; metrics: Prometheus metrics; protocol: OpenAI request and response shapes and
-error objects; app: the Starlette routes; server: loading, uvicorn, graceful shutdown.
+batch x top-k) and the step log; metrics: Prometheus metrics; logprobs: token logprobs and their OpenAI shapes;
+protocol: OpenAI request and response shapes (a request's choices gathered into one answer) and error objects;
+app: the Starlette routes; server: loading, uvicorn, graceful shutdown.
 """

@@ -22,16 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    Reply,
-    parse_request,
-    sse,
-    usage,
-)
-from weightstream.engine.serve.sequence import Delta, Failed, Finished
+from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, parse_request, sse
+from weightstream.engine.serve.sequence import Failed
 from weightstream.engine.serve.service import ModelService
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody receives it, the metrics count it
@@ -132,16 +124,17 @@ class _Api:
                 "model",
                 "model_not_found",
             )
-        ids = self.service.prompt_ids(body)
+        prompts = self.service.prompts(body)
         events: asyncio.Queue = asyncio.Queue()
-        seq = self.service.sequence(body, ids, _emitter(asyncio.get_running_loop(), events))
-        self.service.submit(seq)
-        reply = Reply(kind is ChatRequest, self.service.model_name)
+        loop = asyncio.get_running_loop()
+        seqs = self.service.sequences(body, prompts, lambda index: _emitter(loop, events, index))
+        self.service.submit(seqs)
+        reply = self.service.reply(body, prompts)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = _stream(seq, events, reply, include_usage)
+            stream = _stream(seqs, events, reply, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(request, seq, events, reply)
+        return await _whole(request, seqs, events, reply)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -155,60 +148,55 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
-    """Scheduler thread -> this request's queue on the event loop."""
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    """Scheduler thread -> this request's queue on the event loop, as (choice index, event)."""
 
     def emit(event) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
         except RuntimeError:  # the loop has closed (server exiting): nobody is listening any more
             pass
 
     return emit
 
 
-async def _stream(seq, events: asyncio.Queue, reply: Reply, include_usage: bool):
+async def _stream(seqs, events: asyncio.Queue, reply: Reply, include_usage: bool):
     try:
-        if reply.chat:
-            yield sse(reply.chunk(role=True))
-        while True:
-            event = await events.get()
-            if isinstance(event, Delta):
-                yield sse(reply.chunk(event.text))
-            elif isinstance(event, Finished):
-                yield sse(reply.chunk(finish_reason=event.reason))
-                if include_usage:
-                    yield sse(reply.usage_chunk(usage(event.prompt_tokens, event.completion_tokens)))
-                yield sse("[DONE]")
-                return
-            else:  # Failed: an error event, as OpenAI sends mid-stream; the client raises it
+        for chunk in reply.opening():
+            yield sse(chunk)
+        while not reply.complete:
+            index, event = await events.get()
+            if isinstance(event, Failed):  # an error event, as OpenAI sends mid-stream; the client raises it
                 yield sse(ApiError(event.status, event.message).body())
                 return
+            for chunk in reply.take(index, event):
+                yield sse(chunk)
+        if include_usage:
+            yield sse(reply.usage_chunk())
+        yield sse("[DONE]")
     finally:
-        seq.cancel()  # no-op once finished; a client gone mid-stream frees its place at the next step
+        for seq in seqs:
+            seq.cancel()  # no-op once finished; a client gone mid-stream frees their places at the next step
 
 
-async def _whole(request: Request, seq, events: asyncio.Queue, reply: Reply) -> Response:
+async def _whole(request: Request, seqs, events: asyncio.Queue, reply: Reply) -> Response:
     gone = asyncio.ensure_future(_disconnected(request))
-    text = []
     try:
-        while True:
+        while not reply.complete:
             get = asyncio.ensure_future(events.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
                 return Response(status_code=CLIENT_CLOSED)
-            event = get.result()
-            if isinstance(event, Delta):
-                text.append(event.text)
-            elif isinstance(event, Finished):
-                done = usage(event.prompt_tokens, event.completion_tokens)
-                return JSONResponse(reply.whole("".join(text), event.reason, done))
-            elif isinstance(event, Failed):
+            index, event = get.result()
+            if isinstance(event, Failed):
                 raise ApiError(event.status, event.message)
+            reply.take(index, event, stream=False)
+        return JSONResponse(reply.whole())
     finally:
         gone.cancel()
-        seq.cancel()
+        for seq in seqs:
+            seq.cancel()
 
 
 async def _disconnected(request: Request) -> None:

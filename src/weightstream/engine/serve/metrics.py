@@ -63,9 +63,10 @@ class ServeMetrics:
         self.outcomes: Tally[str] = Tally()  # for the line the server prints when it stops
         r.register(_LiveCollector(self))
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
+    def prefilled(self, tokens: int, seconds: float, generated: int = 1) -> None:
+        """A prefill of `tokens` positions, which generated `generated` tokens (0: an echoed prompt only scored)."""
         self.prompt_tokens.inc(tokens)
-        self.generated_tokens.inc()
+        self.generated_tokens.inc(generated)
         self.prefill_seconds.inc(seconds)
 
     def decoded(self, batch: int, seconds: float) -> None:

@@ -7,17 +7,24 @@ has its range: a value outside it is a 400 that names the field, never a failure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from weightstream.engine.serve.logprobs import TextOffsets, TokenLogprob
+from weightstream.engine.serve.sequence import Delta, PromptScored
 
 INT64 = 2**63  # seed: OpenAI's range, -2^63 .. 2^63 - 1
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: biases in -100 .. 100
 PENALTY_LIMIT = 2.0  # OpenAI: presence_penalty and frequency_penalty in -2 .. 2
+MAX_N = 128  # OpenAI: n in 1 .. 128
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI: completions' logprobs in 0 .. 5
+MAX_TOP_LOGPROBS = 20  # OpenAI: chat's top_logprobs in 0 .. 20
 
 
 class ApiError(Exception):
@@ -59,7 +66,7 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias added to its logit
@@ -100,21 +107,29 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins when both are set
+    logprobs: StrictBool | None = None  # "yes" or 1 would pass as true otherwise
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report (0: the token's own logprob only), or None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # the legacy endpoint's default
+    max_tokens: int | None = Field(16, ge=0)  # the legacy endpoint's default; 0 only with echo (scoring a prompt)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 # Fields of OpenAI's API that change the answer and that this server cannot honour, each with the values that ask
 # for nothing it lacks: any other value is refused by name rather than ignored. Fields that change nothing in the
 # answer (user, metadata, store, service_tier, prediction, ...) are accepted and ignored, as unknown fields are.
 _CHAT_UNSUPPORTED = (
-    ("n", (1,)),
-    ("logprobs", (None, False)),
-    ("top_logprobs", (None,)),
     ("tools", (None, [])),
     ("tool_choice", (None, "none")),
     ("functions", (None, [])),
@@ -127,13 +142,7 @@ _CHAT_UNSUPPORTED = (
     ("reasoning_effort", (None,)),
     ("verbosity", (None,)),
 )
-_COMPLETION_UNSUPPORTED = (
-    ("n", (1,)),
-    ("echo", (False,)),
-    ("logprobs", (None,)),
-    ("best_of", (None, 1)),
-    ("suffix", (None, "")),
-)
+_COMPLETION_UNSUPPORTED = (("suffix", (None, "")),)
 
 
 def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
@@ -147,6 +156,7 @@ def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{param}: {message}", param=param) from None
     _refuse_unsupported(request)
+    _check_combinations(request)
     return request
 
 
@@ -186,6 +196,27 @@ def _refuse_unsupported(request: _Request) -> None:
             raise ApiError(400, f"{field}={shown} is not supported by this server; leave {field} out", param=field)
 
 
+def _check_combinations(request: _Request) -> None:
+    """Fields valid alone that do not go together."""
+    if isinstance(request, ChatRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs: it needs logprobs: true; send both, or neither", "top_logprobs")
+        return
+    if request.max_tokens == 0 and not request.echo:
+        raise ApiError(
+            400,
+            "max_tokens: 0 asks for nothing; it is allowed only with echo: true (to score the prompt, with logprobs)",
+            "max_tokens",
+        )
+    if request.best_of is not None and request.best_of != request.n:
+        raise ApiError(
+            400,
+            f"best_of={request.best_of} with n={request.n} is not supported: this server returns every choice it "
+            "samples; leave best_of out or set it to n",
+            "best_of",
+        )
+
+
 def message_dicts(request: ChatRequest) -> list[dict]:
     """Messages as the chat template takes them: role and text content (text parts joined)."""
     out = []
@@ -199,13 +230,34 @@ def message_dicts(request: ChatRequest) -> list[dict]:
     return out
 
 
-class Reply:
-    """Builds one request's response objects: the whole answer, or its stream chunks."""
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    echo: str  # the prompt's text when echoed, else ""
+    text: list[str] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    offsets: TextOffsets = dataclasses.field(default_factory=TextOffsets)  # a stream's text_offset so far
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+
+class Reply:
+    """One request's response, built from its choices' events: the whole answer, or its stream chunks. Choices are
+    numbered as OpenAI numbers them, prompt-major (prompt i's choice j is i x n + j); `echoes` holds each choice's
+    echoed prompt text ("" without echo); `logprobs` formats logprobs (logprobs.py), None when not asked for."""
+
+    def __init__(self, chat: bool, model: str, echoes: list[str], prompt_tokens: int, logprobs=None):
+        self.chat, self.model, self.prompt_tokens, self.logprobs = chat, model, prompt_tokens, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.choices = [_Choice(echo) for echo in echoes]
+
+    @property
+    def complete(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -213,24 +265,51 @@ class Reply:
             out["usage"] = usage
         return out
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def take(self, index: int, event, stream: bool = True) -> list[dict]:
+        """Record choice `index`'s event (Delta, PromptScored, Finished); the stream chunks it makes, if `stream`."""
+        c = self.choices[index]
+        if isinstance(event, PromptScored):
+            c.prompt_logprobs = list(event.logprobs)
+            return [self._piece(index, c.echo, c.prompt_logprobs)] if stream else []
+        if isinstance(event, Delta):
+            c.text.append(event.text)
+            c.logprobs += event.logprobs
+            return [self._piece(index, event.text, event.logprobs)] if stream else []
+        c.finish_reason, c.completion_tokens = event.reason, event.completion_tokens
+        return [self._chunk(index, {"delta": {}} if self.chat else {"text": ""}, None, event.reason)] if stream else []
+
+    def opening(self) -> list[dict]:
+        """The chunks a stream starts with: chat's assistant role, or an echoed prompt whose logprobs are not
+        wanted (with logprobs it comes with them, once scored)."""
         if self.chat:
-            choice = {"message": {"role": "assistant", "content": text}}
-            return self._envelope("chat.completion", [self._choice(choice, finish_reason)], usage)
-        return self._envelope("text_completion", [self._choice({"text": text}, finish_reason)], usage)
+            return [self._chunk(i, {"delta": {"role": "assistant", "content": ""}}) for i in range(len(self.choices))]
+        if self.logprobs is None:
+            return [self._piece(i, c.echo, []) for i, c in enumerate(self.choices) if c.echo]
+        return []
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return self._envelope("chat.completion.chunk", [self._choice({"delta": delta}, finish_reason)])
-        return self._envelope("text_completion", [self._choice({"text": text or ""}, finish_reason)])
+    def _piece(self, index: int, text: str, logprobs: list[TokenLogprob]) -> dict:
+        c = self.choices[index]
+        shown = None
+        if self.logprobs is not None:
+            shown = self.logprobs(logprobs, c.offsets)
+        content = ({"delta": {"content": text} if text else {}}) if self.chat else {"text": text}
+        return self._chunk(index, content, shown)
 
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)
+    def _chunk(self, index: int, content: dict, logprobs=None, finish_reason: str | None = None) -> dict:
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    @staticmethod
-    def _choice(content: dict, finish_reason: str | None) -> dict:
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+    def usage_chunk(self) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], self.usage())
+
+    def whole(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = c.echo + "".join(c.text)
+            shown = None if self.logprobs is None else self.logprobs(c.prompt_logprobs + c.logprobs)
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": i, **content, "logprobs": shown, "finish_reason": c.finish_reason})
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices, self.usage())
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

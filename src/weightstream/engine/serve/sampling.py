@@ -19,8 +19,10 @@ GREEDY_BELOW = 1e-5  # temperatures under this pick the argmax, as vLLM does: th
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """What the request asked for; `max_tokens` is already resolved against the context and the KV budget.
-    `logit_bias`: (token id, bias) pairs; the penalties apply to the tokens this completion generated so far."""
+    """What the request asked for; `max_tokens` is already resolved against the context and the KV budget (0: an
+    echoed prompt scored, nothing generated). `logit_bias`: (token id, bias) pairs; the penalties apply to the
+    tokens this completion generated so far. `logprobs`: report each generated token's logprob and its row's
+    `logprobs` most likely tokens (None: none); `score_prompt`: the prompt's tokens' too (echo)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -30,6 +32,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    score_prompt: bool = False
 
     @property
     def greedy(self) -> bool:

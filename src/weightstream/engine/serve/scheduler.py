@@ -29,9 +29,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from weightstream.engine.serve.batch import DecodeBatch
+from weightstream.engine.serve.logprobs import TokenLogprob, score
 from weightstream.engine.serve.sequence import Sequence
 
 KV_HEADROOM = 64  # positions past its current length that admission reserves for each sequence
+PROMPT_CHUNK = 512  # positions per forward when a prompt is scored: its logits are held one chunk at a time
 RETRY_AFTER_S = 1  # what a 429 for a full queue tells the client to wait
 
 
@@ -79,10 +81,11 @@ class Scheduler:
         expert_fit=None,
         max_queue: int = 128,
         kv_headroom: int = KV_HEADROOM,
+        prompt_chunk: int = PROMPT_CHUNK,
     ):
         self.model, self.max_batch, self.expert_fit = model, max_batch, expert_fit
         self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
-        self.max_queue, self.kv_headroom = max_queue, kv_headroom
+        self.max_queue, self.kv_headroom, self.prompt_chunk = max_queue, kv_headroom, prompt_chunk
         self.hooks, self.observer = list(hooks), observer
         self.batch = DecodeBatch()
         self.kv_bytes = 0  # the batch's KV bytes after the last step (read by metrics from other threads)
@@ -120,23 +123,26 @@ class Scheduler:
                 400,
             )
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue a sequence; its events arrive through its emit callback. Thread-safe."""
+    def submit(self, *seqs: Sequence) -> None:
+        """Queue sequences (one request's choices), all or none; their events arrive through their emit callbacks.
+        Thread-safe."""
         if not self.accepting:
             raise Refused("the server is shutting down; retry on another instance", 503)
-        self.check_fits(seq.kv_tokens)
+        for seq in seqs:
+            self.check_fits(seq.kv_tokens)
         with self._queue_lock:
-            if self._queued >= self.max_queue:
+            if self._queued + len(seqs) > self.max_queue:
                 raise Refused(
-                    f"{self._queued} requests are already waiting for a place in the batch, as many as this server "
-                    f"queues (--max-queue {self.max_queue}); retry after {RETRY_AFTER_S} s (Retry-After), or send "
-                    "it to another instance",
+                    f"{self._queued} sequences are already waiting for a place in the batch and this request adds "
+                    f"{len(seqs)}, more than this server queues (--max-queue {self.max_queue}); retry after "
+                    f"{RETRY_AFTER_S} s (Retry-After), or send it to another instance",
                     429,
                     "queue_full",
                     RETRY_AFTER_S,
                 )
-            self._queued += 1
-        self._inbox.put(seq)
+            self._queued += len(seqs)
+        for seq in seqs:
+            self._inbox.put(seq)
         self._wake.set()
 
     def drain(self, grace_s: float) -> None:
@@ -220,24 +226,40 @@ class Scheduler:
 
     def _prefill(self, seq: Sequence) -> None:
         """The prompt alone through the model, as `generate` runs it; the sequence then joins the batch. A preempted
-        sequence comes back with its prompt and the tokens it has so far (a routing replay's cursor moves on)."""
+        sequence comes back with its prompt and the tokens it has so far (a routing replay's cursor moves on). A
+        prompt to score (echo with logprobs) runs in chunks whose every position's logits are kept."""
         cache = DynamicCache(config=self.model.config)
         ids = seq.prompt_ids + seq.generated
         n = len(ids)
-        inputs = {
-            "input_ids": torch.tensor([ids]),
-            "attention_mask": torch.ones(1, n, dtype=torch.long),
-            "position_ids": torch.arange(n).unsqueeze(0),
-            "cache": cache,
-        }
+        scoring = seq.params.score_prompt and not seq.prompt_scored
+        if seq.params.max_tokens == 0 and not scoring:  # an echo with nothing to compute
+            seq.finish("length")
+            self._ended(seq, "finished")
+            return
         start = time.perf_counter()
-        logits = self._forward(inputs, [seq.id], [n], "prefill")
+        logits = self._scored_prefill(seq, cache) if scoring else self._forward(_inputs(ids, 0, cache), [seq.id], [n])
         if self.observer is not None:
-            self.observer.prefilled(n, time.perf_counter() - start)
-        if seq.append(seq.sampler(logits[0])):
+            self.observer.prefilled(n, time.perf_counter() - start, int(seq.params.max_tokens > 0))
+        if seq.params.max_tokens == 0:
+            seq.finish("length")
+            self._ended(seq, "finished")
+        elif seq.step(logits[0]):
             self._ended(seq, "finished")
         else:
             self.batch.join(seq, cache)
+
+    def _scored_prefill(self, seq: Sequence, cache: DynamicCache) -> torch.Tensor:
+        """Prefill the prompt `prompt_chunk` positions per forward, scoring each token under the logits of the
+        position before it; (1, V) logits of its last position."""
+        ids, top = seq.prompt_ids, seq.params.logprobs or 0
+        scored = [TokenLogprob(ids[0], None, None)]
+        for begin in range(0, len(ids), self.prompt_chunk):
+            end = min(len(ids), begin + self.prompt_chunk)
+            logits = self._forward(_inputs(ids[begin:end], begin, cache), [seq.id], [end - begin], all_positions=True)
+            targets = ids[begin + 1 : end + 1]
+            scored += score(logits[: len(targets)], targets, top)
+        seq.scored_prompt(scored)
+        return logits[-1:]
 
     def _decode_step(self) -> None:
         seqs = list(self.batch.seqs)
@@ -249,7 +271,7 @@ class Scheduler:
         for row, seq in enumerate(seqs):
             cancelled = seq.cancelled  # read once: a client may go away while this loop runs
             try:
-                finished = cancelled or seq.append(seq.sampler(logits[row]))
+                finished = cancelled or seq.step(logits[row])
             except Exception as exc:  # this row's own sampling or text: it fails alone, the others keep their tokens
                 self._fail([seq], "picking this request's next token failed", exc)
                 gone.add(seq.id)
@@ -259,16 +281,18 @@ class Scheduler:
                 self._ended(seq, "cancelled" if cancelled else "finished")
         self.batch.leave(gone)
 
-    def _forward(self, inputs: dict, seq_ids: list[int], tokens: list[int], phase: str) -> torch.Tensor:
-        """(rows, V) fp32 logits of each row's last position."""
+    def _forward(
+        self, inputs: dict, seq_ids: list[int], tokens: list[int], phase: str = "prefill", all_positions: bool = False
+    ) -> torch.Tensor:
+        """(rows, V) fp32 logits of each row's last position; with `all_positions`, (positions, V) of the one row."""
         for hook in self.hooks:
             hook.begin_step(seq_ids, tokens, phase)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            out = self.model(**inputs, use_cache=True, logits_to_keep=0 if all_positions else 1)
         for hook in self.hooks:
             hook.end_step(time.perf_counter() - start)
-        return out.logits[:, -1, :].float()
+        return out.logits[0].float() if all_positions else out.logits[:, -1, :].float()
 
     def _guarded(self, seqs: list[Sequence], step, *args) -> None:
         """Run a step; if the engine fails, fail the step's sequences (500) and keep serving the rest."""
@@ -301,3 +325,14 @@ class Scheduler:
             hook.end_sequence(seq.id)
         if self.observer is not None:
             self.observer.ended(seq, outcome)
+
+
+def _inputs(ids: list[int], begin: int, cache: DynamicCache) -> dict:
+    """Forward arguments for positions begin .. begin + len(ids) - 1 of one sequence, after `begin` in `cache`."""
+    end = begin + len(ids)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, end, dtype=torch.long),
+        "position_ids": torch.arange(begin, end).unsqueeze(0),
+        "cache": cache,
+    }

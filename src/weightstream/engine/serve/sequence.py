@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from weightstream.engine.serve.logprobs import TokenLogprob, score
 from weightstream.engine.serve.sampling import Sampler, SamplingParams
 from weightstream.engine.serve.text import TextTail
 
@@ -15,9 +18,19 @@ _ids = itertools.count()
 
 @dataclass(slots=True, frozen=True)
 class Delta:
-    """New text of the answer (may be empty: the first token can decode to nothing yet)."""
+    """New text of the answer, and the logprobs of the tokens generated since the last Delta when the request asked
+    for them (text released and tokens need not match: text waits for a whole character or a stop string's end)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class PromptScored:
+    """The prompt's tokens' logprobs (echo with logprobs), sent after the prefill and before any Delta; the first
+    token's logprob is None."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,7 +50,7 @@ class Failed:
     status: int
 
 
-Event = Delta | Finished | Failed
+Event = Delta | PromptScored | Finished | Failed
 
 
 class Sequence:
@@ -56,6 +69,7 @@ class Sequence:
         self.sampler = Sampler(params)
         self.tail = TextTail(tokenizer, params.stop)
         self.generated: list[int] = []
+        self.prompt_scored = False  # set once its prompt's logprobs are sent (a preempted sequence is not rescored)
         self.cancelled = False
         self.done = False
         self.finish_reason: str | None = None
@@ -72,23 +86,33 @@ class Sequence:
         if not self.done:
             self.cancelled = True
 
-    def append(self, token: int) -> bool:
-        """Take the next token, send the text it adds; True when the sequence is finished."""
+    def step(self, logits: torch.Tensor) -> bool:
+        """Pick the next token from this sequence's float32 logits row (V,) and take it; True when finished."""
+        token = self.sampler(logits)
+        top = self.params.logprobs
+        return self.append(token, () if top is None else tuple(score(logits.unsqueeze(0), [token], top)))
+
+    def scored_prompt(self, logprobs: list[TokenLogprob]) -> None:
+        self.prompt_scored = True
+        self.emit(PromptScored(tuple(logprobs)))
+
+    def append(self, token: int, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
+        """Take the next token (and its logprobs), send the text it adds; True when the sequence is finished."""
         self.generated.append(token)
         self.token_times.append(time.perf_counter())
         delta, stopped = self.tail.push(self.generated)
         if token in self.eos_ids or stopped:
-            return self.finish("stop", delta)
+            return self.finish("stop", delta, logprobs)
         if len(self.generated) >= self.params.max_tokens:
-            return self.finish("length", delta)
-        if delta:
-            self.emit(Delta(delta))
+            return self.finish("length", delta, logprobs)
+        if delta or logprobs:
+            self.emit(Delta(delta, logprobs))
         return False
 
-    def finish(self, reason: str, delta: str = "") -> bool:
+    def finish(self, reason: str, delta: str = "", logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
         delta += self.tail.finish()
-        if delta:
-            self.emit(Delta(delta))
+        if delta or logprobs:
+            self.emit(Delta(delta, logprobs))
         self.emit(Finished(reason, len(self.prompt_ids), len(self.generated)))
         self.finish_reason, self.done = reason, True
         return True

@@ -1,24 +1,41 @@
 """The served model: loading (in the background, so /health can say "loading"), the scheduler, and turning a
-validated request into a Sequence (prompt tokens, max_tokens against the context and the KV budget)."""
+validated request into Sequences, one per choice (prompt tokens, max_tokens against the context and the KV
+budget), and the Reply that gathers them."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from weightstream.engine.serve.batch import batchable
-from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, message_dicts
+from weightstream.engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
+from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
 from weightstream.engine.serve.sampling import SamplingParams
 from weightstream.engine.serve.scheduler import ExpertCacheFit, Refused, Scheduler
 from weightstream.engine.serve.sequence import Sequence
 from weightstream.engine.serve.steps import StepRecorder
 from weightstream.errors import WeightstreamError
 from weightstream.units import parse_size
+
+
+@dataclass(slots=True, frozen=True)
+class Prompt:
+    """One prompt's token ids, and the string it was sent as (None: sent as token ids; echo decodes them)."""
+
+    ids: list[int]
+    text: str | None = None
+
+
+def derived_seed(seed: int, choice: int) -> int:
+    """The seed of a prompt's choice `choice` > 0 under a request's `seed`: distinct per choice, in 0 .. 2^63 - 1."""
+    digest = hashlib.blake2b(f"{seed}/{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(slots=True)
@@ -81,7 +98,7 @@ class ModelService:
     def __init__(self, settings: ServeSettings, observer=None, on_load_error=lambda: None):
         self.settings, self.observer, self.on_load_error = settings, observer, on_load_error
         self.on_ready = lambda: None
-        self.model = self.tokenizer = self.scheduler = self.recorder = None
+        self.model = self.tokenizer = self.scheduler = self.recorder = self.token_text = None
         self.ready, self.error, self.closed = False, None, False
         self.max_model_len = self.kv_bytes_per_token = 0
         self.eos_ids: frozenset[int] = frozenset()
@@ -102,6 +119,7 @@ class ModelService:
         self.tokenizer = load_tokenizer(s.model_dir, required=False)
         if self.tokenizer is None:
             raise WeightstreamError(f"{s.model_dir}: no usable tokenizer; serve needs the checkpoint's tokenizer files")
+        self.token_text = TokenText(self.tokenizer)
         self.model = load_streaming_model(s.model_dir, **s.engine)
         try:
             self._configure()
@@ -203,16 +221,31 @@ class ModelService:
 
     # --- requests ---
 
-    def prompt_ids(self, request: ChatRequest | CompletionRequest) -> list[int]:
-        """The prompt's token ids: chat messages through the checkpoint's chat template, or the completion prompt."""
+    def prompts(self, request: ChatRequest | CompletionRequest) -> list[Prompt]:
+        """The request's prompts: chat messages through the checkpoint's chat template, or each completion prompt
+        (a string, token ids, or a list of either), refused (400) when they and `n` make more sequences than the
+        server queues."""
         if isinstance(request, ChatRequest):
-            return self._chat_ids(request)
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: {len(prompt)} prompts given; send one prompt per request", "prompt")
-            prompt = prompt[0]
-        return self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+            prompts = [Prompt(self._chat_ids(request))]
+        else:
+            given = request.prompt
+            many = isinstance(given, list) and given and isinstance(given[0], (str, list))
+            prompts = [self._prompt(item) for item in (given if many else [given])]
+        choices, limit = len(prompts) * request.n, self.settings.max_queue
+        if choices > limit:
+            field = "n" if request.n > 1 else "prompt"
+            raise ApiError(
+                400,
+                f"{field}: {len(prompts)} prompt(s) x n={request.n} make {choices} sequences, more than this server "
+                f"queues (--max-queue {limit}); send fewer prompts or a smaller n per request",
+                field,
+            )
+        return prompts
+
+    def _prompt(self, given: str | list[int]) -> Prompt:
+        if isinstance(given, str):
+            return Prompt(self.tokenizer(given).input_ids, given)
+        return Prompt(list(given))
 
     def _chat_ids(self, request: ChatRequest) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -232,13 +265,40 @@ class ModelService:
             raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def sequence(self, request, ids: list[int], emit) -> Sequence:
-        """A Sequence for `ids`, or a 400 when the prompt or max_tokens do not fit the context or the KV budget."""
+    def sequences(self, request, prompts: list[Prompt], emitter) -> list[Sequence]:
+        """The request's choices, prompt-major: `n` Sequences per prompt, choice i's events through `emitter(i)`.
+        All are checked before any is made: a prompt or max_tokens that does not fit the context or the KV budget
+        is a 400. With a seed, a prompt's first choice samples with it and choice j > 0 with a seed derived from
+        it and j, so a prompt gets the same choices alone or in a list."""
+        seqs = []
+        for number, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt {number}"
+            params = self._params(request, prompt.ids, where)
+            for j in range(request.n):
+                mine = params if j == 0 or params.seed is None else replace(params, seed=derived_seed(params.seed, j))
+                index = number * request.n + j
+                seqs.append(Sequence(prompt.ids, mine, self.tokenizer, self.eos_ids, emitter(index)))
+        return seqs
+
+    def reply(self, request, prompts: list[Prompt]) -> Reply:
+        """The response builder for `request`'s choices."""
+        chat = isinstance(request, ChatRequest)
+        echo = getattr(request, "echo", False)
+        texts = [(self.tokenizer.decode(p.ids) if p.text is None else p.text) if echo else "" for p in prompts]
+        echoes = [text for text in texts for _ in range(request.n)]
+        shape = None
+        if request.top_logprobs_wanted() is not None:
+            shape = (ChatLogprobs if chat else CompletionLogprobs)(self.token_text)
+        return Reply(chat, self.model_name, echoes, sum(len(p.ids) for p in prompts), shape)
+
+    def _params(self, request, ids: list[int], where: str) -> SamplingParams:
+        """The sampling parameters for one prompt, or a 400 when it or max_tokens do not fit the context or the
+        KV budget."""
         vocab = self.model.config.get_text_config().vocab_size
         if not ids:
-            raise ApiError(400, "prompt: it is empty (0 tokens); send at least one token", "prompt")
+            raise ApiError(400, f"{where}: it is empty (0 tokens); send at least one token", "prompt")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ApiError(400, f"prompt: token ids must be in 0..{vocab - 1} for this model", "prompt")
+            raise ApiError(400, f"{where}: token ids must be in 0..{vocab - 1} for this model", "prompt")
         bias = request.bias_pairs()
         outside = [token for token, _ in bias if token >= vocab]
         if outside:
@@ -253,7 +313,8 @@ class ModelService:
             self.scheduler.check_fits(len(ids) + max_tokens)
         except Refused as exc:
             raise ApiError(exc.status, str(exc), "max_tokens") from None
-        params = SamplingParams(
+        top = request.top_logprobs_wanted()
+        return SamplingParams(
             max_tokens,
             request.temperature,
             request.top_p,
@@ -262,11 +323,22 @@ class ModelService:
             bias,
             request.presence_penalty,
             request.frequency_penalty,
+            top,
+            bool(getattr(request, "echo", False)) and top is not None,
         )
-        return Sequence(ids, params, self.tokenizer, self.eos_ids, emit)
 
     def _max_tokens(self, request, n: int) -> int:
         room = self.max_model_len - n
+        if request.max_tokens == 0 and "max_tokens" in request.model_fields_set:  # echo: the prompt scored alone
+            if room < 0:
+                raise ApiError(
+                    400,
+                    f"prompt: {n} tokens; this server's context is {self.max_model_len} tokens (--max-model-len); "
+                    "shorten the prompt",
+                    "prompt",
+                    "context_length_exceeded",
+                )
+            return 0
         if room < 1:
             raise ApiError(
                 400,
@@ -292,9 +364,9 @@ class ModelService:
             )
         return explicit
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seqs: list[Sequence]) -> None:
         try:
-            self.scheduler.submit(seq)
+            self.scheduler.submit(*seqs)
         except Refused as exc:
             headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
             raise ApiError(exc.status, str(exc), code=exc.code, headers=headers) from None
