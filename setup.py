@@ -30,8 +30,11 @@ else:
         CppExtension(
             "weightstream._native",
             ["csrc/qmm.cpp"],
-            # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every path rounds the same way
-            extra_compile_args=["-O3", "-ffp-contract=off"],
+            # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every path rounds the same way;
+            # -fopenmp: at::parallel_for is a header template that runs on torch's OpenMP pool only when the
+            # extension itself is compiled with OpenMP (without it, every product ran on one thread)
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         )
     ]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}

@@ -86,6 +86,20 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
+// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words.
+inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  uint32_t w[3];
+  std::memcpy(w, q, 12);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
+  const uint32_t s0 = w[0] & low6, m0 = w[1] & low6;
+  const uint32_t s1 = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
+  const uint32_t m1 = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
+  std::memcpy(sc, &s0, 4);
+  std::memcpy(sc + 4, &s1, 4);
+  std::memcpy(m, &m0, 4);
+  std::memcpy(m + 4, &m1, 4);
+}
+
 // Activations of one row quantized: K / ablock scales, K / 32 sums.
 struct QAct {
   const int8_t* q;   // K values
@@ -171,14 +185,14 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
       const uint8_t* scales = row + 4;
       const uint8_t* qs = row + 16;
       int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0;
+      uint8_t sc[8], mn[8];
+      scales_mins_k4(scales, sc, mn);
       for (int sub = 0; sub < 8; sub++) {
         const uint8_t* chunk = qs + 32 * (sub / 2);
         for (int l = 0; l < 32; l++) u[l] = sub & 1 ? chunk[l] >> 4 : chunk[l] & 0xF;
-        int sc, m;
-        scale_min_k4(sub, scales, &sc, &m);
         lane_sums(u, a.q + b * 256 + sub * 32, lanes);
-        for (int l = 0; l < 8; l++) isum[l] += sc * lanes[l];
-        msum += m * a.s[b * 8 + sub];
+        for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
+        msum += mn[sub] * a.s[b * 8 + sub];
       }
       lanes_fma(acc, d * a.d[b], isum);
       acc.rest = std::fma(-(dmin * a.d[b]), (float)msum, acc.rest);
@@ -260,23 +274,26 @@ WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t
     const __m256i mask = _mm256_set1_epi8(0xF);
     for (int64_t b = 0; b < k / 256; b++, row += 144) {
       const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
-      const uint8_t* scales = row + 4;
+      alignas(8) uint8_t sc[8], mn[8];
+      scales_mins_k4(row + 4, sc, mn);
       const uint8_t* qs = row + 16;
       const int8_t* xq = a.q + b * 256;
       __m256i isum = _mm256_setzero_si256();
-      int32_t msum = 0;
       for (int c = 0; c < 4; c++) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        int sc0, m0, sc1, m1;
-        scale_min_k4(2 * c, scales, &sc0, &m0);
-        scale_min_k4(2 * c + 1, scales, &sc1, &m1);
         const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc0)));
-        isum = _mm256_add_epi32(
-            isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1, _mm256_set1_epi16(sc1)));
-        msum += m0 * a.s[b * 8 + 2 * c] + m1 * a.s[b * 8 + 2 * c + 1];
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc[2 * c])));
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1,
+                                                        _mm256_set1_epi16(sc[2 * c + 1])));
       }
+      // min term: the 8 mins times the 8 sums of qx, in integers
+      const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
+      const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s + b * 8));
+      const __m256i prod = _mm256_mullo_epi32(mins, sums);
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
+      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      const int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
       acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
       rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
     }
