@@ -518,3 +518,30 @@ def test_generate_reports_the_weight_bytes_a_decode_token_touches(tiny_model, tm
         model.weightstream.close()
     assert stats.weight_bytes_per_token == dense + len(layout.num_experts) * layout.top_k * expert
     assert dense < sum(t.nbytes for t in open_checkpoint(src).tensors.values() if ".experts." not in t.name) / 1.5
+
+
+def test_serve_answers_from_a_quantized_checkpoint_as_generate_does(tiny_model, tmp_path):
+    """serve on native Q4_1 experts and Q8_0 dense weights: a greedy completion's text is generate's, over HTTP."""
+    import httpx
+
+    from weightstream.engine.loader import load_tokenizer
+
+    from serve_support import ServerProcess
+
+    out = str(tmp_path / "q")
+    quantize_checkpoint(tiny_model("qwen3_moe", "bf16"), out, 4, dense="int8")
+    model = load_streaming_model(out, expert_cache="1x")
+    try:
+        new, _ = generate(model, PROMPT, 6)
+    finally:
+        model.weightstream.close()
+    want = load_tokenizer(out, required=True).decode(new[0].tolist(), skip_special_tokens=True)
+    server = ServerProcess(out, "--expert-cache", "1x")
+    try:
+        server.wait_ready()
+        body = {"model": "q", "prompt": PROMPT[0].tolist(), "max_tokens": 6, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        server.kill()
