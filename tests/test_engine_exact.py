@@ -78,6 +78,7 @@ def test_small_cache_misses_more_than_large(tiny_model):
     assert misses["1x"] > misses["100x"]
 
 
+@pytest.mark.usefixtures("no_proactive_reclaim")  # asserts no byte is read back from disk
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_page_cache_source_is_bitwise_exact_too(tiny_model, arch, dtype):
