@@ -26,6 +26,8 @@ from weightstream.store.presets import preset_config
 from weightstream.store.quant_format import blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
+from rss_support import peak_over_baseline
+
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
 WIDE = {"hidden_size": 256, "head_dim": 64}  # whole Q4_K super-blocks of 256 on every expert input
 SIZES = {
@@ -694,14 +696,6 @@ def test_peak_rss_is_bounded_on_a_file_whose_experts_are_16x_the_bound(tmp_path)
         "g._tokenizer(gf); base = peak_rss(); g.import_gguf(sys.argv[1], sys.argv[2], log=lambda line: None);"
         "print(json.dumps([base, peak_rss()]))"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code, path, str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
-    )
-    assert run.returncode == 0, run.stderr
-    base, peak = json.loads(run.stdout)
+    base, peak = peak_over_baseline(code, path, str(tmp_path / "out"))
     assert peak - base <= dense_max + bound, (peak - base) / 2**20
     assert read_manifest(str(tmp_path / "out")).scheme == "q8_0"

@@ -129,15 +129,10 @@ def test_alone_the_scheduler_gives_generates_logits_bitwise(tiny_model):
 def test_kv_budget_makes_requests_wait_and_all_finish(tiny_model):
     """A budget for two padded rows of the longest reservation: the batch's KV bytes never exceed it, never more
     than two sequences run, and every request finishes with its solo tokens."""
-    from transformers.cache_utils import DynamicCache
-
     model_dir = tiny_model("qwen3_moe")
     model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
     tokenizer = load_tokenizer(model_dir, required=True)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
-    per_token = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    per_token = _kv_bytes_per_token(model)
     budget = 2 * (max(len(p) for p in PROMPTS) + NEW) * per_token
     peak = []
     sched = Scheduler(model, 8, budget, per_token)
@@ -243,15 +238,10 @@ def test_the_newest_sequence_gives_way_when_the_batch_outgrows_the_kv_budget(tin
     the padded batch would outgrow the budget, the newest is preempted (its KV dropped), waits at the head of the
     queue, and is prefilled again with its prompt and tokens so far once there is room. Both get their solo
     tokens, and the batch's KV never exceeds the budget."""
-    from transformers.cache_utils import DynamicCache
-
     model_dir = tiny_model("qwen3_moe")
     model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
     tokenizer = load_tokenizer(model_dir, required=True)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
-    per_token = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    per_token = _kv_bytes_per_token(model)
     budget = 60 * per_token
     peak = []
     sched = Scheduler(model, 8, budget, per_token, kv_headroom=4)
@@ -506,3 +496,13 @@ def test_batches_grow_only_while_their_experts_fit_the_cache(tiny_model, cache, 
         choices = sum(index.numel() for layers in steps for index in layers)
         assert choices == len(steps) * len(runtime.layout.num_experts) * most * runtime.layout.top_k > 0
         assert recorder.union_ratio(most) == distinct / choices < 1  # two rows shared experts
+
+
+def _kv_bytes_per_token(model) -> int:
+    """KV bytes one position takes in this model's cache (one forward of one token)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
