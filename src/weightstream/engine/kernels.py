@@ -69,7 +69,16 @@ class OneExpertEager:
 # Rows per expert from which a projection dequantizes its weight once and multiplies in the activation dtype
 # instead of calling a packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the two
 # cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
-DEQUANT_ROWS = {"int8": 32, "int4": 128, "q8_0": 16, "q4_1": 16, "q4_k": 16}
+DEQUANT_ROWS = {"int8": 32, "int4": 128}
+NATIVE_DEQUANT_ROWS = 16  # every GGML block type, experts and dense weights alike
+
+
+def native_product(x: torch.Tensor, blocks: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
+    """x (rows, k) times the (n, k) weight GGML blocks encode, in x's dtype: the native product for fewer rows than
+    NATIVE_DEQUANT_ROWS, else the weight dequantized once and F.linear."""
+    if x.shape[0] >= NATIVE_DEQUANT_ROWS:
+        return F.linear(x, native.dequantize(blocks, wtype, n, k).to(x.dtype))
+    return native.qmm(x, blocks, wtype, n, k).to(x.dtype)
 
 
 class QuantizedExperts:
@@ -85,7 +94,7 @@ class QuantizedExperts:
         self.gate = module._apply_gate if module.has_gate else module.act_fn
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
-        self.dequant_rows = DEQUANT_ROWS[quant.scheme]
+        self.dequant_rows = NATIVE_DEQUANT_ROWS if quant.native else DEQUANT_ROWS[quant.scheme]
         # one native call per expert (gate_up, SiLU gate, down, router weight) where the module's gate is the
         # default chunked SiLU one; others (gpt-oss's clamped gate, biases) run projection by projection
         self.fused = (
@@ -119,11 +128,7 @@ class QuantizedExperts:
     def project(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
         q = params[f"{name}.qweight"]
         if self.blocks:
-            wtype, n, k = self.blocks[f"{name}.qweight"]
-            if x.shape[0] >= self.dequant_rows:
-                y = F.linear(x, native.dequantize(q, wtype, n, k).to(x.dtype))
-            else:
-                y = native.qmm(x, q, wtype, n, k).to(x.dtype)
+            y = native_product(x, q, *self.blocks[f"{name}.qweight"])
             return y + params[f"{name}_bias"] if self.bias else y
         scales = params[f"{name}.scales"]
         if x.shape[0] >= self.dequant_rows:
@@ -143,24 +148,18 @@ class QuantizedExperts:
 
 
 class NativeLinear(torch.nn.Module):
-    """A dense Linear whose weight is GGML blocks (`quantize --dense`): the native product for fewer rows than
-    its scheme's DEQUANT_ROWS, else the weight dequantized once and F.linear, as the experts do."""
+    """A dense Linear whose weight is GGML blocks (`quantize --dense`), computed as the experts' are
+    (`native_product`)."""
 
     def __init__(self, blocks: torch.Tensor, wtype: str, n: int, k: int, bias: torch.nn.Parameter | None):
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)
         self.wtype, self.in_features, self.out_features = wtype, k, n
         self.bias = bias
-        self.dequant_rows = DEQUANT_ROWS[{"Q8_0": "q8_0", "Q4_1": "q4_1"}.get(wtype, "q4_k")]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] >= self.dequant_rows:
-            y = F.linear(
-                rows, native.dequantize(self.blocks, self.wtype, self.out_features, self.in_features).to(x.dtype)
-            )
-        else:
-            y = native.qmm(rows, self.blocks, self.wtype, self.out_features, self.in_features).to(x.dtype)
+        y = native_product(rows, self.blocks, self.wtype, self.out_features, self.in_features)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

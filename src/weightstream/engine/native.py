@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-# GGML's type ids and (elements, bytes) per block
-BLOCKS = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+# GGML's type ids, as the C++ ops take them (block sizes: store.quant_format.BLOCK_TYPES)
+TYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 PATHS = {"auto": 0, "portable": 1, "avx2": 2}
 
 _module = None
@@ -64,17 +64,9 @@ def best_path() -> str:
     return "avx2" if available() and _module.avx2() else "portable"
 
 
-def row_bytes(wtype: str, k: int) -> int:
-    """Bytes of one row of `k` weights in block format `wtype`."""
-    _, block, nbytes = BLOCKS[wtype]
-    if k % block:
-        raise ValueError(f"{k} inputs are not whole {wtype} blocks of {block}")
-    return k // block * nbytes
-
-
 def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str = "auto") -> torch.Tensor:
     """x (M, K) times the (N, K) matrix whose rows `w` (uint8, N x row_bytes) encodes; float32 (M, N)."""
-    return torch.ops.weightstream.qmm(x, w, BLOCKS[wtype][0], n, k, PATHS[path])
+    return torch.ops.weightstream.qmm(x, w, TYPE_IDS[wtype], n, k, PATHS[path])
 
 
 def expert_ffn(
@@ -83,10 +75,10 @@ def expert_ffn(
     """One expert's SiLU-gated feed-forward in one call: (silu(x G^T) * (x U^T)) D^T times each row's router
     weight, `gate_up` the (2I, D) blocks [G; U], `down` the (D, I) blocks; in x's dtype."""
     return torch.ops.weightstream.expert_ffn(
-        x, gate_up, BLOCKS[gate_up_type][0], down, BLOCKS[down_type][0], weights.reshape(-1), 0
+        x, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], weights.reshape(-1), 0
     )
 
 
 def dequantize(w: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
     """float32 (N, K): every weight as its block encodes it."""
-    return torch.ops.weightstream.dequantize(w, BLOCKS[wtype][0], n, k)
+    return torch.ops.weightstream.dequantize(w, TYPE_IDS[wtype], n, k)

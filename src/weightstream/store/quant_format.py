@@ -41,6 +41,11 @@ DTYPES = {name: from_torch_name(name) for name in ("bfloat16", "float16", "float
 BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
+def row_bytes(wtype: str, k: int) -> int:
+    """Bytes of one row of `k` weights (whole blocks) in GGML block type `wtype`."""
+    return k // BLOCK_TYPES[wtype][0] * BLOCK_TYPES[wtype][1]
+
+
 @dataclass(frozen=True, slots=True)
 class BlobTensor:
     """One tensor inside an expert's blob: byte offset from the blob's start, dtype name, shape."""
@@ -53,8 +58,7 @@ class BlobTensor:
     @property
     def nbytes(self) -> int:
         if self.dtype in BLOCK_TYPES:  # (rows, inputs) of whole blocks
-            block, size = BLOCK_TYPES[self.dtype]
-            return self.shape[0] * (self.shape[1] // block) * size
+            return self.shape[0] * row_bytes(self.dtype, self.shape[1])
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
     @property

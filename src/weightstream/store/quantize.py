@@ -40,6 +40,7 @@ from weightstream.store.quant_format import (
     QuantFormat,
     blob_key,
     blob_layout,
+    row_bytes,
     write_manifest,
 )
 from weightstream.store.safetensors_index import TensorInfo
@@ -299,7 +300,7 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
 def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
     if isinstance(item, TensorInfo) and key in (quant.dense or {}):
         wtype, (n, k) = quant.dense[key]
-        return torch.uint8, (n, native.row_bytes(wtype, k))
+        return torch.uint8, (n, row_bytes(wtype, k))
     if isinstance(item, TensorInfo):
         return SAFETENSORS[item.dtype], tuple(item.shape)
     return torch.uint8, (quant.blob_bytes,)
