@@ -26,6 +26,7 @@ from weightstream.store.presets import preset_config
 from weightstream.store.quant_format import blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
+from engine_support import greedy_run
 from rss_support import peak_over_baseline
 
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
@@ -292,19 +293,7 @@ def test_every_expert_is_the_ggufs_blocks_bit_for_bit(imported, recipe):
 
 
 def _logits(model_dir, max_new_tokens=8, **kwargs):
-    model = load_streaming_model(model_dir, **kwargs)
-    try:
-        if kwargs.get("expert_cache") == "100x":  # every expert resident before the first token
-            from weightstream.bench.child import warm_every_expert
-
-            warm_every_expert(model.weightstream.cache)
-        with torch.inference_mode():
-            out = model.generate(
-                PROMPT, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
-            )
-        return out.sequences[0].tolist(), list(out.logits), model.weightstream
-    finally:
-        model.weightstream.close()
+    return greedy_run(model_dir, PROMPT, max_new_tokens, **kwargs)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -28,6 +28,7 @@ from weightstream.store.quant import (
 from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
 from weightstream.store.quantize import quantize_checkpoint
 
+from engine_support import greedy_run
 from rss_support import peak_over_baseline
 
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
@@ -114,19 +115,7 @@ def _tensor(info):
 
 
 def _logits(model_dir, **kwargs):
-    model = load_streaming_model(model_dir, **kwargs)
-    try:
-        if kwargs.get("expert_cache") == "100x":  # every expert resident before the first token
-            from weightstream.bench.child import warm_every_expert
-
-            warm_every_expert(model.weightstream.cache)
-        with torch.inference_mode():
-            out = model.generate(
-                PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
-            )
-        return out.sequences[0].tolist(), list(out.logits), model.weightstream
-    finally:
-        model.weightstream.close()
+    return greedy_run(model_dir, PROMPT, **kwargs)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
