@@ -51,7 +51,7 @@ def machine_info(device: str) -> dict:
         "memory_bytes": psutil.virtual_memory().total,
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "block_device": os.path.realpath(device),
+        "block_device": os.path.basename(os.path.realpath(device)),  # its name (vda): no machine path in results
         "disk_model": disk,
     }
 
