@@ -9,6 +9,7 @@ import os
 import pty
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.gguf_import import import_gguf
 from weightstream.store.presets import preset_config
-from weightstream.store.quant_format import blob_key, read_manifest
+from weightstream.store.quant_format import BLOCK_TYPES, blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
 from engine_support import greedy_run
@@ -53,6 +54,8 @@ def _encode(w: torch.Tensor, kind: str, seed: int) -> np.ndarray:
         return quants.quantize(w.float().numpy(), GGMLQuantizationType[kind])
     if kind == "BF16":
         return quants.quantize(w.float().numpy(), GGMLQuantizationType.BF16)
+    if kind == "F32":
+        return w.float().numpy()
     assert kind == "Q6_K"
     n, k = w.shape
     rng = np.random.default_rng(seed)
@@ -226,23 +229,54 @@ RECIPES = {
     "olmoe-q4_0": ("olmoe", lambda layer, proj: "Q4_0", "BF16"),
     "mixtral-q4_1": ("mixtral", lambda layer, proj: "Q8_0" if proj == "down" else "Q4_1", "BF16"),
 }
+# dense weights quantized as llama.cpp's Q4_K_M does (GGUF name -> type; the rest BF16, router and norms F32): each
+# type the kernels run on an attention, shared-expert or head weight, a quantized embedding (a lookup: dequantized)
+# and a type the kernels do not run (dequantized, as before)
+DENSE_TYPES = {
+    "mixtral-dense-blocks": {
+        "attn_q": "Q4_K",
+        "attn_k": "Q6_K",
+        "attn_v": "Q8_0",
+        "attn_output": "Q4_K",
+        "output": "Q6_K",
+        "token_embd": "Q8_0",
+    },
+    "qwen2-dense-blocks": {
+        "attn_q": "Q8_0",
+        "attn_k": "Q4_K",
+        "attn_v": "Q6_K",
+        "attn_output": "Q4_1",
+        "ffn_gate_shexp": "Q4_K",
+        "ffn_up_shexp": "Q4_0",
+        "ffn_down_shexp": "Q5_0",
+        "output": "Q4_K",
+    },
+}
+DENSE_RECIPES = {
+    "mixtral-dense-blocks": ("mixtral", lambda layer, proj: "Q4_K", DENSE_TYPES["mixtral-dense-blocks"]),
+    "qwen2-dense-blocks": ("qwen2_moe", lambda layer, proj: "Q8_0", DENSE_TYPES["qwen2-dense-blocks"]),
+}
 
 
 @pytest.fixture(scope="module")
 def imported(source, tmp_path_factory):
-    """imported(recipe) -> (gguf path, imported directory), built once."""
+    """imported(recipe) -> (gguf path, imported directory), built once; imported.results[recipe]: its
+    ImportResult."""
     built = {}
 
     def make(recipe: str):
         if recipe not in built:
-            arch, experts, dense = RECIPES[recipe]
+            arch, experts, dense = {**RECIPES, **DENSE_RECIPES}[recipe]
+            if isinstance(dense, dict):
+                dense = lambda name, types=dense: types.get(name.split(".")[-2], "BF16")  # noqa: E731
             tmp = tmp_path_factory.mktemp(recipe)
             path = gguf_from(source(arch), tmp / f"{recipe}.gguf", experts, dense)
             out = str(tmp / "out")
-            import_gguf(path, out, log=lambda line: None)
+            make.results[recipe] = import_gguf(path, out, log=lambda line: None)
             built[recipe] = (path, out)
         return built[recipe]
 
+    make.results = {}
     return make
 
 
@@ -260,7 +294,7 @@ def _blob(out: str, key: str) -> np.ndarray:
 
 
 def _deq(data: np.ndarray, kind) -> torch.Tensor:
-    return torch.from_numpy(quants.dequantize(np.asarray(data), kind))
+    return torch.from_numpy(quants.dequantize(np.array(data), kind))
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -296,7 +330,7 @@ def _logits(model_dir, max_new_tokens=8, **kwargs):
     return greedy_run(model_dir, PROMPT, max_new_tokens, **kwargs)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", sorted(RECIPES) + sorted(DENSE_RECIPES))
 def test_streamed_logits_equal_resident_bitwise(imported, recipe):
     """Every cache size and I/O thread count for the Q4_K_M-like file; one small cache for the others."""
     _, out = imported(recipe)
@@ -351,6 +385,193 @@ def test_dense_weights_equal_the_source_and_logits_follow_the_same_experts(impor
     error = float((got - want).abs().max() / want.abs().max())
     assert error < 0.03, error  # measured 0.6-1.7% (8-bit activations in the native kernels)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _source_names(src: str) -> dict[str, str]:
+    """Checkpoint key -> GGUF tensor name of every dense tensor of a source checkpoint."""
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    arch = GGUF_ARCH[cfg["model_type"]]
+    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), cfg["num_hidden_layers"])
+    out = {}
+    for key in open_checkpoint(src).tensors:
+        if ".experts." not in key:
+            base, suffix = key.rsplit(".", 1)
+            out[key] = f"{names.get_name(base)}.{suffix}"
+    return out
+
+
+def _unpermuted(rows: torch.Tensor, key: str, cfg: dict) -> torch.Tensor:
+    """The rows (floats or bytes) of a GGUF tensor in transformers' order: for Mixtral's q/k, the file's row p is
+    the source's row _permute(arange)[p]; any other tensor is in order already."""
+    if cfg["model_type"] not in PERMUTED or not key.endswith(("q_proj.weight", "k_proj.weight")):
+        return rows
+    heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
+    out = torch.empty_like(rows)
+    out[_permute(torch.arange(rows.shape[0]), heads)] = rows
+    return out
+
+
+def _stored(out: str, key: str) -> torch.Tensor:
+    info = open_checkpoint(out).tensors[key]
+    with safe_open(info.path, "pt") as f:
+        return f.get_tensor(key)
+
+
+@pytest.mark.parametrize("recipe", sorted(DENSE_RECIPES))
+def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(imported, source, recipe):
+    """Every dense linear weight of a type the kernels run (attention, shared expert, head) is the file's blocks
+    byte for byte (Mixtral's q/k: the file's rows of bytes moved back whole), listed in the manifest's dense table,
+    and loads as NativeLinear. The quantized embedding (a lookup) and the Q5_0 weight (a type the kernels do not
+    run) are dequantized as before, each said with its reason; the router and norms stay float."""
+    from weightstream.engine.kernels import NativeLinear
+
+    path, out = imported(recipe)
+    src = source(DENSE_RECIPES[recipe][0])
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    tensors, fmt, names = _gguf(path), read_manifest(out), _source_names(src)
+    kept = {k: n for k, n in names.items() if tensors[n].tensor_type.name in BLOCK_TYPES and "token_embd" not in n}
+    assert sorted(fmt.dense) == sorted(kept)
+    for key, name in kept.items():
+        t = tensors[name]
+        assert fmt.dense[key] == (t.tensor_type.name, (int(t.shape[1]), int(t.shape[0])))  # GGUF lists (in, out)
+        got = _stored(out, key)
+        assert got.dtype == torch.uint8 and torch.equal(got, _unpermuted(torch.from_numpy(t.data.copy()), key, cfg))
+    result = imported.results[recipe]
+    assert result.dense_blocks == dict(Counter(tensors[n].tensor_type.name for n in kept.values()))
+    floats = {k: n for k, n in names.items() if k not in kept}
+    for key, name in floats.items():
+        t = tensors[name]
+        got = _stored(out, key)
+        want = _unpermuted(_deq(t.data, t.tensor_type).reshape(got.shape[0], -1), key, cfg).reshape(got.shape)
+        assert torch.equal(got, want.to(torch.bfloat16)), key
+    dequantized = {
+        "mixtral-dense-blocks": "1 Q8_0 tensor(s) dequantized to bfloat16 (token_embd.weight): the token embedding "
+        "is a row lookup",
+        "qwen2-dense-blocks": "3 Q5_0 tensor(s) dequantized to bfloat16 (blk.0.ffn_down_shexp.weight, "
+        "blk.1.ffn_down_shexp.weight, blk.2.ffn_down_shexp.weight): the native kernels do not run Q5_0",
+    }[recipe]
+    assert any(dequantized in line for line in result.notes), result.notes
+    model = load_streaming_model(out, expert_cache="1x")
+    try:
+        linears = {f"{p}.weight": m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
+        assert sorted(linears) == sorted(kept)  # these architectures' parameter names are their checkpoint keys
+        assert all(m.wtype == fmt.dense[key][0] for key, m in linears.items())
+        assert type(model.get_input_embeddings()) is torch.nn.Embedding
+        assert not [n for n, m in model.named_modules() if n.endswith(".gate") and isinstance(m, NativeLinear)]
+    finally:
+        model.weightstream.close()
+
+
+def test_permuted_q_k_blocks_dequantize_to_the_permuted_float_weight(imported, source):
+    """Mixtral's q/k rows moved back as rows of blocks: the stored blocks decode to exactly the file's decoded
+    values with the rows put back (what the float path stores, less the bf16 rounding), and they are the source's
+    rows encoded in transformers' order (the file encoded the permuted rows one by one)."""
+    path, out = imported("mixtral-dense-blocks")
+    src = source("mixtral")
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    tensors, src_ckpt = _gguf(path), open_checkpoint(src).tensors
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in ("q", "k"):
+            key, t = f"model.layers.{layer}.self_attn.{proj}_proj.weight", tensors[f"blk.{layer}.attn_{proj}.weight"]
+            wtype, (n, k) = t.tensor_type.name, (int(t.shape[1]), int(t.shape[0]))
+            stored = _stored(out, key)
+            floats = _deq(t.data, t.tensor_type).reshape(n, k)  # the file's values in its (permuted) row order
+            want = _unpermuted(floats, key, cfg)
+            assert not torch.equal(want, floats)  # the rows did move
+            assert torch.equal(native.dequantize(stored, wtype, n, k), want), key
+            with safe_open(src_ckpt[key].path, "pt") as f:
+                assert torch.equal(stored, ENCODERS[wtype](f.get_tensor(key).float())), key
+
+
+class _Dequantized(torch.nn.Module):
+    """A float Linear in NativeLinear's place: the weight given, the bias added after the product as NativeLinear
+    adds it (not fused into the product as torch.nn.Linear's addmm does)."""
+
+    def __init__(self, weight: torch.Tensor, bias):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+LONG_PROMPT = (torch.arange(24) * 37 + 3).remainder(512).reshape(1, -1)  # >= NATIVE_DEQUANT_ROWS rows
+
+
+@pytest.mark.parametrize("recipe", sorted(DENSE_RECIPES))
+def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, source, recipe):
+    """The imported model against itself with every NativeLinear replaced by a float weight: gguf's decoding of
+    the file's blocks (q/k rows put back), in the activation dtype. A 24-row prefill multiplies the blocks
+    dequantized once (NATIVE_DEQUANT_ROWS), so its logits are those of the reference bit for bit; decoding (one row:
+    int8 activations against the blocks) gives the same greedy tokens, the logits within 3%."""
+    from weightstream.engine.kernels import NATIVE_DEQUANT_ROWS, NativeLinear
+
+    assert LONG_PROMPT.shape[1] >= NATIVE_DEQUANT_ROWS
+    path, out = imported(recipe)
+    cfg = json.load(open(os.path.join(source(DENSE_RECIPES[recipe][0]), "config.json")))
+    tensors, names = _gguf(path), _source_names(source(DENSE_RECIPES[recipe][0]))
+    runs = []
+    for reference in (False, True):
+        model = load_streaming_model(out, expert_cache="4x")
+        try:
+            linears = {p: m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
+            assert len(linears) == len(read_manifest(out).dense) > 0
+            for p, m in linears.items() if reference else ():
+                t = tensors[names[f"{p}.weight"]]
+                weight = _unpermuted(_deq(t.data, t.tensor_type).reshape(m.out_features, -1), f"{p}.weight", cfg)
+                parent, _, attr = p.rpartition(".")
+                setattr(model.get_submodule(parent), attr, _Dequantized(weight.to(model.dtype), m.bias))
+            assert reference or not isinstance(model.model.layers[0].self_attn.q_proj, _Dequantized)
+            with torch.inference_mode():
+                prefill = model(LONG_PROMPT).logits[0]
+                gen = model.generate(
+                    PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+                )
+            runs.append((prefill, gen.sequences[0].tolist(), [g[0].float() for g in gen.logits]))
+        finally:
+            model.weightstream.close()
+    (prefill, tokens, logits), (want_prefill, want_tokens, want_logits) = runs
+    assert torch.equal(prefill, want_prefill)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        assert float((got - want).abs().max() / want.abs().max()) < 0.03
+
+
+def test_dense_blocks_do_not_vote_for_the_activation_dtype(source, tmp_path):
+    """Every dense weight a block type the kernels run, the embedding F32: nothing stored as floats needs bf16, so
+    the model computes in float32 (the F32 embedding kept exactly) and NativeLinear takes float32 activations. Were
+    the blocks counted, the file would have been bf16 as before. (Q8_0 experts: in float32, the load-time check of
+    Q4_K and Q6_K experts measures 3.1-3.2% on these shapes, over its 3%, for any float32 import, as before.)"""
+    src = source("mixtral")
+    types = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q4_K", "output": "Q6_K"}
+    path = gguf_from(
+        src, tmp_path / "f32.gguf", lambda layer, proj: "Q8_0", lambda name: types.get(name.split(".")[-2], "F32")
+    )
+    result = import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
+    out = str(tmp_path / "out")
+    assert result.activation_dtype == "float32" and read_manifest(out).activation_dtype == "float32"
+    assert result.dense_blocks == {"Q4_K": 6, "Q6_K": 4, "Q8_0": 3}
+    with safe_open(open_checkpoint(src).tensors["model.embed_tokens.weight"].path, "pt") as f:
+        assert torch.equal(_stored(out, "model.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight").float())
+    tokens, logits, _ = _logits(out, max_new_tokens=2, expert_cache="1x")
+    assert len(tokens) == PROMPT.shape[1] + 2 and logits[0].dtype == torch.float32
+
+
+def test_an_import_whose_dense_weights_are_blocks_says_it_needs_the_native_kernels(imported):
+    _, out = imported("qwen2-dense-blocks")
+    run = subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", "generate", out, "--prompt-ids", "1,2", "--max-new-tokens", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WEIGHTSTREAM_NATIVE": "0"},
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert (
+        f"{out}: its dense weights are GGML blocks, which need weightstream's native kernels (WEIGHTSTREAM_NATIVE=0); "
+        "`weightstream import` keeps qwen2-dense-blocks.gguf's blocks as they are" in run.stderr
+    ), run.stderr
 
 
 def test_float_experts_make_a_plain_checkpoint_equal_to_the_source(source, tmp_path):

@@ -1,4 +1,4 @@
-"""`weightstream import`: a GGUF file (llama.cpp's format) as a model directory, its experts' blocks as they are."""
+"""`weightstream import`: a GGUF file (llama.cpp's format) as a model directory, its blocks as they are."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import sys
 def register(sub) -> None:
     p = sub.add_parser(
         "import",
-        help="make a GGUF file (llama.cpp) a model directory every command takes, experts kept in their blocks",
+        help="make a GGUF file (llama.cpp) a model directory every command takes, weights kept in their blocks",
         description="Write MODEL.gguf as a model directory: config.json and the tokenizer from the file's metadata, "
-        "dense weights (attention, norms, router, embeddings, head, shared experts) as safetensors in the "
-        "activation dtype (bfloat16, or float32 for an all-F32 file; dequantized where the file quantized them), "
-        "and every routed expert as one blob of its GGML blocks exactly as the file stores them (Q8_0, Q4_0, Q4_1, "
-        "Q4_K, Q6_K: the types weightstream's native kernels run). Other block types are requantized, and every "
+        "every routed expert as one blob of its GGML blocks exactly as the file stores them (Q8_0, Q4_0, Q4_1, "
+        "Q4_K, Q6_K: the types weightstream's native kernels run), and the dense linear weights (attention, output "
+        "head, shared experts) of those types as their blocks too. The token embedding, router, norms and dense "
+        "weights of other types are stored in the activation dtype (bfloat16, or float32 when every such matrix is "
+        "F32; dequantized where the file quantized them). Other expert block types are requantized, and every "
         "lossy step is said on stderr with its measured error. A split model (NAME-00001-of-0000N.gguf) is read "
         "from all its parts. It streams: one tensor or one expert at a time; the output appears only when "
         "complete. Architectures: qwen3moe, qwen2moe, olmoe, Mixtral (docs/gguf.md).",
@@ -60,6 +61,7 @@ def run(args) -> int:
         "activation_dtype": result.activation_dtype,
         "experts": result.experts,
         "expert_types": result.expert_types,
+        "dense_blocks": result.dense_blocks,
         "layer_tables": result.layer_tables,
         "requantized": result.requantized,
         "tokenizer": result.tokenizer,
@@ -69,11 +71,13 @@ def run(args) -> int:
     }
     types = ", ".join(f"{n} {k}" for k, n in sorted(result.expert_types.items()))
     experts = f"as {result.scheme} blobs ({types} tensors)" if result.scheme else f"unquantized ({types} tensors)"
+    blocks = ", ".join(f"{n} {k}" for k, n in sorted(result.dense_blocks.items()))
+    dense = f"{blocks} as blocks, the rest {result.activation_dtype}" if blocks else result.activation_dtype
     print(
         json.dumps(summary)
         if args.json
         else f"wrote {result.out_dir}: {result.model_type} from {result.architecture} GGUF, {result.experts} experts "
-        f"{experts}, dense weights {result.activation_dtype}, {result.total_bytes / 2**30:.2f} GiB from "
+        f"{experts}, dense weights {dense}, {result.total_bytes / 2**30:.2f} GiB from "
         f"{result.gguf_bytes / 2**30:.2f} GiB, {result.seconds:.1f} s"
     )
     return 0

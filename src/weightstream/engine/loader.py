@@ -142,9 +142,16 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
     blocks = (quant.dense or {}) if quant is not None else {}
     for target in [t for t in state if dense[t].name in blocks]:
         if not native.available():
+            gguf = (quant.source or {}).get("gguf")
+            hint = (
+                f"`weightstream import` keeps {gguf}'s blocks as they are (experts and dense linear weights alike), "
+                "so the directory runs only where the native kernels do: importing again would not change that"
+                if gguf
+                else "or quantize the original checkpoint with --dense keep"
+            )
             raise WeightstreamError(
                 f"{model_dir}: its dense weights are GGML blocks, which need weightstream's native kernels "
-                f"({native.why_not()}); or quantize the original checkpoint with --dense keep"
+                f"({native.why_not()}); {hint}"
             )
         path = target.removesuffix(".weight")
         parent, _, attr = path.rpartition(".")

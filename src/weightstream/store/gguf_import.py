@@ -5,10 +5,14 @@ Q4_0, Q4_1, Q4_K, Q6_K; docs/kernels.md): one blob per expert in the quantized-e
 (store/quant_format.py), gate rows then up rows, then down; a layer whose types differ from the others' (Q4_K_M
 stores some down projections as Q6_K) gets its own table in the manifest. Other block types are dequantized and
 requantized to Q8_0 or Q4_K, the error measured and said; experts stored as floats make a plain checkpoint.
-Dense weights (attention, norms, router, embeddings, head, shared experts) are stored unquantized in the
-activation dtype, dequantized where the file quantized them, with llama.cpp's row permutation of attn_q/attn_k
-undone where its converter applied one. config.json comes from the file's metadata (our own mapping: the one in
-transformers lacks fields these architectures need), the tokenizer from transformers' GGUF tokenizer support.
+Dense linear weights (attention, output head, shared experts, dense MLPs) of those same five types keep their
+blocks byte for byte too, listed in the manifest's dense table as `quantize --dense` writes them, and load as
+NativeLinear. The other dense weights (token embedding, router, norms, and linear weights of other types, or of
+any type when the experts are floats) are stored unquantized in the activation dtype, dequantized where the file
+quantized them, the loss said. llama.cpp's row permutation of attn_q/attn_k is undone where its converter applied
+one: on float rows, or on the rows of blocks as they are. config.json comes from the file's metadata (our own
+mapping: the one in transformers lacks fields these architectures need), the tokenizer from transformers' GGUF
+tokenizer support.
 
 The gguf package's GGUFReader parses the file; every tensor's bytes are then read with pread, one dense tensor
 or one expert at a time, never through the reader's memory map (a mapped page once read stays in the process's
@@ -19,6 +23,7 @@ step is reported (`log`, stderr by default). docs/gguf.md has the rules and the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,11 +44,13 @@ from weightstream.store.dtypes import torch_name
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.quant_format import (
+    BLOCK_TYPES,
     GGML_SCHEMES,
     BlobTensor,
     QuantFormat,
     blob_key,
     blob_layout,
+    row_bytes,
     write_manifest,
 )
 from weightstream.store.safetensors_writer import SafetensorsWriter
@@ -69,7 +76,7 @@ ARCHS = {
 }
 SUPPORTED = "qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral)"
 # block types the native kernels run as they are stored
-DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+DIRECT = tuple(BLOCK_TYPES)
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 REQUANTIZE = ("auto", "q8_0", "q4_k")
 PROJECTIONS = ("gate", "up", "down")
@@ -154,6 +161,7 @@ class ImportResult:
     activation_dtype: str
     experts: int
     expert_types: dict[str, int]  # GGML type of the experts as stored in the output -> tensors (gate, up, down)
+    dense_blocks: dict[str, int]  # GGML type -> dense linear weights kept as the file's blocks
     layer_tables: int  # layers whose blob table is their own
     requantized: list[dict]  # {"from", "to", "tensors", "rel_rms", "worst"}
     notes: list[str]
@@ -407,6 +415,8 @@ class _Dense:
     tensor: GgufTensor
     shape: tuple[int, ...]
     permute_heads: int | None = None  # undo llama.cpp's q/k row permutation with this many heads
+    block: str | None = None  # the GGML type its blocks are kept in (a linear weight the native kernels run)
+    why_float: str = ""  # why a quantized tensor is dequantized instead
 
 
 @dataclass(slots=True)
@@ -427,6 +437,7 @@ def _plan(gf: GgufFile, arch: str, fields: dict, requantize: str):
     from transformers.core_model_loading import revert_weight_conversion
 
     from weightstream.store.layout import experts_modules, layer_index
+    from weightstream.store.quantize import dense_linears
 
     spec = ARCHS[arch]
     fields = dict(fields)
@@ -443,6 +454,8 @@ def _plan(gf: GgufFile, arch: str, fields: dict, requantize: str):
         dense_meta.pop("lm_head.weight", None)
     used: set[str] = set()
     dense = []
+    linears = {id(m.weight) for m in dense_linears(model).values()}  # what `quantize --dense` may store as blocks
+    embedding = model.get_input_embeddings().weight
     for key, meta in revert_weight_conversion(model, dense_meta).items():
         source = _gguf_name(names, key)
         t = gf.tensors.get(source)
@@ -460,7 +473,8 @@ def _plan(gf: GgufFile, arch: str, fields: dict, requantize: str):
         permute = None
         if spec.permuted_qk and re.search(r"\.self_attn\.[qk]_proj\.weight$", key):
             permute = config.num_attention_heads if ".q_proj." in key else config.num_key_value_heads
-        dense.append(_Dense(key, t, shape, permute))
+        block, why = _dense_block(t, shape, id(meta) in linears, meta is embedding)
+        dense.append(_Dense(key, t, shape, permute, block, why))
         used.add(source)
     layers = []
     for path, module in modules.items():
@@ -505,10 +519,28 @@ def _plan(gf: GgufFile, arch: str, fields: dict, requantize: str):
     floats = [t.type in FLOATS for lay in layers for t in lay.tensors.values()]
     if all(floats):
         _float_expert_keys(model, modules, layers, names)
+        for d in dense:  # a plain checkpoint has no manifest to list blocks in
+            if d.block:
+                d.block, d.why_float = None, "the experts are floats: a plain checkpoint, with no table of blocks"
     else:
         for lay in layers:
             lay.targets = {p: _target(gf, t, requantize) for p, t in lay.tensors.items()}
     return config, model, dense, layers
+
+
+def _dense_block(t: GgufTensor, shape: tuple[int, ...], linear: bool, embedding: bool) -> tuple[str | None, str]:
+    """(the GGML type a dense tensor keeps, or None; why a quantized one is dequantized instead)."""
+    if t.type in FLOATS:
+        return None, ""
+    if embedding:
+        return None, "the token embedding is a row lookup, not a product the native kernels run"
+    if not linear:
+        return None, "not the weight of a linear layer the native kernels run (routers stay float)"
+    if t.type not in BLOCK_TYPES:
+        return None, f"the native kernels do not run {t.type}"
+    if len(shape) != 2 or t.shape != shape or shape[1] % BLOCK_TYPES[t.type][0]:
+        return None, f"shaped {list(t.shape)}, not rows of whole {t.type} blocks"
+    return t.type, ""
 
 
 def _gguf_name(names, key: str) -> str:
@@ -610,9 +642,15 @@ def _tables(layers: list[_Layer], scheme: str, act: str, source: dict) -> QuantF
 
 
 def _activation_dtype(dense: list[_Dense], layers: list[_Layer]) -> torch.dtype:
-    """float32 when every dense matrix (the router aside: llama.cpp always writes it F32) and every float expert
-    tensor is F32; bfloat16 otherwise (quantized, F16 or BF16 weights)."""
-    kinds = {d.tensor.type for d in dense if len(d.shape) > 1 and "ffn_gate_inp" not in d.tensor.name}
+    """float32 when every dense matrix stored as floats (the router aside: llama.cpp always writes it F32) and
+    every float expert tensor is F32; bfloat16 otherwise (quantized, F16 or BF16 weights).
+
+    Dense weights kept as blocks do not vote: they are not stored in the activation dtype, so no choice rounds
+    them, and NativeLinear computes in float32 inside (int8 activations against the blocks, or the blocks
+    dequantized to float32) and returns x's dtype. What the choice decides is the floats stored (the
+    embedding, dequantized when the file quantized it, norms, router) and the activations between layers; a
+    quantized file's embedding is one of those matrices, so such a file computes in bfloat16 as before."""
+    kinds = {d.tensor.type for d in dense if len(d.shape) > 1 and "ffn_gate_inp" not in d.tensor.name and not d.block}
     kinds |= {t.type for lay in layers if lay.float_keys for t in lay.tensors.values()}
     return torch.float32 if kinds == {"F32"} else torch.bfloat16
 
@@ -651,6 +689,8 @@ def import_gguf(
             "expert_types": dict(Counter(t.type for lay in layers for t in lay.tensors.values())),
         }
         quant = _tables(layers, _scheme(layers), torch_name(dtype), source)
+        blocks = {d.key: (d.block, d.shape) for d in dense if d.block}  # as `quantize --dense` lists them
+        quant = dataclasses.replace(quant, dense=blocks or None)
     tokenizer, why = _tokenizer(gf)
     losses: dict[tuple[str, str, str], _Loss] = {}
     notes = []
@@ -665,13 +705,7 @@ def import_gguf(
     notes += _loss_notes(losses)
     if why:
         notes.append(f"no tokenizer written ({why}); --prompt-ids works, text prompts need a tokenizer in {out}")
-    quantized_dense = Counter(d.tensor.type for d in dense if d.tensor.type not in FLOATS)
-    if quantized_dense:
-        notes.append(
-            "dense weights are stored unquantized in this version: "
-            + ", ".join(f"{n} {k}" for k, n in sorted(quantized_dense.items()))
-            + f" tensor(s) dequantized to {torch_name(dtype)}"
-        )
+    notes += _dequantized_notes(dense, dtype)
     for line in notes:
         log(line)
     requantized = [
@@ -690,6 +724,7 @@ def import_gguf(
         torch_name(dtype),
         sum(m.tensors["gate"].shape[0] for m in layers),
         dict(stored),
+        dict(sorted(Counter(d.block for d in dense if d.block).items())),
         len(quant.layer_tables or {}) if quant else 0,
         requantized,
         notes,
@@ -698,6 +733,24 @@ def import_gguf(
         time.perf_counter() - start,
         tokenizer is not None,
     )
+
+
+def _dequantized_notes(dense: list[_Dense], dtype: torch.dtype) -> list[str]:
+    """One line per reason a dense tensor the file quantized is stored as floats (its error is said apart)."""
+    why: dict[str, list[GgufTensor]] = {}
+    for d in dense:
+        if d.tensor.type not in FLOATS and not d.block:
+            why.setdefault(d.why_float, []).append(d.tensor)
+    lines = []
+    for reason, tensors in why.items():
+        kinds = Counter(t.type for t in tensors)
+        names = ", ".join(t.name for t in tensors[:3]) + (" ..." if len(tensors) > 3 else "")
+        lines.append(
+            "dense weights: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + f" tensor(s) dequantized to {torch_name(dtype)} ({names}): {reason}"
+        )
+    return lines
 
 
 def _write(gf, dense: list[_Dense], layers: list[_Layer], dtype, out: str, progress, losses) -> int:
@@ -721,7 +774,10 @@ def _write(gf, dense: list[_Dense], layers: list[_Layer], dtype, out: str, progr
             with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
                 for item in shards[layer]:
                     if isinstance(item, _Dense):
-                        writer.write(item.key, _dense_tensor(item, dtype, fds, losses))
+                        if item.block:
+                            writer.write(item.key, _dense_blocks(item, fds))
+                        else:
+                            writer.write(item.key, _dense_tensor(item, dtype, fds, losses))
                         done += item.tensor.nbytes
                         if progress:
                             progress(done, todo)
@@ -744,6 +800,8 @@ def _write(gf, dense: list[_Dense], layers: list[_Layer], dtype, out: str, progr
 
 
 def _specs(item, dtype) -> dict:
+    if isinstance(item, _Dense) and item.block:  # (out, row bytes), as `quantize --dense` stores blocks
+        return {item.key: (torch.uint8, (item.shape[0], row_bytes(item.block, item.shape[1])))}
     if isinstance(item, _Dense):
         return {item.key: (dtype, item.shape)}
     n, inter, hidden = item.tensors["gate"].shape
@@ -773,10 +831,23 @@ def _dense_tensor(d: _Dense, dtype: torch.dtype, fds, losses) -> torch.Tensor:
     if not exact:
         losses.setdefault(("dense", t.type, torch_name(dtype)), _Loss()).add(sse, ssr)
     if d.permute_heads:
-        heads = d.permute_heads
-        # llama.cpp stored row (head, half, i) of each head at (head, i, half); put it back
-        out = out.reshape(heads, -1, 2, k).transpose(1, 2).reshape(rows, k).contiguous()
+        out = _unpermute_rows(out, d.permute_heads)
     return out.reshape(d.shape)
+
+
+def _dense_blocks(d: _Dense, fds) -> torch.Tensor:
+    """A dense linear weight's GGML blocks as the file stores them, uint8 (out, row bytes); q/k rows put back in
+    transformers' order (whole rows of blocks moved: no value changes)."""
+    t = d.tensor
+    raw = torch.from_numpy(_read(fds[t.path], t.path, t.offset, t.nbytes)).reshape(t.rows, t.row_bytes)
+    return _unpermute_rows(raw, d.permute_heads) if d.permute_heads else raw
+
+
+def _unpermute_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k permutation of the rows of `x` (rows, anything): it stored row (head, half, i) of each
+    head at (head, i, half). A float weight's rows or a block weight's rows of bytes alike."""
+    rows, width = x.shape
+    return x.reshape(heads, -1, 2, width).transpose(1, 2).reshape(rows, width).contiguous()
 
 
 def _decode(raw: np.ndarray, kind: str, rows: int, k: int) -> torch.Tensor:

@@ -53,17 +53,27 @@ DENSE_CHOICES = ("keep", "int8", "int4")
 KEEP_DENSE = ("gate", "router", "shared_expert_gate")
 
 
+def dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Module path -> module of every dense Linear whose weight may be GGML blocks run by NativeLinear: outside the
+    routed experts, not a router (KEEP_DENSE), not an output head tied to the embedding. `quantize --dense`
+    encodes these; `weightstream import` keeps a GGUF's blocks for them."""
+    experts = set(experts_modules(model))
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    out = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or any(path.startswith(e + ".") for e in experts):
+            continue
+        if path.rpartition(".")[2] in KEEP_DENSE or (tied and module is model.get_output_embeddings()):
+            continue
+        out[path] = module
+    return out
+
+
 def dense_plan(mapped, bits: str) -> dict[str, tuple[str, tuple[int, int]]]:
     """Checkpoint tensor name -> (block type, (out, in)) for every Linear outside the experts that --dense
     quantizes."""
-    experts = set(experts_modules(mapped.model))
-    tied = bool(getattr(mapped.config.get_text_config(), "tie_word_embeddings", False))
     plan = {}
-    for path, module in mapped.model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or any(path.startswith(e + ".") for e in experts):
-            continue
-        if path.rpartition(".")[2] in KEEP_DENSE or (tied and module is mapped.model.get_output_embeddings()):
-            continue
+    for path, module in dense_linears(mapped.model).items():
         n, k = module.out_features, module.in_features
         if f"{path}.weight" not in mapped.layout.dense or k % 32:
             continue
