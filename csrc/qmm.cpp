@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -126,20 +127,25 @@ void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d
 
 int64_t act_block(int64_t wtype) { return wtype == Q4_K || wtype == Q6_K ? 256 : 32; }
 
-// The 8-lane accumulation both paths share: lane l of a 32-element block sums elements 4l..4l+3.
+// The accumulation both paths share: two sets of 8 lane accumulators, even blocks into set 0 and odd ones into
+// set 1 (two independent chains of multiply-adds, so the float latency is not the bound), lane l of a 32-element
+// block summing elements 4l..4l+3; and two scalar accumulators for the min / offset terms, the same way.
 struct Acc {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  float rest = 0.f;  // min / offset terms, one per block
+  float lane[2][8] = {{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}};
+  float rest[2] = {0.f, 0.f};
 
   float total() const {
-    return (((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]))) + rest;
+    float l[8];
+    for (int i = 0; i < 8; i++) l[i] = lane[0][i] + lane[1][i];
+    return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + (rest[0] + rest[1]);
   }
 };
 
 // ---- portable path: the reference ----
 
-inline void lanes_fma(Acc& acc, float f, const int32_t* lanes) {
-  for (int l = 0; l < 8; l++) acc.lane[l] = std::fma(f, (float)lanes[l], acc.lane[l]);
+inline void lanes_fma(Acc& acc, int64_t b, float f, const int32_t* lanes) {
+  float* set = acc.lane[b & 1];
+  for (int l = 0; l < 8; l++) set[l] = std::fma(f, (float)lanes[l], set[l]);
 }
 
 // Lane sums of a 32-element block: w (0..255 as unsigned or -128..127 as signed, in int) times qx.
@@ -167,7 +173,7 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
   if (wtype == Q8_0) {
     for (int64_t b = 0; b < k / 32; b++, row += 34) {
       lane_sums((const int8_t*)(row + 2), a.q + b * 32, lanes);
-      lanes_fma(acc, fp16(row) * a.d[b], lanes);
+      lanes_fma(acc, b, fp16(row) * a.d[b], lanes);
     }
   } else if (wtype == Q4_0 || wtype == Q4_1) {
     const int64_t bytes = wtype == Q4_0 ? 18 : 20;
@@ -175,9 +181,9 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
       nibbles32(row + bytes - 16, u);
       lane_sums(u, a.q + b * 32, lanes);
       const float d = fp16(row), dx = a.d[b];
-      lanes_fma(acc, d * dx, lanes);
+      lanes_fma(acc, b, d * dx, lanes);
       const float offset = wtype == Q4_0 ? -8.f * d : fp16(row + 2);  // w = d q + offset
-      acc.rest = std::fma(offset * dx, (float)a.s[b], acc.rest);
+      acc.rest[b & 1] = std::fma(offset * dx, (float)a.s[b], acc.rest[b & 1]);
     }
   } else if (wtype == Q4_K) {
     for (int64_t b = 0; b < k / 256; b++, row += 144) {
@@ -194,8 +200,8 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
         for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
         msum += mn[sub] * a.s[b * 8 + sub];
       }
-      lanes_fma(acc, d * a.d[b], isum);
-      acc.rest = std::fma(-(dmin * a.d[b]), (float)msum, acc.rest);
+      lanes_fma(acc, b, d * a.d[b], isum);
+      acc.rest[b & 1] = std::fma(-(dmin * a.d[b]), (float)msum, acc.rest[b & 1]);
     }
   } else {  // Q6_K
     for (int64_t b = 0; b < k / 256; b++, row += 210) {
@@ -214,7 +220,7 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
         lane_sums(sv, a.q + b * 256 + sub * 32, lanes);
         for (int l = 0; l < 8; l++) isum[l] += (int32_t)sc[8 * n + 2 * r + l / 4] * lanes[l];
       }
-      lanes_fma(acc, d * a.d[b], isum);
+      lanes_fma(acc, b, d * a.d[b], isum);
     }
   }
   return acc.total();
@@ -251,80 +257,101 @@ WS_AVX2 inline __m256i nibbles32_avx2(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
-  __m256 acc = _mm256_setzero_ps();
-  float rest = 0.f;
-  if (wtype == Q8_0) {
-    for (int64_t b = 0; b < k / 32; b++, row += 34) {
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(row + 2));
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(row) * a.d[b]), _mm256_cvtepi32_ps(lanes_s8_s8(w, x)), acc);
-    }
-  } else if (wtype == Q4_0 || wtype == Q4_1) {
-    const int64_t bytes = wtype == Q4_0 ? 18 : 20;
-    for (int64_t b = 0; b < k / 32; b++, row += bytes) {
-      const __m256i w = nibbles32_avx2(row + bytes - 16);
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
-      const float d = fp16_hw(row), dx = a.d[b];
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes_u8_s8(w, x)), acc);
-      const float offset = wtype == Q4_0 ? -8.f * d : fp16_hw(row + 2);
-      rest = std::fma(offset * dx, (float)a.s[b], rest);
-    }
-  } else if (wtype == Q4_K) {
-    const __m256i mask = _mm256_set1_epi8(0xF);
-    for (int64_t b = 0; b < k / 256; b++, row += 144) {
-      const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
-      alignas(8) uint8_t sc[8], mn[8];
-      scales_mins_k4(row + 4, sc, mn);
-      const uint8_t* qs = row + 16;
-      const int8_t* xq = a.q + b * 256;
-      __m256i isum = _mm256_setzero_si256();
-      for (int c = 0; c < 4; c++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc[2 * c])));
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1,
-                                                        _mm256_set1_epi16(sc[2 * c + 1])));
-      }
-      // min term: the 8 mins times the 8 sums of qx, in integers
-      const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
-      const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s + b * 8));
-      const __m256i prod = _mm256_mullo_epi32(mins, sums);
-      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
-      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
-      const int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-      rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
-    }
-  } else {  // Q6_K
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-    for (int64_t b = 0; b < k / 256; b++, row += 210) {
-      const uint8_t* ql = row;
-      const uint8_t* qh = row + 128;
-      const int8_t* sc = (const int8_t*)(row + 192);
-      const float d = fp16_hw(row + 208);
-      __m256i isum = _mm256_setzero_si256();
-      for (int sub = 0; sub < 8; sub++) {
-        const int n = sub / 4, r = sub % 4;
-        const __m256i l4 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32 * (r & 1)));
-        const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
-        const __m256i h2 = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h2, 2 * r), m2);
-        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 256 + sub * 32));
-        // int16 pair sums; scales per 16 elements: the low 128 bits take sc[2r], the high ones sc[2r + 1]
-        const __m256i mult = _mm256_setr_m128i(_mm_set1_epi16(sc[8 * n + 2 * r]), _mm_set1_epi16(sc[8 * n + 2 * r + 1]));
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, mult));
-      }
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-    }
+// One block of each type into one (vector, scalar) accumulator pair; the dot runs even blocks into pair 0 and odd
+// ones into pair 1, as the portable path's Acc does.
+WS_AVX2 inline void block_q8_0(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)(row + 2));
+  const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(row) * a.d[b]), _mm256_cvtepi32_ps(lanes_s8_s8(w, x)), acc);
+}
+
+template <int64_t Bytes>  // 18: Q4_0, 20: Q4_1
+WS_AVX2 inline void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
+  const __m256i w = nibbles32_avx2(row + Bytes - 16);
+  const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
+  const float d = fp16_hw(row), dx = a.d[b];
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes_u8_s8(w, x)), acc);
+  const float offset = Bytes == 18 ? -8.f * d : fp16_hw(row + 2);
+  rest = std::fma(offset * dx, (float)a.s[b], rest);
+}
+
+WS_AVX2 inline void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
+  alignas(8) uint8_t sc[8], mn[8];
+  scales_mins_k4(row + 4, sc, mn);
+  const uint8_t* qs = row + 16;
+  const int8_t* xq = a.q + b * 256;
+  __m256i isum = _mm256_setzero_si256();
+  for (int c = 0; c < 4; c++) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
+    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
+    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc[2 * c])));
+    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1,
+                                                    _mm256_set1_epi16(sc[2 * c + 1])));
   }
+  // min term: the 8 mins times the 8 sums of qx, in integers
+  const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
+  const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s + b * 8));
+  const __m256i prod = _mm256_mullo_epi32(mins, sums);
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
+  const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  const int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+  rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
+}
+
+WS_AVX2 inline void block_q6_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+  const uint8_t* ql = row;
+  const uint8_t* qh = row + 128;
+  const int8_t* sc = (const int8_t*)(row + 192);
+  const float d = fp16_hw(row + 208);
+  __m256i isum = _mm256_setzero_si256();
+  for (int sub = 0; sub < 8; sub++) {
+    const int n = sub / 4, r = sub % 4;
+    const __m256i l4 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32 * (r & 1)));
+    const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
+    const __m256i h2 = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h2, 2 * r), m2);
+    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 256 + sub * 32));
+    // int16 pair sums; scales per 16 elements: the low 128 bits take sc[2r], the high ones sc[2r + 1]
+    const __m256i mult = _mm256_setr_m128i(_mm_set1_epi16(sc[8 * n + 2 * r]), _mm_set1_epi16(sc[8 * n + 2 * r + 1]));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, mult));
+  }
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+}
+
+template <int64_t Block, int64_t Bytes, void (*One)(const uint8_t*, const QAct&, int64_t, __m256&, float&)>
+WS_AVX2 inline float dot_blocks(const uint8_t* row, const QAct& a, int64_t k) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float rest0 = 0.f, rest1 = 0.f;
+  const int64_t nb = k / Block;
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2, row += 2 * Bytes) {
+    One(row, a, b, acc0, rest0);
+    One(row + Bytes, a, b + 1, acc1, rest1);
+  }
+  if (b < nb) One(row, a, b, acc0, rest0);
   Acc out;
-  _mm256_storeu_ps(out.lane, acc);
-  out.rest = rest;
+  _mm256_storeu_ps(out.lane[0], acc0);
+  _mm256_storeu_ps(out.lane[1], acc1);
+  out.rest[0] = rest0;
+  out.rest[1] = rest1;
   return out.total();
+}
+
+WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
+  switch (wtype) {
+    case Q8_0: return dot_blocks<32, 34, block_q8_0>(row, a, k);
+    case Q4_0: return dot_blocks<32, 18, block_q4_01<18>>(row, a, k);
+    case Q4_1: return dot_blocks<32, 20, block_q4_01<20>>(row, a, k);
+    case Q4_K: return dot_blocks<256, 144, block_q4_k>(row, a, k);
+    default: return dot_blocks<256, 210, block_q6_k>(row, a, k);
+  }
 }
 #endif
 
@@ -353,34 +380,48 @@ void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
               " bytes; ", n, " x ", k, " of this type need ", n * (k / f.block) * f.bytes);
 }
 
+// Rows of activations quantized for one weight type (its activation block), kept for every product they meet.
+struct QRows {
+  int64_t k = 0, blocks = 0, sums = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+
+  QRows(const float* x, int64_t m, int64_t k_, int64_t wtype) : k(k_) {
+    const int64_t ablock = act_block(wtype);
+    blocks = k / ablock;
+    sums = k / 32;
+    q.resize(m * k);
+    d.resize(m * blocks);
+    s.resize(m * sums);
+    for (int64_t r = 0; r < m; r++) {
+      quantize_row(x + r * k, k, ablock, q.data() + r * k, d.data() + r * blocks, s.data() + r * sums);
+    }
+  }
+  QAct row(int64_t r) const { return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums}; }
+};
+
+inline float dot(int64_t path, int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
+#ifdef WS_X86
+  return path == 2 ? dot_avx2(wtype, row, a, k) : dot_portable(wtype, row, a, k);
+#else
+  return dot_portable(wtype, row, a, k);
+#endif
+}
+
+// Output rows per parallel task: enough that a task reads about 64 KiB of weights.
+int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_bytes); }
+
 // y (m, n) = x (m, k) times W^T, into y; x and y float32, contiguous.
 void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
               int64_t path) {
-  const int64_t ablock = act_block(wtype), blocks = k / ablock, sums = k / 32;
-  std::vector<int8_t> q(m * k);
-  std::vector<float> d(m * blocks);
-  std::vector<int32_t> s(m * sums);
-  for (int64_t r = 0; r < m; r++) {
-    quantize_row(x + r * k, k, ablock, q.data() + r * k, d.data() + r * blocks, s.data() + r * sums);
-  }
+  const QRows a(x, m, k, wtype);
   const Format f = format_of(wtype);
   const int64_t row_bytes = (k / f.block) * f.bytes;
-  const int8_t* qp = q.data();
-  const float* dp = d.data();
-  const int32_t* sp = s.data();
-  // grain: enough rows per task that a task reads about 64 KiB of weights
-  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; j++) {
       const uint8_t* row = wp + j * row_bytes;
-      for (int64_t r = 0; r < m; r++) {
-        const QAct a{qp + r * k, dp + r * blocks, sp + r * sums};
-#ifdef WS_X86
-        yp[r * n + j] = path == 2 ? dot_avx2(wtype, row, a, k) : dot_portable(wtype, row, a, k);
-#else
-        yp[r * n + j] = dot_portable(wtype, row, a, k);
-#endif
-      }
+      for (int64_t r = 0; r < m; r++) yp[r * n + j] = dot(path, wtype, row, a.row(r), k);
     }
   });
 }
@@ -396,34 +437,152 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64
   return y;
 }
 
-// One expert's SiLU-gated feed-forward for its rows, in one call: h = silu(x G^T) * (x U^T), out = (h D^T) * w,
-// with gate_up the (2I, D) blocks [G; U] and down the (D, I) blocks; float32 in between, out in x's dtype.
-at::Tensor expert_ffn(const at::Tensor& x_in, const at::Tensor& gate_up, int64_t gu_type, const at::Tensor& down,
-                      int64_t down_type, const at::Tensor& weights, int64_t path) {
-  TORCH_CHECK(x_in.dim() == 2, "weightstream expert_ffn: x must be (rows, hidden)");
-  const int64_t m = x_in.size(0), hidden = x_in.size(1);
+// ---- one call per MoE layer ----
+//
+// A layer's routed experts, SiLU-gated: for each (token t, choice c) routed to an expert of `experts`,
+// contrib[t, c] = (silu(x_t G^T) * (x_t U^T)) D^T * w[t, c], with gate_up the expert's (2I, D) blocks [G; U] and
+// down its (D, I) blocks; then out[t] = the sum of contrib[t, c] over c in ascending expert order, in float32.
+// `moe_contribute` fills the contributions of some experts (any grouping: an expert's contribution depends on its
+// own weights and rows only), `moe_sum` adds them up, `moe_layer` is both in one call for a layer whose experts are
+// all at hand. So a layer computed piecewise (resident experts first, each missing one once its bytes are in)
+// equals the layer computed at once, bitwise.
+
+struct Pair {
+  int64_t token, choice;
+};
+
+// Pairs (t, c) routed to each of `experts` (ascending t within an expert).
+std::vector<std::vector<Pair>> pairs_of(const at::Tensor& index, const std::vector<int64_t>& experts) {
+  const int64_t tokens = index.size(0), top_k = index.size(1);
+  const int64_t* ip = index.data_ptr<int64_t>();
+  std::vector<std::vector<Pair>> out(experts.size());
+  for (size_t i = 0; i < experts.size(); i++) {
+    for (int64_t t = 0; t < tokens; t++) {
+      for (int64_t c = 0; c < top_k; c++) {
+        if (ip[t * top_k + c] == experts[i]) out[i].push_back({t, c});
+      }
+    }
+  }
+  return out;
+}
+
+void check_routing(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2, "weightstream moe: hidden states must be (tokens, hidden)");
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == x.size(0) && index.scalar_type() == at::kLong,
+              "weightstream moe: top_k_index must be int64 (tokens, top_k)");
+  TORCH_CHECK(weights.sizes() == index.sizes(), "weightstream moe: top_k_weights must match top_k_index");
+}
+
+void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Tensor& weights_in,
+                const std::vector<int64_t>& experts, const std::vector<at::Tensor>& gate_up, int64_t gu_type,
+                const std::vector<at::Tensor>& down, int64_t down_type, int64_t path, float* contrib) {
+  check_routing(x_in, index_in, weights_in);
+  const int64_t ne = (int64_t)experts.size(), hidden = x_in.size(1), top_k = index_in.size(1);
+  TORCH_CHECK((int64_t)gate_up.size() == ne && (int64_t)down.size() == ne,
+              "weightstream moe: one gate_up and one down tensor per expert");
+  if (ne == 0) return;
   const Format fd = format_of(down_type);
-  const int64_t inter = down.numel() / hidden / fd.bytes * fd.block;
-  check_weights(gate_up, gu_type, 2 * inter, hidden);
-  check_weights(down, down_type, hidden, inter);
-  TORCH_CHECK(weights.numel() == m, "weightstream expert_ffn: one router weight per row");
+  const int64_t inter = down[0].numel() / hidden / fd.bytes * fd.block;
+  for (int64_t i = 0; i < ne; i++) {
+    check_weights(gate_up[i], gu_type, 2 * inter, hidden);
+    check_weights(down[i], down_type, hidden, inter);
+  }
   path = resolve_path(path);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor wr = weights.to(at::kFloat).contiguous();
-  std::vector<float> gu(m * 2 * inter), h(m * inter);
-  qmm_into(x.data_ptr<float>(), m, hidden, gate_up.data_ptr<uint8_t>(), gu_type, 2 * inter, gu.data(), path);
-  for (int64_t r = 0; r < m; r++) {
-    const float* g = gu.data() + r * 2 * inter;
-    for (int64_t i = 0; i < inter; i++) h[r * inter + i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+  const at::Tensor index = index_in.contiguous();
+  const at::Tensor wr = weights_in.to(at::kFloat).contiguous();
+  const float* wp = wr.data_ptr<float>();
+  const auto pairs = pairs_of(index, experts);
+  std::vector<int64_t> first(ne + 1, 0);  // pair p of expert i is row first[i] + p of the buffers below
+  for (int64_t i = 0; i < ne; i++) first[i + 1] = first[i] + (int64_t)pairs[i].size();
+  const int64_t np = first[ne];
+  if (np == 0) return;
+
+  // gate and up for every (expert, output row), each row of x quantized once for all experts
+  const QRows ax(x.data_ptr<float>(), x.size(0), hidden, gu_type);
+  std::vector<const uint8_t*> gu_ptr(ne), down_ptr(ne);
+  for (int64_t i = 0; i < ne; i++) {
+    gu_ptr[i] = gate_up[i].data_ptr<uint8_t>();
+    down_ptr[i] = down[i].data_ptr<uint8_t>();
   }
-  at::Tensor y = at::empty({m, hidden}, at::kFloat);
-  float* yp = y.data_ptr<float>();
-  qmm_into(h.data(), m, inter, down.data_ptr<uint8_t>(), down_type, hidden, yp, path);
-  const float* w = wr.data_ptr<float>();
-  for (int64_t r = 0; r < m; r++) {
-    for (int64_t j = 0; j < hidden; j++) yp[r * hidden + j] *= w[r];
+  const int64_t gu_rows = 2 * inter, gu_bytes = (hidden / format_of(gu_type).block) * format_of(gu_type).bytes;
+  std::vector<float> g(np * gu_rows);
+  at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; u++) {
+      const int64_t i = u / gu_rows, j = u % gu_rows;
+      const uint8_t* row = gu_ptr[i] + j * gu_bytes;
+      for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
+        g[(first[i] + p) * gu_rows + j] = dot(path, gu_type, row, ax.row(pairs[i][p].token), hidden);
+      }
+    }
+  });
+  // silu(gate) * up, then those rows quantized for the down product
+  std::vector<float> h(np * inter);
+  for (int64_t p = 0; p < np; p++) {
+    const float* gp = g.data() + p * gu_rows;
+    for (int64_t j = 0; j < inter; j++) h[p * inter + j] = gp[j] / (1.f + std::exp(-gp[j])) * gp[inter + j];
   }
-  return y.to(x_in.scalar_type());
+  const QRows ah(h.data(), np, inter, down_type);
+  const int64_t down_bytes = (inter / fd.block) * fd.bytes;
+  at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; u++) {
+      const int64_t i = u / hidden, j = u % hidden;
+      const uint8_t* row = down_ptr[i] + j * down_bytes;
+      for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
+        const Pair& pr = pairs[i][p];
+        const int64_t slot = pr.token * top_k + pr.choice;
+        contrib[slot * hidden + j] = dot(path, down_type, row, ah.row(first[i] + p), inter) * wp[slot];
+      }
+    }
+  });
+}
+
+// out (tokens, hidden) in `dtype`: per token, its contributions added in ascending expert order, in float32.
+at::Tensor sum_contributions(const float* contrib, const at::Tensor& index_in, int64_t hidden, at::ScalarType dtype) {
+  const at::Tensor index = index_in.contiguous();
+  const int64_t tokens = index.size(0), top_k = index.size(1);
+  const int64_t* ip = index.data_ptr<int64_t>();
+  at::Tensor out = at::empty({tokens, hidden}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  std::vector<int64_t> order(top_k);
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t c = 0; c < top_k; c++) order[c] = c;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return ip[t * top_k + a] < ip[t * top_k + b];
+    });
+    float* o = op + t * hidden;
+    std::fill(o, o + hidden, 0.f);
+    for (int64_t c : order) {
+      const float* cp = contrib + (t * top_k + c) * hidden;
+      for (int64_t j = 0; j < hidden; j++) o[j] += cp[j];
+    }
+  }
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+void moe_contribute(at::Tensor contrib, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
+                    at::IntArrayRef experts, at::TensorList gate_up, int64_t gu_type, at::TensorList down,
+                    int64_t down_type, int64_t path) {
+  TORCH_CHECK(contrib.scalar_type() == at::kFloat && contrib.is_contiguous() && contrib.dim() == 3 &&
+                  contrib.size(0) == index.size(0) && contrib.size(1) == index.size(1) && contrib.size(2) == x.size(1),
+              "weightstream moe_contribute: contrib must be contiguous float32 (tokens, top_k, hidden)");
+  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type, path,
+             contrib.data_ptr<float>());
+}
+
+at::Tensor moe_sum(const at::Tensor& contrib, const at::Tensor& index, const at::Tensor& like) {
+  TORCH_CHECK(contrib.scalar_type() == at::kFloat && contrib.is_contiguous() && contrib.dim() == 3 &&
+                  contrib.size(0) == index.size(0) && contrib.size(1) == index.size(1),
+              "weightstream moe_sum: contrib must be contiguous float32 (tokens, top_k, hidden)");
+  return sum_contributions(contrib.data_ptr<float>(), index, contrib.size(2), like.scalar_type());
+}
+
+at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights, at::IntArrayRef experts,
+                     at::TensorList gate_up, int64_t gu_type, at::TensorList down, int64_t down_type, int64_t path) {
+  check_routing(x, index, weights);
+  std::vector<float> contrib(index.size(0) * index.size(1) * x.size(1), 0.f);
+  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type, path, contrib.data());
+  return sum_contributions(contrib.data(), index, x.size(1), x.scalar_type());
 }
 
 // W (N, K) float32, every weight as its block encodes it (the reference the products are checked against).
@@ -488,14 +647,19 @@ bool avx2_available() { return have_avx2(); }
 TORCH_LIBRARY(weightstream, m) {
   m.def("qmm(Tensor x, Tensor w, int wtype, int n, int k, int path=0) -> Tensor");
   m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
-  m.def("expert_ffn(Tensor x, Tensor gate_up, int gu_type, Tensor down, int down_type, Tensor weights, int path=0)"
-        " -> Tensor");
+  m.def("moe_layer(Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, Tensor[] gate_up, int gu_type, "
+        "Tensor[] down, int down_type, int path=0) -> Tensor");
+  m.def("moe_contribute(Tensor(a!) contrib, Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, "
+        "Tensor[] gate_up, int gu_type, Tensor[] down, int down_type, int path=0) -> ()");
+  m.def("moe_sum(Tensor contrib, Tensor top_k_index, Tensor like) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
   m.impl("qmm", &qmm);
   m.impl("dequantize", &dequantize);
-  m.impl("expert_ffn", &expert_ffn);
+  m.impl("moe_layer", &moe_layer);
+  m.impl("moe_contribute", &moe_contribute);
+  m.impl("moe_sum", &moe_sum);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

@@ -110,26 +110,85 @@ def test_disabled_native_kernels_are_said_once_and_torch_runs(tmp_path):
     assert r.stderr.count("native kernels off") == 1 and "WEIGHTSTREAM_NATIVE=0" in r.stderr
 
 
+def _moe_layer_case(gu_type: str, down_type: str, tokens: int, seed: int = 6):
+    """A layer of 6 experts (blocks per expert), a batch of tokens routed top-3 without repeats, bf16 states."""
+    hidden, inter, n_experts, top_k = 512, 256, 6, 3
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = [torch.from_numpy(_blocks(gu_type, 2 * inter, hidden, seed=seed + e)) for e in range(n_experts)]
+    down = [torch.from_numpy(_blocks(down_type, hidden, inter, seed=seed + 50 + e)) for e in range(n_experts)]
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return x, index, weights, gate_up, down, hidden, inter
+
+
 @pytest.mark.parametrize("wtypes", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q4_1", "Q4_0")])
-def test_one_call_expert_ffn_is_the_composed_product(wtypes):
-    """expert_ffn = (silu(x G^T) * x U^T) D^T * w in one call: close to the same steps through qmm and torch
-    (the steps round between them, the fused op keeps float32), bitwise alone or batched, 1 or 2 threads."""
+def test_one_call_moe_layer_is_the_sum_of_its_experts(wtypes):
+    """moe_layer = per token, the sum over its routed experts of (silu(x G^T) * x U^T) D^T * w, in one call:
+    close to the same steps through qmm and torch (they round between steps, the op keeps float32); a token's
+    output does not depend on the other tokens; 1 or 2 threads give the same bits."""
     gu_type, down_type = wtypes
-    hidden, inter, rows = 512, 256, 5
-    gate_up = torch.from_numpy(_blocks(gu_type, 2 * inter, hidden, seed=6)).reshape(-1)
-    down = torch.from_numpy(_blocks(down_type, hidden, inter, seed=7)).reshape(-1)
-    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(8))
-    w = torch.rand(rows, 1, generator=torch.Generator().manual_seed(9))
-    fused = native.expert_ffn(x, gate_up, gu_type, down, down_type, w)
-    gu = native.qmm(x, gate_up, gu_type, 2 * inter, hidden)
-    h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    composed = native.qmm(h, down, down_type, hidden, inter) * w
-    assert fused.dtype == x.dtype
-    assert float((fused - composed).abs().max() / composed.abs().max()) < 1e-5  # the same arithmetic, reordered
-    assert torch.equal(native.expert_ffn(x[3:4], gate_up, gu_type, down, down_type, w[3:4]), fused[3:4])
+    x, index, weights, gate_up, down, hidden, inter = _moe_layer_case(gu_type, down_type, tokens=4)
+    experts = sorted(set(index.reshape(-1).tolist()))
+    got = native.moe_layer(
+        x, index, weights, experts, [gate_up[e] for e in experts], gu_type, [down[e] for e in experts], down_type
+    )
+    assert got.dtype == x.dtype and got.shape == x.shape
+    want = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for c in sorted(range(index.shape[1]), key=lambda c: int(index[t, c])):
+            e = int(index[t, c])
+            gu = native.qmm(x[t : t + 1], gate_up[e].reshape(-1), gu_type, 2 * inter, hidden)
+            h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            want[t] += (native.qmm(h, down[e].reshape(-1), down_type, hidden, inter) * weights[t, c])[0]
+    assert float((got.float() - want).abs().max() / want.abs().max()) < 1e-2  # bf16 output rounding
+    one = native.moe_layer(
+        x[2:3],
+        index[2:3],
+        weights[2:3],
+        experts,
+        [gate_up[e] for e in experts],
+        gu_type,
+        [down[e] for e in experts],
+        down_type,
+    )
+    assert torch.equal(one, got[2:3])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(native.expert_ffn(x, gate_up, gu_type, down, down_type, w), fused)
+        again = native.moe_layer(
+            x, index, weights, experts, [gate_up[e] for e in experts], gu_type, [down[e] for e in experts], down_type
+        )
+        assert torch.equal(again, got)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_layer_computed_in_groups_equals_the_layer_in_one_call():
+    """The cache's contract: resident experts first, each missing one when its bytes are in, in any order and any
+    grouping; moe_contribute per group and moe_sum give moe_layer's bits."""
+    x, index, weights, gate_up, down, _, _ = _moe_layer_case("Q4_K", "Q6_K", tokens=5)
+    experts = sorted(set(index.reshape(-1).tolist()))
+    whole = native.moe_layer(
+        x, index, weights, experts, [gate_up[e] for e in experts], "Q4_K", [down[e] for e in experts], "Q6_K"
+    )
+    for groups in ([experts[3:], experts[:1], experts[1:3]], [[e] for e in reversed(experts)]):
+        contrib = torch.zeros(*index.shape, x.shape[1])
+        for group in groups:
+            native.moe_contribute(
+                contrib, x, index, weights, group, [gate_up[e] for e in group], "Q4_K", [down[e] for e in group], "Q6_K"
+            )
+        assert torch.equal(native.moe_sum(contrib, index, x), whole)
+    contrib = torch.zeros(*index.shape, x.shape[1])  # an expert left out: its rows stay zero, the sum differs
+    native.moe_contribute(
+        contrib,
+        x,
+        index,
+        weights,
+        experts[1:],
+        [gate_up[e] for e in experts[1:]],
+        "Q4_K",
+        [down[e] for e in experts[1:]],
+        "Q6_K",
+    )
+    assert not torch.equal(native.moe_sum(contrib, index, x), whole)

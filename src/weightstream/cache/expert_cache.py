@@ -112,6 +112,7 @@ class ExpertCache:
         kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         self.reader = DirectReader(self.arena, threads=io_threads, o_direct=o_direct, **kwargs)
         self.slot_of: dict[Key, int] = {}
+        self._views: dict[Key, dict[str, torch.Tensor]] = {}  # params() of each key in a slot, until it leaves
         # sizes once, not a stat per miss: an aligned span is cut at the end of its file
         file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
         self.plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in layout.experts.items()}
@@ -187,10 +188,14 @@ class ExpertCache:
 
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's parameters, in the model's layout, as views of its slot."""
-        base = self.slot_of[(layer, expert)] * self.slot_bytes
-        out = {}
-        for name, offset, nbytes, shape, dtype in self.plans[(layer, expert)].views:
-            out[name] = self.arena.tensor[base + offset : base + offset + nbytes].view(dtype).view(shape)
+        key = (layer, expert)
+        out = self._views.get(key)
+        if out is None:  # made once per stay in a slot: a decode step then costs no tensor ops here
+            base = self.slot_of[key] * self.slot_bytes
+            out = {}
+            for name, offset, nbytes, shape, dtype in self.plans[key].views:
+                out[name] = self.arena.tensor[base + offset : base + offset + nbytes].view(dtype).view(shape)
+            self._views[key] = out
         return out
 
     def wait(self, fetch: LayerFetch) -> int:
@@ -237,6 +242,7 @@ class ExpertCache:
                 self.reader.cancel(batch)
                 self.stats.readahead_cancelled += 1
         self.stats.eviction_wait_s += self.inflight.wait_landed(victim)
+        self._views.pop(victim, None)
         return self.slot_of.pop(victim)
 
     def _assign(self, key: Key, slot: int) -> None:

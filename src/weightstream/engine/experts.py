@@ -15,6 +15,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from weightstream.cache.expert_cache import ExpertSource
+from weightstream.engine import native
 from weightstream.engine.kernels import Kernel
 
 IMPLEMENTATION = "weightstream"
@@ -103,3 +104,49 @@ def compute_layer(
             run(expert)
     assert not total.pending and total.next == len(total.order), "an expert of the layer was never computed"
     return total.out
+
+
+def compute_layer_native(
+    kernel,
+    source: ExpertSource,
+    layer: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    waves: list[list[int]],
+    io_wait: Callable[[float], None],
+    after_first_fetch: Callable[[list[int]], None] | None = None,
+) -> torch.Tensor:
+    """`compute_layer` for a kernel that runs a whole layer natively (`QuantizedExperts.layer`): one call when every
+    routed expert is resident; else each group (the resident ones, then each missing one as its bytes arrive) fills
+    its rows of the contributions, which are added in ascending expert order at the end, as the one call adds them,
+    so the result is the same bitwise."""
+    fetch = source.fetch_layer(layer, waves[0])
+    if after_first_fetch is not None:
+        after_first_fetch(waves[0])
+    if len(waves) == 1 and not fetch.missing:
+        experts = sorted(fetch.resident)
+        params = [source.params(layer, e) for e in experts]
+        return kernel.layer(hidden_states, top_k_index, top_k_weights, experts, params)
+    tokens, top_k = top_k_index.shape
+    contrib = torch.zeros(tokens, top_k, hidden_states.shape[-1], dtype=torch.float32)
+    done: set[int] = set()
+
+    def run(experts: list[int]) -> None:
+        experts = [e for e in experts if e not in done]  # a later wave of a long prefill may look one up again
+        if experts:
+            done.update(experts)
+            params = [source.params(layer, e) for e in experts]
+            kernel.contribute(contrib, hidden_states, top_k_index, top_k_weights, experts, params)
+
+    for i, wave in enumerate(waves):
+        if i > 0:
+            fetch = source.fetch_layer(layer, wave)
+        run(sorted(fetch.resident))  # no waiting: compute these while the misses are read
+        for _ in fetch.missing:  # each late expert as soon as its own bytes are in
+            start = time.perf_counter()
+            expert = source.wait(fetch)
+            io_wait(time.perf_counter() - start)
+            run([expert])
+    assert done == set(top_k_index.reshape(-1).tolist()), "an expert of the layer was never computed"
+    return native.moe_sum(contrib, top_k_index, hidden_states)

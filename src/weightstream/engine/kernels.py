@@ -95,8 +95,9 @@ class QuantizedExperts:
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
         self.dequant_rows = NATIVE_DEQUANT_ROWS if quant.native else DEQUANT_ROWS[quant.scheme]
-        # one native call per expert (gate_up, SiLU gate, down, router weight) where the module's gate is the
-        # default chunked SiLU one; others (gpt-oss's clamped gate, biases) run projection by projection
+        # one native call per layer (every routed expert's gate_up, SiLU gate, down, router weight, and their sum)
+        # where the module's gate is the default chunked SiLU one; others (gpt-oss's clamped gate, biases) run
+        # expert by expert, projection by projection
         self.fused = (
             quant.native
             and module.has_gate
@@ -116,12 +117,24 @@ class QuantizedExperts:
         kernel.blocks = self._blocks(self.quant.table(layer)[0])
         return kernel
 
+    def layer_fits(self, rows_per_expert: int) -> bool:
+        """Whether a layer whose busiest expert has this many rows runs as one native call (`layer`)."""
+        return self.fused and rows_per_expert < self.dequant_rows
+
+    def layer(self, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> torch.Tensor:
+        """The layer's combined expert output in one native call, every routed expert at hand."""
+        return native.moe_layer(x, top_k_index, top_k_weights, experts, *self._layer_blocks(params))
+
+    def contribute(self, contrib, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> None:
+        """`layer` for some of the experts, into contrib (float32 (tokens, top_k, hidden)); `native.moe_sum` adds."""
+        native.moe_contribute(contrib, x, top_k_index, top_k_weights, experts, *self._layer_blocks(params))
+
+    def _layer_blocks(self, params: list[Params]) -> tuple:
+        gate_up = [p["gate_up_proj.qweight"] for p in params]
+        down = [p["down_proj.qweight"] for p in params]
+        return gate_up, self.blocks["gate_up_proj.qweight"][0], down, self.blocks["down_proj.qweight"][0]
+
     def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
-        if self.fused and rows.shape[0] < self.dequant_rows:
-            gate_up, down = self.blocks["gate_up_proj.qweight"][0], self.blocks["down_proj.qweight"][0]
-            return native.expert_ffn(
-                rows, params["gate_up_proj.qweight"], gate_up, params["down_proj.qweight"], down, weights
-            )
         hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
         return self.project(hidden, params, "down_proj") * weights  # (n, D)
 

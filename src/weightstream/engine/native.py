@@ -3,8 +3,8 @@
 Products of weights in GGML's block formats (the byte layouts GGUF files store: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
 with activations quantized to int8 in blocks of 32, summed in integers: an AVX2 path and a portable path that is
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
-count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.dequantize`), run on torch's
-intra-op threads.
+count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.dequantize`, and per MoE layer
+`.moe_layer`, `.moe_contribute`, `.moe_sum`), run on torch's intra-op threads.
 
 When the extension was not built (no compiler or no torch at install time) or is disabled with
 WEIGHTSTREAM_NATIVE=0, `available()` is False and callers run torch's own kernels; that is said once.
@@ -69,14 +69,45 @@ def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str 
     return torch.ops.weightstream.qmm(x, w, TYPE_IDS[wtype], n, k, PATHS[path])
 
 
-def expert_ffn(
-    x: torch.Tensor, gate_up: torch.Tensor, gate_up_type: str, down: torch.Tensor, down_type: str, weights: torch.Tensor
+def moe_layer(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    experts: list[int],
+    gate_up: list[torch.Tensor],
+    gate_up_type: str,
+    down: list[torch.Tensor],
+    down_type: str,
 ) -> torch.Tensor:
-    """One expert's SiLU-gated feed-forward in one call: (silu(x G^T) * (x U^T)) D^T times each row's router
-    weight, `gate_up` the (2I, D) blocks [G; U], `down` the (D, I) blocks; in x's dtype."""
-    return torch.ops.weightstream.expert_ffn(
-        x, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], weights.reshape(-1), 0
+    """One MoE layer's SiLU-gated experts in one call: for each token, the sum over its routed experts (ascending
+    expert order, float32) of (silu(x G^T) * (x U^T)) D^T times the router weight; `experts` the routed experts,
+    `gate_up[i]` / `down[i]` expert i's (2I, D) and (D, I) blocks. (tokens, hidden) in x's dtype."""
+    return torch.ops.weightstream.moe_layer(
+        x, top_k_index, top_k_weights, experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0
     )
+
+
+def moe_contribute(
+    contrib: torch.Tensor,
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    experts: list[int],
+    gate_up: list[torch.Tensor],
+    gate_up_type: str,
+    down: list[torch.Tensor],
+    down_type: str,
+) -> None:
+    """`moe_layer` for some of the layer's experts: fills their (token, choice) rows of contrib (float32
+    (tokens, top_k, hidden)); `moe_sum` then adds the rows as `moe_layer` does, so the result is the same."""
+    torch.ops.weightstream.moe_contribute(
+        contrib, x, top_k_index, top_k_weights, experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0
+    )
+
+
+def moe_sum(contrib: torch.Tensor, top_k_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each token's contributions added in ascending expert order, in float32, returned in `like`'s dtype."""
+    return torch.ops.weightstream.moe_sum(contrib, top_k_index, like)
 
 
 def dequantize(w: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 from weightstream.cache.expert_cache import ExpertSource
 from weightstream.cache.policy import split_waves
 from weightstream.clock.activity import Announcer
-from weightstream.engine.experts import LayerRouting, compute_layer
+from weightstream.engine.experts import LayerRouting, compute_layer, compute_layer_native
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.store.layout import ModelLayout
 
@@ -50,10 +51,24 @@ class StreamingRuntime:
         self.counters.expert_calls += 1
         if self.predictor is not None:
             self.predictor.score(layer, top_k_index)
-        waves = split_waves(top_k_index.reshape(-1).tolist(), self.cache.n_slots)  # lookups token by token
+        lookups = top_k_index.reshape(-1).tolist()  # token by token
+        waves = split_waves(lookups, self.cache.n_slots)
         read_ahead = (lambda wave: self._read_ahead_next(layer, hidden_states, wave)) if self.predictor else None
+        kernel = module._ws_kernel
+        if getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values())):
+            return compute_layer_native(
+                kernel,
+                self.cache,
+                layer,
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                waves,
+                self._add_io_wait,
+                read_ahead,
+            )
         return compute_layer(
-            module._ws_kernel,
+            kernel,
             self.cache,
             layer,
             hidden_states,
