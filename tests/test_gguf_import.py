@@ -423,7 +423,7 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     byte for byte (Mixtral's q/k: the file's rows of bytes moved back whole), listed in the manifest's dense table,
     and loads as NativeLinear. The quantized embedding (a lookup) and the Q5_0 weight (a type the kernels do not
     run) are dequantized as before, each said with its reason; the router and norms stay float."""
-    from weightstream.engine.kernels import NativeLinear
+    from weightstream.engine.kernels import NativeLinear, StoredEmbedding
 
     path, out = imported(recipe)
     src = source(DENSE_RECIPES[recipe][0])
@@ -456,7 +456,9 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
         linears = {f"{p}.weight": m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
         assert sorted(linears) == sorted(kept)  # these architectures' parameter names are their checkpoint keys
         assert all(m.wtype == fmt.dense[key][0] for key, m in linears.items())
-        assert type(model.get_input_embeddings()) is torch.nn.Embedding
+        embedding = model.get_input_embeddings()  # kept as stored, its rows converted to the compute dtype
+        assert isinstance(embedding, StoredEmbedding) and embedding.weight.dtype == torch.bfloat16
+        assert model.dtype == fmt.compute_dtype == torch.float32
         assert not [n for n, m in model.named_modules() if n.endswith(".gate") and isinstance(m, NativeLinear)]
     finally:
         model.weightstream.close()
@@ -502,7 +504,7 @@ LONG_PROMPT = (torch.arange(24) * 37 + 3).remainder(512).reshape(1, -1)  # >= NA
 @pytest.mark.parametrize("recipe", sorted(DENSE_RECIPES))
 def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, source, recipe):
     """The imported model against itself with every NativeLinear replaced by a float weight: gguf's decoding of
-    the file's blocks (q/k rows put back), in the activation dtype. A 24-row prefill multiplies the blocks
+    the file's blocks (q/k rows put back), in the dtype the model computes in. A 24-row prefill multiplies the blocks
     dequantized once (NATIVE_DEQUANT_ROWS), so its logits are those of the reference bit for bit; decoding (one row:
     int8 activations against the blocks) gives the same greedy tokens, the logits within 3%."""
     from weightstream.engine.kernels import NATIVE_DEQUANT_ROWS, NativeLinear
@@ -522,6 +524,7 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
                 weight = _unpermuted(_deq(t.data, t.tensor_type).reshape(m.out_features, -1), f"{p}.weight", cfg)
                 parent, _, attr = p.rpartition(".")
                 setattr(model.get_submodule(parent), attr, _Dequantized(weight.to(model.dtype), m.bias))
+            assert model.dtype == read_manifest(out).compute_dtype
             assert reference or not isinstance(model.model.layers[0].self_attn.q_proj, _Dequantized)
             with torch.inference_mode():
                 prefill = model(LONG_PROMPT).logits[0]

@@ -13,7 +13,7 @@ from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES, native
 from weightstream.engine import experts as ws_experts
-from weightstream.engine.kernels import NativeLinear, check_kernel_name, choose_kernel
+from weightstream.engine.kernels import NativeLinear, StoredEmbedding, check_kernel_name, choose_kernel
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
@@ -158,6 +158,7 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
         linear = model.get_submodule(path)
         wtype, (n, k) = blocks[dense[target].name]
         setattr(model.get_submodule(parent), attr, NativeLinear(state.pop(target), wtype, n, k, linear.bias))
+    _to_compute_dtype(model, state)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     _init_buffers(model)
@@ -170,6 +171,23 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
             f"{model_dir}: checkpoint lacks dense tensor(s) {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}; the files do not match config.json"
         )
+
+
+def _to_compute_dtype(model, state: dict) -> None:
+    """Float tensors stored in another dtype than the model computes in (a quantized-dense checkpoint computes in
+    float32: `QuantFormat.compute_dtype`) are converted, but an untied input embedding: it is read one row a token,
+    so it stays as stored (StoredEmbedding) and its rows are converted as they are looked up."""
+    params = dict(model.named_parameters())
+    embedding = model.get_input_embeddings()
+    tied = ties_embeddings(model.config)
+    for name, tensor in list(state.items()):
+        param = params.get(name)
+        if param is None or not tensor.is_floating_point() or tensor.dtype == param.dtype:
+            continue
+        if param is embedding.weight and not tied:
+            model.set_input_embeddings(StoredEmbedding(state.pop(name), embedding.padding_idx, param.dtype))
+            continue
+        state[name] = tensor.to(param.dtype)
 
 
 def _init_buffers(model) -> None:

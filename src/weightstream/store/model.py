@@ -35,7 +35,7 @@ def map_model(model_dir: str, experts_implementation: str = "eager") -> MappedMo
     ckpt = open_checkpoint(model_dir)
     config = load_config(model_dir)
     quant = read_manifest(model_dir)
-    dtype = quant.dtype if quant is not None else checkpoint_dtype(ckpt)
+    dtype = quant.compute_dtype if quant is not None else checkpoint_dtype(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
     streamable_modules(model, model_dir)

@@ -98,6 +98,14 @@ class QuantFormat:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.activation_dtype]
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the engine builds the model in: float32 where the dense linear weights are GGML blocks (the
+        native kernels take and return float32, so the activations stay float32 between them and no op converts;
+        norms and routers are made float32 at load, an untied input embedding stays as stored), else the
+        activation dtype."""
+        return torch.float32 if self.native and self.dense else self.dtype
+
     def tensor(self, name: str) -> BlobTensor:
         return next(t for t in self.tensors if t.name == name)
 
