@@ -7,7 +7,7 @@ default ~/.cache/weightstream/llama.cpp. Only llama-bench, llama-cli, llama-quan
 benchmarks that use it report llama.cpp as skipped.
 
     .venv/bin/python benchmarks/llamacpp.py build
-    .venv/bin/python benchmarks/llamacpp.py convert MODEL_DIR OUT.gguf [--outtype bf16]
+    .venv/bin/python benchmarks/llamacpp.py convert MODEL_DIR OUT.gguf [--outtype bf16] [--pre gpt-2]
     .venv/bin/python benchmarks/llamacpp.py quantize IN.gguf OUT.gguf Q4_K_M
     .venv/bin/python benchmarks/llamacpp.py bench OUT.gguf [--memory-limit 2GiB] [--timeout 900]
 """
@@ -28,14 +28,15 @@ from pathlib import Path
 CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "llama.cpp"
 TARGETS = ("llama-bench", "llama-cli", "llama-quantize", "llama-perplexity")
 
-# The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally); the
-# vocabulary does not matter for speed, so its name is forced to llama.cpp's "default".
+# The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally), so its
+# name is forced: llama.cpp's "default" where the vocabulary does not matter (speed), "gpt-2" where llama.cpp must
+# split text as our tokenizers do (GPT-2's ByteLevel pre-tokenizer; benchmarks/gguf_quality.py).
 _CONVERT = """
 import runpy, sys
 sys.path.insert(0, {tree!r})
 sys.path.insert(1, {gguf!r})
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
 sys.argv = {argv!r}
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -101,14 +102,31 @@ def build() -> Path | None:
     return bin_dir
 
 
-def convert(model_dir: str, out: str, outtype: str = "bf16") -> str:
-    """GGUF of a Hugging Face checkpoint directory by llama.cpp's own converter (kept if already there)."""
+def tool(name: str) -> Path | None:
+    """The path of one llama.cpp program (llama-tokenize, llama-server, ...), building it first if it is not one
+    of those `build()` makes (a link of the libraries already built: about a minute); None without a compiler."""
+    bin_dir = build()
+    if bin_dir is None:
+        return None
+    if not (bin_dir / name).exists():
+        say(f"building {name}")
+        subprocess.run(
+            ["nice", "cmake", "--build", str(CACHE / "build"), f"-j{os.cpu_count()}", "--target", name],
+            check=True,
+            capture_output=True,
+        )
+    return bin_dir / name
+
+
+def convert(model_dir: str, out: str, outtype: str = "bf16", pre: str = "default") -> str:
+    """GGUF of a Hugging Face checkpoint directory by llama.cpp's own converter (kept if already there), its
+    tokenizer's pre-tokenizer named `pre` (llama.cpp's name: "default", "gpt-2", ...)."""
     if os.path.exists(out):
         return out
     tree = source_tree()
     argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", out + ".part"]
     code = _CONVERT.format(
-        tree=str(tree), gguf=str(tree / "gguf-py"), argv=argv, script=str(tree / "convert_hf_to_gguf.py")
+        tree=str(tree), gguf=str(tree / "gguf-py"), argv=argv, script=str(tree / "convert_hf_to_gguf.py"), pre=pre
     )
     say(f"converting {model_dir} to {outtype} GGUF")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -223,6 +241,7 @@ def main() -> None:
     c.add_argument("model_dir")
     c.add_argument("out")
     c.add_argument("--outtype", default="bf16")
+    c.add_argument("--pre", default="default", help="pre-tokenizer name llama.cpp gets (default: default)")
     q = sub.add_parser("quantize")
     q.add_argument("src")
     q.add_argument("out")
@@ -239,7 +258,7 @@ def main() -> None:
     if args.what == "build":
         print(build())
     elif args.what == "convert":
-        print(convert(args.model_dir, args.out, args.outtype))
+        print(convert(args.model_dir, args.out, args.outtype, args.pre))
     elif args.what == "quantize":
         print(quantize(args.src, args.out, args.qtype))
     else:

@@ -1,14 +1,30 @@
 """Quantization quality on a real language model: train a small MoE on real text here, quantize it, compare
-held-out perplexity of bf16, int8 and int4 (each group size), all run through weightstream's engine.
+held-out perplexity of bf16 and its quantized variants, all run through weightstream's engine.
 
 Random weights say nothing about quantization error, and no model can be downloaded here, so this trains one:
-a qwen3_moe config (4 layers, 8 experts, top-2, about 9M parameters) on the Python standard library's own
-sources (real code, comments and docstrings, shipped with every Python), with a byte-level BPE tokenizer trained
-on them, for a few minutes of CPU. Files are split by a hash of their name: one in ten is held out. Checkpoints
-go outside the repository ($WEIGHTSTREAM_CACHE or ~/.cache/weightstream/small-moe). The model's own routing on
-held-out prompts is recorded with the engine (`--trace-out`): the first non-random routing recorded here.
+a small MoE (4 layers, 8 experts, top-2, hidden 256, experts' intermediate 256, about 9M parameters) of one of
+two architectures (`--arch`: qwen3_moe, the default, or olmoe) on the Python standard library's own sources
+(real code, comments and docstrings, shipped with every Python), with a byte-level BPE tokenizer trained on them,
+for a few minutes of CPU. Files are split by a hash of their name: one in ten is held out. Checkpoints go outside
+the repository, one directory per architecture ($WEIGHTSTREAM_CACHE or ~/.cache/weightstream, then small-moe for
+qwen3_moe, small-moe-olmoe for olmoe). Every weight shape is whole super-blocks of 256, so K-quants fit.
+
+Variants (`weightstream quantize` of the bf16 checkpoint): experts only, `int8` (--bits 8: Q8_0) and `int4`
+(--bits 4: Q4_K); experts and dense weights (attention, output head; router, norms and embeddings kept),
+`int8+dense-int8` (--bits 8 --dense int8) and `int4+dense-int4` (--bits 4 --dense int4); `int4+dense-int8`
+beside them; and torch's int4 at each group size of `--groups` (--kernel torch). The model's own routing on
+held-out prompts can be recorded with the engine (`--trace-out`).
 
     .venv/bin/python benchmarks/quant_bench.py quality --minutes 8 --trace-out docs/traces/small-moe-stdlib.npz
+    .venv/bin/python benchmarks/quant_bench.py quality --arch olmoe --minutes 8
+
+Training is time-boxed by default (`--minutes`), so the model depends on the machine's load: 8 minutes made 1116
+steps on an idle 2-core machine, 67 on one that other jobs loaded. `--steps N` trains N steps however long they
+take, and `--threads 1` is several times faster than torch's default of one thread a core when other jobs share
+the cores (2.1 against 13 s a step here). The result files in benchmarks/results/ were made so:
+
+    .venv/bin/python benchmarks/quant_bench.py quality --steps 1116 --threads 1 --retrain --attribute
+    .venv/bin/python benchmarks/quant_bench.py quality --arch olmoe --steps 1116 --threads 1 --retrain --attribute
 """
 
 from __future__ import annotations
@@ -26,25 +42,47 @@ import torch
 
 from common.results import default, save
 
-CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "small-moe"
-CONFIG = dict(
-    model_type="qwen3_moe",
+ROOT = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream")
+CACHE = ROOT / "small-moe"  # the qwen3_moe model's (benchmarks/gguf_quality.py uses it too)
+_COMMON = dict(
     hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
     num_hidden_layers=4,
     num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=64,
     num_experts=8,
     num_experts_per_tok=2,
-    norm_topk_prob=True,
     vocab_size=4096,
     max_position_embeddings=1024,
     router_aux_loss_coef=0.01,
     output_router_logits=True,
     tie_word_embeddings=False,
 )
+CONFIGS = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        **_COMMON,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_key_value_heads=2,
+        norm_topk_prob=True,
+    ),
+    # OLMoE: q/k norms over the whole projection, no renormalized top-k, full multi-head attention (as OLMoE-1B-7B)
+    "olmoe": dict(model_type="olmoe", **_COMMON, intermediate_size=256, num_key_value_heads=4, norm_topk_prob=False),
+}
+CONFIG = CONFIGS["qwen3_moe"]
+# name -> quantize_checkpoint keywords; the torch int4 group sizes of --groups are added to these
+VARIANTS = {
+    "int8": dict(bits=8),
+    "int4": dict(bits=4),
+    "int8+dense-int8": dict(bits=8, dense="int8"),
+    "int4+dense-int8": dict(bits=4, dense="int8"),
+    "int4+dense-int4": dict(bits=4, dense="int4"),
+}
+
+
+def cache_dir(arch: str) -> Path:
+    """Where the model of `arch` is trained and quantized: small-moe (qwen3_moe), small-moe-ARCH otherwise."""
+    return CACHE if arch == "qwen3_moe" else ROOT / f"small-moe-{arch}"
 
 
 def corpus() -> tuple[list[str], list[str]]:
@@ -63,7 +101,7 @@ def corpus() -> tuple[list[str], list[str]]:
     return train, held
 
 
-def train_tokenizer(texts: list[str], out: Path):
+def train_tokenizer(texts: list[str], out: Path, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,7 +109,7 @@ def train_tokenizer(texts: list[str], out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"],
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -90,14 +128,14 @@ def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids)
 
 
-def train(args, out: Path) -> dict:
+def train(args, out: Path, config_fields: dict = CONFIG) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     train_texts, held_texts = corpus()
-    tokenizer = train_tokenizer(train_texts, out)
+    tokenizer = train_tokenizer(train_texts, out, config_fields["vocab_size"])
     stream = token_stream(tokenizer, train_texts)
     torch.manual_seed(0)
-    fields = dict(CONFIG)
+    fields = dict(config_fields)
     config = AutoConfig.for_model(
         fields.pop("model_type"),
         bos_token_id=tokenizer.bos_token_id,
@@ -108,12 +146,13 @@ def train(args, out: Path) -> dict:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
-    deadline, steps, losses = time.monotonic() + args.minutes * 60, 0, []
+    start = time.monotonic()
+    deadline, steps, losses = start + args.minutes * 60, 0, []
     model.train()
-    while time.monotonic() < deadline:
+    while (steps < args.steps) if args.steps else (time.monotonic() < deadline):
         starts = torch.randint(0, len(stream) - args.seq - 1, (args.batch,), generator=gen)
         batch = torch.stack([stream[s : s + args.seq] for s in starts.tolist()])
-        lr = args.lr * min(1.0, (steps + 1) / 50)  # short warm-up, then constant: the run is time-boxed
+        lr = args.lr * min(1.0, (steps + 1) / 50)  # short warm-up, then constant
         for group in opt.param_groups:
             group["lr"] = lr
         loss = model(batch, labels=batch).loss
@@ -127,6 +166,9 @@ def train(args, out: Path) -> dict:
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out)
     return {
+        "budget": f"{args.steps} steps" if args.steps else f"{args.minutes:g} minutes",
+        "threads": torch.get_num_threads(),
+        "seconds": time.monotonic() - start,
         "steps": steps,
         "tokens_seen": steps * args.batch * args.seq,
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
@@ -154,50 +196,126 @@ def perplexity(model_dir: str, held: torch.Tensor, seq: int, chunks: int) -> flo
     return math.exp(total / count)
 
 
+# the issue's targets for dense weights quantized: held-out perplexity within this much of bf16's
+TARGETS = {"int8+dense-int8": 0.005, "int4+dense-int4": 0.03}
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=sorted(CONFIGS), default="qwen3_moe", help="architecture (default qwen3_moe)")
     ap.add_argument("--minutes", type=float, default=8.0, help="training time (default 8)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        help="train this many steps instead, however long they take (the same model on a loaded machine)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's, one a core); on a machine others load, 1 trains several times faster",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-chunks", type=int, default=64, help="held-out windows of 256 tokens (default 64)")
-    ap.add_argument("--groups", default="32,64,128,256", help="int4 group sizes to compare")
+    ap.add_argument("--groups", default="32,64,128,256", help="torch int4 group sizes to compare ('' for none)")
+    ap.add_argument(
+        "--attribute",
+        action="store_true",
+        help="also int4 experts with one kind of dense weight at a time quantized to int4 (which tensor costs what)",
+    )
     ap.add_argument("--retrain", action="store_true", help="train again even if a checkpoint exists")
     ap.add_argument("--trace-out", help="record the bf16 model's routing on held-out prompts into this .npz")
-    ap.add_argument("--out", default=default("quant-quality.json"), help="result file (default: %(default)s)")
+    ap.add_argument(
+        "--out",
+        help="result file (default: benchmarks/results/quant-quality-small-moe.json for qwen3_moe, "
+        "quant-quality-small-ARCH.json otherwise)",
+    )
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from weightstream.store.quantize import quantize_checkpoint
-
-    bf16 = CACHE / "bf16"
+    cache = cache_dir(args.arch)
+    out = args.out or default(
+        "quant-quality-small-moe.json" if args.arch == "qwen3_moe" else f"quant-quality-small-{args.arch}.json"
+    )
+    bf16 = cache / "bf16"
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "config": CONFIG,
+        "arch": args.arch,
+        "config": CONFIGS[args.arch],
         "checkpoint": str(bf16).replace(str(Path.home()), "~", 1),
     }
     if args.retrain or not (bf16 / "config.json").exists():
         bf16.mkdir(parents=True, exist_ok=True)
-        report["training"] = train(args, bf16)
-        (CACHE / "training.json").write_text(json.dumps(report["training"]))
+        report["training"] = train(args, bf16, CONFIGS[args.arch])
+        (cache / "training.json").write_text(json.dumps(report["training"]))
     else:
-        report["training"] = json.loads((CACHE / "training.json").read_text())
+        report["training"] = json.loads((cache / "training.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(bf16)
     held = token_stream(tokenizer, corpus()[1])
     variants = {"bf16": str(bf16)}
-    for bits, group in [(8, None)] + [(4, int(g)) for g in args.groups.split(",")]:
-        name = f"int{bits}" + (f"-g{group}" if group else "")
-        quantize_checkpoint(str(bf16), str(CACHE / name), bits, group, force=True)
-        variants[name] = str(CACHE / name)
+    plans = dict(VARIANTS) | {f"int4-g{g}": dict(bits=4, group_size=int(g)) for g in args.groups.split(",") if g}
+    if args.attribute:
+        plans |= {f"int4+dense-int4:{k}": dict(bits=4, dense="int4", only=k) for k in dense_kinds(str(bf16))}
+    for name, kw in plans.items():
+        variants[name] = quantized(str(bf16), str(cache / name.replace("+", "_").replace(":", "_")), **kw)
+    report["formats"] = {name: describe(path) for name, path in variants.items()}
     report["held_out_tokens"] = args.eval_chunks * 256
     ppl = {name: perplexity(path, held, 256, args.eval_chunks) for name, path in variants.items()}
     report["perplexity"] = ppl
     report["vs_bf16"] = {name: p / ppl["bf16"] - 1 for name, p in ppl.items()}
+    report["targets"] = {
+        name: {"within": t, "vs_bf16": report["vs_bf16"][name], "met": abs(report["vs_bf16"][name]) <= t}
+        for name, t in TARGETS.items()
+    }
     if args.trace_out:
         report["trace"] = record(str(bf16), tokenizer, corpus()[1], args.trace_out)
     text = json.dumps(report, indent=1)
     print(text)
-    save(text, args.out)
+    save(text, out)
+
+
+def quantized(src: str, out: str, bits: int, group_size: int | None = None, dense: str = "keep", only=None) -> str:
+    """`weightstream quantize SRC --bits BITS [--group-size G] [--dense DENSE]` into `out`; with `only`, just the
+    dense weights whose name ends in `only.weight` are quantized (the rest kept), to see what each kind costs."""
+    from weightstream.store import quantize
+
+    kernel = "torch" if group_size else "auto"
+    if only is None:
+        quantize.quantize_checkpoint(src, out, bits, group_size, force=True, kernel=kernel, dense=dense)
+        return out
+    plan = quantize.dense_plan
+    quantize.dense_plan = lambda mapped, b: {k: v for k, v in plan(mapped, b).items() if k.endswith(f"{only}.weight")}
+    try:
+        quantize.quantize_checkpoint(src, out, bits, group_size, force=True, kernel=kernel, dense=dense)
+    finally:
+        quantize.dense_plan = plan
+    return out
+
+
+def dense_kinds(model_dir: str) -> list[str]:
+    """The kinds of dense weight --dense quantizes (q_proj, ..., lm_head): the last part of each module's name."""
+    from weightstream.store.model import map_model
+    from weightstream.store.quantize import dense_plan
+
+    return sorted({k.removesuffix(".weight").rpartition(".")[2] for k in dense_plan(map_model(model_dir), "int4")})
+
+
+def describe(model_dir: str) -> dict:
+    """The experts' scheme and how many dense tensors are stored in each block type (from the manifest)."""
+    from collections import Counter
+
+    from weightstream.store.model import map_model
+
+    quant = map_model(model_dir).quant
+    if quant is None:
+        return {"experts": "bf16", "dense": {}}
+    return {
+        "experts": quant.scheme + (f"-g{quant.group_size}" if quant.scheme == "int4" else ""),
+        "dense": dict(Counter(t for t, _ in (quant.dense or {}).values())),
+    }
 
 
 def record(model_dir: str, tokenizer, held_texts: list[str], out: str) -> dict:
