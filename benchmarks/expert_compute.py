@@ -167,7 +167,8 @@ def profile(args) -> dict:
 
 
 def profile_child(mode: str, model_dir: str, tokens: int) -> None:
-    """One process: load, warm, then torch.profiler over `tokens` decode steps; per-token self time by op."""
+    """One process: load, warm, then torch.profiler over `tokens` decode steps (a generation of tokens + 1 less one
+    of 1, so the prefill is not counted); per-token self time and calls by op."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -182,15 +183,25 @@ def profile_child(mode: str, model_dir: str, tokens: int) -> None:
         model = load_streaming_model(model_dir, expert_cache="1000x", expert_kernel=mode.removeprefix("engine-"))
         warm_every_expert(model.weightstream.cache)
     ids = torch.tensor([tokenized_prompts(model_dir, None)[0]])
+
+    def profiled(new_tokens: int) -> tuple[dict, dict, float]:
+        """Self ms and calls by op, and wall seconds, of one greedy generation of exactly `new_tokens` tokens."""
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = _timed(
+                lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            )
+        events = prof.key_averages()
+        return {e.key: e.self_cpu_time_total / 1000 for e in events}, {e.key: e.count for e in events}, wall
+
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, do_sample=False)
-        prefill = _timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall = _timed(lambda: model.generate(ids, max_new_tokens=tokens + 1, do_sample=False)) - prefill
-    per_op = defaultdict(float)
-    for event in prof.key_averages():
-        per_op[event.key] += event.self_cpu_time_total / 1000 / tokens  # ms per decode token
-    calls = {e.key: e.count / tokens for e in prof.key_averages()}
+        # decode only: a generation of tokens + 1 minus one of 1 (the prefill and its first token)
+        ms_one, calls_one, wall_one = profiled(1)
+        ms_all, calls_all, wall_all = profiled(tokens + 1)
+    ops = set(ms_one) | set(ms_all)
+    per_op = {op: (ms_all.get(op, 0) - ms_one.get(op, 0)) / tokens for op in ops}  # ms per decode token
+    calls = {op: (calls_all.get(op, 0) - calls_one.get(op, 0)) / tokens for op in ops}
+    wall = wall_all - wall_one
     categories, category_calls = defaultdict(float), defaultdict(float)
     for op, ms in per_op.items():
         cat = next((c for c, prefixes in CATEGORIES.items() if op.startswith(prefixes)), "other ops")

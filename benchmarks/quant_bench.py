@@ -17,7 +17,8 @@
 
 Prints one JSON object and writes it to --out. One part runs by name instead:
 
-    quality    held-out perplexity of bf16, int8 and int4 on a small MoE trained here (common/quant_quality.py):
+    quality    held-out perplexity of bf16, int8 and int4, experts alone and with dense weights quantized, on a
+               small MoE trained here, qwen3_moe or olmoe (common/quant_quality.py):
                .venv/bin/python benchmarks/quant_bench.py quality --help
 
 Which kernel computes one quantized projection fastest is `quant_kernels.py`.
@@ -74,9 +75,16 @@ def expert_bytes(models: dict[str, str]) -> dict:
     return {"bytes": sizes, "ratio_to_bf16": {name: b / sizes["bf16"] for name, b in sizes.items()}, "formats": formats}
 
 
-def in_memory(models: dict[str, str], prompts, tokens: int, repeats: int) -> dict:
+def in_memory(models: dict[str, str], prompts, tokens: int, repeats: int, ggufs=None, threads: int = 2) -> dict:
+    """Decode tok/s with every expert resident, each model in its own process; llama.cpp's runs of `ggufs`
+    (name -> file) interleaved with ours in every repeat, so each ratio is measured back to back."""
     runs = defaultdict(list)
+    llama = defaultdict(list)
     for r in range(repeats):
+        for name, path in (ggufs or {}).items():
+            print(f"[in memory] llama.cpp {name} repeat {r + 1}", file=sys.stderr, flush=True)
+            result = llamacpp.bench(path, threads=threads, tokens=tokens, repeats=1)
+            llama[name].append(result.get("decode_tokens_per_s"))
         for name, path in models.items():
             print(f"[in memory] {name} repeat {r + 1}", file=sys.stderr, flush=True)
             cfg = child_config(
@@ -87,11 +95,16 @@ def in_memory(models: dict[str, str], prompts, tokens: int, repeats: int) -> dic
                 raise SystemExit(f"{name} failed (exit {rc}): {err[-2000:]}")
             runs[name].append(summarize(result, None)["decode_tokens_per_s"])
     median = {name: statistics.median(v) for name, v in runs.items()}
-    return {
+    out = {
         "decode_tokens_per_s_median": median,
         "runs": dict(runs),
         "ratio_to_bf16": {name: v / median["bf16"] for name, v in median.items()},
     }
+    if llama:
+        theirs = {name: statistics.median(v) for name, v in llama.items() if None not in v}
+        out["llamacpp"] = {"decode_tokens_per_s_median": theirs, "runs": dict(llama)}
+        out["ratio_to_llamacpp"] = {name: {g: v / t for g, t in theirs.items()} for name, v in median.items()}
+    return out
 
 
 def equal_bytes(spec: str, bf16_model: str) -> list[str]:
@@ -240,6 +253,14 @@ def main() -> None:
     ap.add_argument("--llama-timeout", type=float, default=900)
     ap.add_argument("--routing-trace", help="replay this trace instead of the model's own routing")
     ap.add_argument("--llamacpp", action="store_true", help="also time llama.cpp bf16 and Q4_K_M in memory")
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="a GGUF of the same weights that llama.cpp decodes in memory, interleaved with our in-memory runs in "
+        "every repeat (repeatable), e.g. Q4_K_M=MODEL.Q4_K_M.gguf; every model's ratio to each is reported",
+    )
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: bytes,memory,limited,small")
     ap.add_argument("--out", default=default("quant-bench.json"), help="result file (default: %(default)s)")
     args = ap.parse_args()
@@ -261,7 +282,13 @@ def main() -> None:
     if "bytes" not in skip:
         report["expert_bytes"] = expert_bytes(models)
     if "memory" not in skip:
-        report["in_memory"] = in_memory(models, prompts, args.tokens, args.repeats)
+        ggufs = {}
+        for spec in args.gguf:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not os.path.isfile(path):
+                raise SystemExit(f"--gguf {spec!r}: give NAME=FILE with an existing GGUF file")
+            ggufs[name] = path
+        report["in_memory"] = in_memory(models, prompts, args.tokens, args.repeats, ggufs, args.threads)
     if args.llamacpp:
         report["llamacpp_in_memory"] = llama_in_memory(args)
     if "limited" not in skip:
