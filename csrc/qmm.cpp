@@ -230,6 +230,7 @@ float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) 
 
 #ifdef WS_X86
 #define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define WS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 WS_AVX2 inline float fp16_hw(const uint8_t* p) {  // the same value as fp16(): the conversion is exact
   uint16_t h;
@@ -259,14 +260,14 @@ WS_AVX2 inline __m256i nibbles32_avx2(const uint8_t* qs) {
 
 // One block of each type into one (vector, scalar) accumulator pair; the dot runs even blocks into pair 0 and odd
 // ones into pair 1, as the portable path's Acc does.
-WS_AVX2 inline void block_q8_0(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
+WS_AVX2_INLINE void block_q8_0(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
   const __m256i w = _mm256_loadu_si256((const __m256i*)(row + 2));
   const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
   acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(row) * a.d[b]), _mm256_cvtepi32_ps(lanes_s8_s8(w, x)), acc);
 }
 
 template <int64_t Bytes>  // 18: Q4_0, 20: Q4_1
-WS_AVX2 inline void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
+WS_AVX2_INLINE void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
   const __m256i w = nibbles32_avx2(row + Bytes - 16);
   const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
   const float d = fp16_hw(row), dx = a.d[b];
@@ -275,7 +276,7 @@ WS_AVX2 inline void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __
   rest = std::fma(offset * dx, (float)a.s[b], rest);
 }
 
-WS_AVX2 inline void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
+WS_AVX2_INLINE void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
   const __m256i mask = _mm256_set1_epi8(0xF);
   const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
   alignas(8) uint8_t sc[8], mn[8];
@@ -302,7 +303,7 @@ WS_AVX2 inline void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m
   rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
 }
 
-WS_AVX2 inline void block_q6_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
+WS_AVX2_INLINE void block_q6_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
   const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   const uint8_t* ql = row;
   const uint8_t* qh = row + 128;
