@@ -507,33 +507,61 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     down_ptr[i] = down[i].data_ptr<uint8_t>();
   }
   const int64_t gu_rows = 2 * inter, gu_bytes = (hidden / format_of(gu_type).block) * format_of(gu_type).bytes;
-  std::vector<float> g(np * gu_rows);
-  at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; u++) {
-      const int64_t i = u / gu_rows, j = u % gu_rows;
+  const int64_t down_bytes = (inter / fd.block) * fd.bytes;
+  std::vector<float> g(np * gu_rows), h(np * inter);
+  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1) {  // expert i's gate/up outputs j0..j1, its rows
+    for (int64_t j = j0; j < j1; j++) {
       const uint8_t* row = gu_ptr[i] + j * gu_bytes;
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
         g[(first[i] + p) * gu_rows + j] = dot(path, gu_type, row, ax.row(pairs[i][p].token), hidden);
       }
     }
-  });
-  // silu(gate) * up, then those rows quantized for the down product
-  std::vector<float> h(np * inter);
-  for (int64_t p = 0; p < np; p++) {
-    const float* gp = g.data() + p * gu_rows;
-    for (int64_t j = 0; j < inter; j++) h[p * inter + j] = gp[j] / (1.f + std::exp(-gp[j])) * gp[inter + j];
-  }
-  const QRows ah(h.data(), np, inter, down_type);
-  const int64_t down_bytes = (inter / fd.block) * fd.bytes;
-  at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; u++) {
-      const int64_t i = u / hidden, j = u % hidden;
+  };
+  auto gated = [&](int64_t p0, int64_t p1) {  // silu(gate) * up of rows p0..p1
+    for (int64_t p = p0; p < p1; p++) {
+      const float* gp = g.data() + p * gu_rows;
+      for (int64_t j = 0; j < inter; j++) h[p * inter + j] = gp[j] / (1.f + std::exp(-gp[j])) * gp[inter + j];
+    }
+  };
+  // expert i's down outputs j0..j1 for its rows, their quantized h in ah from row first[i] - row0
+  auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, int64_t row0) {
+    for (int64_t j = j0; j < j1; j++) {
       const uint8_t* row = down_ptr[i] + j * down_bytes;
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
         const Pair& pr = pairs[i][p];
         const int64_t slot = pr.token * top_k + pr.choice;
-        contrib[slot * hidden + j] = dot(path, down_type, row, ah.row(first[i] + p), inter) * wp[slot];
+        contrib[slot * hidden + j] = dot(path, down_type, row, ah.row(first[i] - row0 + p), inter) * wp[slot];
       }
+    }
+  };
+  // The same dot products either way (an output is one dot, its activations quantized row by row), so the two
+  // schedules give the same bits: whole experts per task when there are enough of them to share out (one parallel
+  // region, no barrier between an expert's gate/up and its down), else each projection split across the threads.
+  if (ne >= 2 * (int64_t)at::get_num_threads()) {
+    at::parallel_for(0, ne, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        gate_up_rows(i, 0, gu_rows);
+        gated(first[i], first[i + 1]);
+        const QRows ah(h.data() + first[i] * inter, first[i + 1] - first[i], inter, down_type);
+        down_rows(i, 0, hidden, ah, first[i]);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end;) {  // the run of outputs of one expert at a time
+      const int64_t i = u / gu_rows, stop = std::min(end, (i + 1) * gu_rows);
+      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows);
+      u = stop;
+    }
+  });
+  gated(0, np);
+  const QRows ah(h.data(), np, inter, down_type);
+  at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end;) {
+      const int64_t i = u / hidden, stop = std::min(end, (i + 1) * hidden);
+      down_rows(i, u - i * hidden, stop - i * hidden, ah, 0);
+      u = stop;
     }
   });
 }
