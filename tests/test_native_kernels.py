@@ -175,29 +175,31 @@ def test_one_call_moe_layer_is_the_sum_of_its_experts(wtypes):
 
 def test_a_layer_computed_in_groups_equals_the_layer_in_one_call():
     """The cache's contract: resident experts first, each missing one when its bytes are in, in any order and any
-    grouping; moe_contribute per group and moe_sum give moe_layer's bits."""
+    grouping; moe_layer(into=) per group and moe_sum give the single call's bits."""
     x, index, weights, gate_up, down, _, _ = _moe_layer_case("Q4_K", "Q6_K", tokens=5)
     experts = sorted(set(index.reshape(-1).tolist()))
     whole = native.moe_layer(
         x, index, weights, experts, [gate_up[e] for e in experts], "Q4_K", [down[e] for e in experts], "Q6_K"
     )
+
+    def contribute(contrib, group):
+        native.moe_layer(
+            x,
+            index,
+            weights,
+            group,
+            [gate_up[e] for e in group],
+            "Q4_K",
+            [down[e] for e in group],
+            "Q6_K",
+            into=contrib,
+        )
+
     for groups in ([experts[3:], experts[:1], experts[1:3]], [[e] for e in reversed(experts)]):
         contrib = torch.zeros(*index.shape, x.shape[1])
         for group in groups:
-            native.moe_contribute(
-                contrib, x, index, weights, group, [gate_up[e] for e in group], "Q4_K", [down[e] for e in group], "Q6_K"
-            )
+            contribute(contrib, group)
         assert torch.equal(native.moe_sum(contrib, index, x), whole)
     contrib = torch.zeros(*index.shape, x.shape[1])  # an expert left out: its rows stay zero, the sum differs
-    native.moe_contribute(
-        contrib,
-        x,
-        index,
-        weights,
-        experts[1:],
-        [gate_up[e] for e in experts[1:]],
-        "Q4_K",
-        [down[e] for e in experts[1:]],
-        "Q6_K",
-    )
+    contribute(contrib, experts[1:])
     assert not torch.equal(native.moe_sum(contrib, index, x), whole)

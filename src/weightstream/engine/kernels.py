@@ -127,7 +127,7 @@ class QuantizedExperts:
 
     def contribute(self, contrib, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> None:
         """`layer` for some of the experts, into contrib (float32 (tokens, top_k, hidden)); `native.moe_sum` adds."""
-        native.moe_contribute(contrib, x, top_k_index, top_k_weights, experts, *self._layer_blocks(params))
+        native.moe_layer(x, top_k_index, top_k_weights, experts, *self._layer_blocks(params), into=contrib)
 
     def _layer_blocks(self, params: list[Params]) -> tuple:
         gate_up = [p["gate_up_proj.qweight"] for p in params]

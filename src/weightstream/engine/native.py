@@ -78,31 +78,20 @@ def moe_layer(
     gate_up_type: str,
     down: list[torch.Tensor],
     down_type: str,
-) -> torch.Tensor:
+    into: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """One MoE layer's SiLU-gated experts in one call: for each token, the sum over its routed experts (ascending
     expert order, float32) of (silu(x G^T) * (x U^T)) D^T times the router weight; `experts` the routed experts,
-    `gate_up[i]` / `down[i]` expert i's (2I, D) and (D, I) blocks. (tokens, hidden) in x's dtype."""
-    return torch.ops.weightstream.moe_layer(
-        x, top_k_index, top_k_weights, experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0
-    )
+    `gate_up[i]` / `down[i]` expert i's (2I, D) and (D, I) blocks. (tokens, hidden) in x's dtype.
 
-
-def moe_contribute(
-    contrib: torch.Tensor,
-    x: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    experts: list[int],
-    gate_up: list[torch.Tensor],
-    gate_up_type: str,
-    down: list[torch.Tensor],
-    down_type: str,
-) -> None:
-    """`moe_layer` for some of the layer's experts: fills their (token, choice) rows of contrib (float32
-    (tokens, top_k, hidden)); `moe_sum` then adds the rows as `moe_layer` does, so the result is the same."""
-    torch.ops.weightstream.moe_contribute(
-        contrib, x, top_k_index, top_k_weights, experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0
-    )
+    With `into` (float32 (tokens, top_k, hidden)), only these experts' (token, choice) rows of the contributions are
+    filled, and nothing is summed: `moe_sum` then adds the rows as the single call does, so a layer computed in
+    groups (resident experts first, each missing one as it arrives) gives the same bits."""
+    args = (experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0)
+    if into is None:
+        return torch.ops.weightstream.moe_layer(x, top_k_index, top_k_weights, *args)
+    torch.ops.weightstream.moe_contribute(into, x, top_k_index, top_k_weights, *args)
+    return None
 
 
 def moe_sum(contrib: torch.Tensor, top_k_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
