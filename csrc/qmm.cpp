@@ -55,6 +55,12 @@ Format format_of(int64_t wtype) {
   TORCH_CHECK(false, "weightstream qmm: unknown weight type ", wtype);
 }
 
+// Bytes of one row of k weights (whole blocks) of type wtype.
+int64_t row_bytes_of(int64_t wtype, int64_t k) {
+  const Format f = format_of(wtype);
+  return k / f.block * f.bytes;
+}
+
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -377,8 +383,8 @@ void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
   TORCH_CHECK(k % f.block == 0, "weightstream qmm: ", k, " inputs are not whole blocks of ", f.block);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               "weightstream qmm: weights must be a contiguous uint8 CPU tensor");
-  TORCH_CHECK(w.numel() == n * (k / f.block) * f.bytes, "weightstream qmm: weights hold ", w.numel(),
-              " bytes; ", n, " x ", k, " of this type need ", n * (k / f.block) * f.bytes);
+  TORCH_CHECK(w.numel() == n * row_bytes_of(wtype, k), "weightstream qmm: weights hold ", w.numel(), " bytes; ", n,
+              " x ", k, " of this type need ", n * row_bytes_of(wtype, k));
 }
 
 // Rows of activations quantized for one weight type (its activation block), kept for every product they meet.
@@ -417,8 +423,7 @@ int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_b
 void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
               int64_t path) {
   const QRows a(x, m, k, wtype);
-  const Format f = format_of(wtype);
-  const int64_t row_bytes = (k / f.block) * f.bytes;
+  const int64_t row_bytes = row_bytes_of(wtype, k);
   at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; j++) {
       const uint8_t* row = wp + j * row_bytes;
@@ -477,7 +482,6 @@ void check_routing(const at::Tensor& x, const at::Tensor& index, const at::Tenso
 void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Tensor& weights_in,
                 const std::vector<int64_t>& experts, const std::vector<at::Tensor>& gate_up, int64_t gu_type,
                 const std::vector<at::Tensor>& down, int64_t down_type, int64_t path, float* contrib) {
-  check_routing(x_in, index_in, weights_in);
   const int64_t ne = (int64_t)experts.size(), hidden = x_in.size(1), top_k = index_in.size(1);
   TORCH_CHECK((int64_t)gate_up.size() == ne && (int64_t)down.size() == ne,
               "weightstream moe: one gate_up and one down tensor per expert");
@@ -506,8 +510,8 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     gu_ptr[i] = gate_up[i].data_ptr<uint8_t>();
     down_ptr[i] = down[i].data_ptr<uint8_t>();
   }
-  const int64_t gu_rows = 2 * inter, gu_bytes = (hidden / format_of(gu_type).block) * format_of(gu_type).bytes;
-  const int64_t down_bytes = (inter / fd.block) * fd.bytes;
+  const int64_t gu_rows = 2 * inter, gu_bytes = row_bytes_of(gu_type, hidden);
+  const int64_t down_bytes = row_bytes_of(down_type, inter);
   std::vector<float> g(np * gu_rows), h(np * inter);
   auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1) {  // expert i's gate/up outputs j0..j1, its rows
     for (int64_t j = j0; j < j1; j++) {
@@ -589,20 +593,25 @@ at::Tensor sum_contributions(const float* contrib, const at::Tensor& index_in, i
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+// contrib: contiguous float32 (tokens, top_k, hidden) for this routing (hidden < 0: any width)
+void check_contributions(const at::Tensor& contrib, const at::Tensor& index, int64_t hidden) {
+  TORCH_CHECK(contrib.scalar_type() == at::kFloat && contrib.is_contiguous() && contrib.dim() == 3 &&
+                  contrib.size(0) == index.size(0) && contrib.size(1) == index.size(1) &&
+                  (hidden < 0 || contrib.size(2) == hidden),
+              "weightstream moe: contrib must be contiguous float32 (tokens, top_k, hidden)");
+}
+
 void moe_contribute(at::Tensor contrib, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                     at::IntArrayRef experts, at::TensorList gate_up, int64_t gu_type, at::TensorList down,
                     int64_t down_type, int64_t path) {
-  TORCH_CHECK(contrib.scalar_type() == at::kFloat && contrib.is_contiguous() && contrib.dim() == 3 &&
-                  contrib.size(0) == index.size(0) && contrib.size(1) == index.size(1) && contrib.size(2) == x.size(1),
-              "weightstream moe_contribute: contrib must be contiguous float32 (tokens, top_k, hidden)");
+  check_routing(x, index, weights);
+  check_contributions(contrib, index, x.size(1));
   contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type, path,
              contrib.data_ptr<float>());
 }
 
 at::Tensor moe_sum(const at::Tensor& contrib, const at::Tensor& index, const at::Tensor& like) {
-  TORCH_CHECK(contrib.scalar_type() == at::kFloat && contrib.is_contiguous() && contrib.dim() == 3 &&
-                  contrib.size(0) == index.size(0) && contrib.size(1) == index.size(1),
-              "weightstream moe_sum: contrib must be contiguous float32 (tokens, top_k, hidden)");
+  check_contributions(contrib, index, -1);
   return sum_contributions(contrib.data_ptr<float>(), index, contrib.size(2), like.scalar_type());
 }
 
@@ -619,7 +628,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) 
   check_weights(w, wtype, n, k);
   at::Tensor out = at::empty({n, k}, at::kFloat);
   const Format f = format_of(wtype);
-  const int64_t row_bytes = (k / f.block) * f.bytes;
+  const int64_t row_bytes = row_bytes_of(wtype, k);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {

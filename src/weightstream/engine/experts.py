@@ -70,6 +70,29 @@ class OrderedSum:
             self.next += 1
 
 
+def arrivals(
+    source: ExpertSource,
+    layer: int,
+    waves: list[list[int]],
+    io_wait: Callable[[float], None],
+    after_first_fetch: Callable[[list[int]], None] | None = None,
+):
+    """The layer's experts in the order they can be computed, as (group, last) pairs: each wave looked up, its
+    resident experts first (computed while its misses are read), then each missing one as soon as its own bytes are
+    in; `last` says no group follows. The wave's pins hold until the next wave is looked up."""
+    for i, wave in enumerate(waves):
+        fetch = source.fetch_layer(layer, wave)
+        if i == 0 and after_first_fetch is not None:  # e.g. read-ahead: queued after this layer's demand reads
+            after_first_fetch(wave)
+        final_wave = i == len(waves) - 1
+        yield fetch.resident, final_wave and not fetch.missing
+        for n in range(len(fetch.missing)):
+            start = time.perf_counter()
+            expert = source.wait(fetch)
+            io_wait(time.perf_counter() - start)
+            yield [expert], final_wave and n == len(fetch.missing) - 1
+
+
 def compute_layer(
     kernel: Kernel,
     source: ExpertSource,
@@ -83,25 +106,13 @@ def compute_layer(
     """The layer's combined expert output: each wave looked up, resident experts computed while misses load."""
     total = OrderedSum(torch.zeros_like(hidden_states), routing.span)
     done: set[int] = set()
-
-    def run(expert: int) -> None:
-        if expert in done:  # a later wave of a long prefill looked it up again: its rows are all computed
-            return
-        done.add(expert)
-        token_idx, weights = routing.rows(expert)
-        total.add(expert, token_idx, kernel(hidden_states[token_idx], weights, source.params(layer, expert)))
-
-    for i, wave in enumerate(waves):
-        fetch = source.fetch_layer(layer, wave)
-        if i == 0 and after_first_fetch is not None:  # e.g. read-ahead: queued after this layer's demand reads
-            after_first_fetch(wave)
-        for expert in fetch.resident:  # no waiting: compute these while the misses are read
-            run(expert)
-        for _ in fetch.missing:  # each late expert as soon as its own bytes are in
-            start = time.perf_counter()
-            expert = source.wait(fetch)
-            io_wait(time.perf_counter() - start)
-            run(expert)
+    for group, _ in arrivals(source, layer, waves, io_wait, after_first_fetch):
+        for expert in group:
+            if expert in done:  # a later wave of a long prefill looked it up again: its rows are all computed
+                continue
+            done.add(expert)
+            token_idx, weights = routing.rows(expert)
+            total.add(expert, token_idx, kernel(hidden_states[token_idx], weights, source.params(layer, expert)))
     assert not total.pending and total.next == len(total.order), "an expert of the layer was never computed"
     return total.out
 
@@ -121,32 +132,22 @@ def compute_layer_native(
     routed expert is resident; else each group (the resident ones, then each missing one as its bytes arrive) fills
     its rows of the contributions, which are added in ascending expert order at the end, as the one call adds them,
     so the result is the same bitwise."""
-    fetch = source.fetch_layer(layer, waves[0])
-    if after_first_fetch is not None:
-        after_first_fetch(waves[0])
-    if len(waves) == 1 and not fetch.missing:
-        experts = sorted(fetch.resident)
-        params = [source.params(layer, e) for e in experts]
-        return kernel.layer(hidden_states, top_k_index, top_k_weights, experts, params)
-    tokens, top_k = top_k_index.shape
-    contrib = torch.zeros(tokens, top_k, hidden_states.shape[-1], dtype=torch.float32)
+    contrib = None
     done: set[int] = set()
-
-    def run(experts: list[int]) -> None:
-        experts = [e for e in experts if e not in done]  # a later wave of a long prefill may look one up again
+    for group, last in arrivals(source, layer, waves, io_wait, after_first_fetch):
+        experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
+        if contrib is None and last:  # the first group is the whole layer: every routed expert resident
+            return kernel.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
+        if contrib is None:
+            contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
         if experts:
             done.update(experts)
-            params = [source.params(layer, e) for e in experts]
-            kernel.contribute(contrib, hidden_states, top_k_index, top_k_weights, experts, params)
-
-    for i, wave in enumerate(waves):
-        if i > 0:
-            fetch = source.fetch_layer(layer, wave)
-        run(sorted(fetch.resident))  # no waiting: compute these while the misses are read
-        for _ in fetch.missing:  # each late expert as soon as its own bytes are in
-            start = time.perf_counter()
-            expert = source.wait(fetch)
-            io_wait(time.perf_counter() - start)
-            run([expert])
+            kernel.contribute(
+                contrib, hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts)
+            )
     assert done == set(top_k_index.reshape(-1).tolist()), "an expert of the layer was never computed"
     return native.moe_sum(contrib, top_k_index, hidden_states)
+
+
+def _params(source: ExpertSource, layer: int, experts: list[int]) -> list:
+    return [source.params(layer, e) for e in experts]

@@ -646,10 +646,10 @@ def _activation_dtype(dense: list[_Dense], layers: list[_Layer]) -> torch.dtype:
     every float expert tensor is F32; bfloat16 otherwise (quantized, F16 or BF16 weights).
 
     Dense weights kept as blocks do not vote: they are not stored in the activation dtype, so no choice rounds
-    them, and NativeLinear computes in float32 inside (int8 activations against the blocks, or the blocks
-    dequantized to float32) and returns x's dtype. What the choice decides is the floats stored (the
-    embedding, dequantized when the file quantized it, norms, router) and the activations between layers; a
-    quantized file's embedding is one of those matrices, so such a file computes in bfloat16 as before."""
+    them. What the choice decides is the dtype of the floats stored (the embedding, dequantized when the file
+    quantized it, norms, router); a quantized file's embedding is one of those matrices, so it is stored in
+    bfloat16. The engine computes a directory whose dense linear weights are blocks in float32 whatever this says
+    (`QuantFormat.compute_dtype`): norms and router converted at load, the embedding's rows as they are looked up."""
     kinds = {d.tensor.type for d in dense if len(d.shape) > 1 and "ffn_gate_inp" not in d.tensor.name and not d.block}
     kinds |= {t.type for lay in layers if lay.float_keys for t in lay.tensors.values()}
     return torch.float32 if kinds == {"F32"} else torch.bfloat16
