@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import socket
@@ -45,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llamacpp  # noqa: E402
-from common.quant_quality import CACHE, corpus  # noqa: E402
+from common.quant_quality import CACHE, corpus, perplexity  # noqa: E402
 from common.results import default, save  # noqa: E402
 
 _CLI = os.path.join(os.path.dirname(sys.executable), "weightstream")  # the venv's console script
@@ -142,26 +141,6 @@ def windows(ids: list[int], chunks: int, bos: int | None):
             w[0] = bos
         out.append(w)
     return torch.tensor(out)
-
-
-def engine_perplexity(model_dir: str, wins) -> float:
-    """exp(mean NLL) of the second half of each window, as llama-perplexity scores it, by weightstream's engine."""
-    import torch
-
-    from weightstream.engine.loader import load_streaming_model
-
-    first = N_CTX // 2
-    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
-    total, count = 0.0, 0
-    try:
-        with torch.inference_mode():
-            for w in wins:
-                logits = model(w.unsqueeze(0)).logits[0].double()
-                nll = torch.nn.functional.cross_entropy(logits[first : N_CTX - 1], w[first + 1 :], reduction="sum")
-                total, count = total + nll.item(), count + N_CTX - 1 - first
-    finally:
-        model.weightstream.close()
-    return math.exp(total / count)
 
 
 def import_gguf(gguf: str, out: str) -> dict:
@@ -342,7 +321,7 @@ def main() -> None:
     for name, path in ggufs.items():
         say(f"perplexity of {name}")
         llama = llama_perplexity(path, str(text_file), args.chunks, args.threads)
-        ws = engine_perplexity(dirs[name], wins)
+        ws = perplexity(dirs[name], wins, first=N_CTX // 2)
         rows[name] = {
             "llama_perplexity": llama["perplexity"],
             "llama_plus_minus": llama["plus_minus"],
@@ -352,7 +331,7 @@ def main() -> None:
             "relative_difference": ws / llama["perplexity"] - 1,
             "within_1_percent": abs(ws / llama["perplexity"] - 1) <= 0.01,
         }
-    ckpt = engine_perplexity(str(bf16), wins)
+    ckpt = perplexity(str(bf16), wins, first=N_CTX // 2)
     rows["BF16"]["weightstream_our_bf16_checkpoint"] = ckpt
     rows["BF16"]["our_checkpoint_vs_llama_bf16"] = ckpt / rows["BF16"]["llama_perplexity"] - 1
     report["perplexity"] = rows

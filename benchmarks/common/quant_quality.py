@@ -178,19 +178,19 @@ def train(args, out: Path, config_fields: dict = CONFIG) -> dict:
     }
 
 
-def perplexity(model_dir: str, held: torch.Tensor, seq: int, chunks: int) -> float:
-    """exp(mean next-token loss) over `chunks` held-out windows, computed by weightstream's engine."""
+def perplexity(model_dir: str, windows: torch.Tensor, first: int = 0) -> float:
+    """exp(mean next-token loss) over held-out windows (n, seq), each scored from position `first` on (0: every
+    prediction; llama-perplexity scores the second half), computed by weightstream's engine."""
     from weightstream.engine.loader import load_streaming_model
 
     model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
     total, count = 0.0, 0
     try:
         with torch.inference_mode():
-            for i in range(chunks):
-                window = held[i * seq : (i + 1) * seq].unsqueeze(0)
-                logits = model(window).logits.float()
-                loss = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="sum")
-                total, count = total + loss.item(), count + seq - 1
+            for w in windows:
+                logits = model(w.unsqueeze(0)).logits[0].double()
+                loss = torch.nn.functional.cross_entropy(logits[first:-1], w[first + 1 :], reduction="sum")
+                total, count = total + loss.item(), count + len(w) - 1 - first
     finally:
         model.weightstream.close()
     return math.exp(total / count)
@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         variants[name] = quantized(str(bf16), str(cache / name.replace("+", "_").replace(":", "_")), **kw)
     report["formats"] = {name: describe(path) for name, path in variants.items()}
     report["held_out_tokens"] = args.eval_chunks * 256
-    ppl = {name: perplexity(path, held, 256, args.eval_chunks) for name, path in variants.items()}
+    windows = held[: args.eval_chunks * 256].reshape(args.eval_chunks, 256)
+    ppl = {name: perplexity(path, windows) for name, path in variants.items()}
     report["perplexity"] = ppl
     report["vs_bf16"] = {name: p / ppl["bf16"] - 1 for name, p in ppl.items()}
     report["targets"] = {
