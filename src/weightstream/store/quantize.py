@@ -21,7 +21,6 @@ import torch
 
 from weightstream.engine import native
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import ties_embeddings
 from weightstream.store.checkpoint import INDEX_NAME
 from weightstream.store.dtypes import SAFETENSORS, torch_name
 from weightstream.store.ggml_quant import ENCODERS
@@ -59,7 +58,9 @@ def dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     routed experts, not a router (KEEP_DENSE), not an output head tied to the embedding. `quantize --dense`
     encodes these; `weightstream import` keeps a GGUF's blocks for them."""
     experts = set(experts_modules(model))
-    tied = ties_embeddings(model.config)
+    # as sim.budget.ties_embeddings says it; not imported from there: importing weightstream.sim loads the
+    # simulator, whose memory quantize's bounded peak RSS would pay for
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     out = {}
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or any(path.startswith(e + ".") for e in experts):
