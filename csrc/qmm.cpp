@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -443,6 +444,23 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64
   return y;
 }
 
+// A dense Linear in one call: y (..., N) in x's dtype = x (..., K) times W^T, plus bias (in x's dtype, after the
+// product is rounded to it, as `y.to(dtype) + bias` would); the decode step of `NativeLinear`.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k,
+                  const std::optional<at::Tensor>& bias) {
+  check_weights(w, wtype, n, k);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == k, "weightstream linear: x must be (..., ", k, ")");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  std::vector<int64_t> sizes = x_in.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, at::kFloat);
+  qmm_into(x.data_ptr<float>(), x.numel() / k, k, w.data_ptr<uint8_t>(), wtype, n, y.data_ptr<float>(),
+           resolve_path(0));
+  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 // ---- one call per MoE layer ----
 //
 // A layer's routed experts, SiLU-gated: for each (token t, choice c) routed to an expert of `experts`,
@@ -685,6 +703,7 @@ bool avx2_available() { return have_avx2(); }
 TORCH_LIBRARY(weightstream, m) {
   m.def("qmm(Tensor x, Tensor w, int wtype, int n, int k, int path=0) -> Tensor");
   m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, int wtype, int n, int k, Tensor? bias=None) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, Tensor[] gate_up, int gu_type, "
         "Tensor[] down, int down_type, int path=0) -> Tensor");
   m.def("moe_contribute(Tensor(a!) contrib, Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, "
@@ -695,6 +714,7 @@ TORCH_LIBRARY(weightstream, m) {
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
   m.impl("qmm", &qmm);
   m.impl("dequantize", &dequantize);
+  m.impl("linear", &linear);
   m.impl("moe_layer", &moe_layer);
   m.impl("moe_contribute", &moe_contribute);
   m.impl("moe_sum", &moe_sum);

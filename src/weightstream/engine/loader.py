@@ -13,6 +13,7 @@ from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES, native
 from weightstream.engine import experts as ws_experts
+from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.kernels import NativeLinear, StoredEmbedding, check_kernel_name, choose_kernel
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
@@ -35,6 +36,7 @@ def load_streaming_model(
     expert_source: str = "expert-cache",
     predict_next: bool = False,
     expert_kernel: str = "auto",
+    fuse: bool = True,
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
@@ -42,6 +44,8 @@ def load_streaming_model(
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
     `expert_kernel` "auto" takes the lean kernel proven bitwise equal to the architecture's eager forward, else
     "one-expert-eager" (that forward itself on a one-expert view); naming a kernel forces it (for comparisons).
+    `fuse` (a model that computes in float32, its dense weights GGML blocks): RMSNorms and the rotary embedding run
+    as one native op each where proven on the model's own code (engine/fused.py); False keeps transformers' ops.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next)
@@ -50,6 +54,8 @@ def load_streaming_model(
     model, layout = mapped.model, mapped.layout
     _load_dense(model, layout.dense, model_dir, mapped.quant)
     kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
+    computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
+    fused = fuse_dense_ops(model) if fuse and computes_float32 else []
     if expert_source == "page-cache":
         cache = PageCacheSource(layout)
     else:
@@ -72,6 +78,7 @@ def load_streaming_model(
             kernel = kernels[type(module)]
             module._ws_kernel = kernel.for_layer(module._ws_layer) if hasattr(kernel, "for_layer") else kernel
         runtime.kernels = {cls.__name__: k.name for cls, k in kernels.items()}
+        runtime.fused = fused
         tied = ties_embeddings(model.config)
         runtime.dense_bytes_touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
         model.weightstream = runtime

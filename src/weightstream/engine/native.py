@@ -3,8 +3,9 @@
 Products of weights in GGML's block formats (the byte layouts GGUF files store: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
 with activations quantized to int8 in blocks of 32, summed in integers: an AVX2 path and a portable path that is
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
-count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.dequantize`, and per MoE layer
-`.moe_layer`, `.moe_contribute`, `.moe_sum`), run on torch's intra-op threads.
+count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.linear`, `.dequantize`, per MoE
+layer `.moe_layer`, `.moe_contribute`, `.moe_sum`, and the float32 steps between products, `.rms_norm` and `.rope`:
+engine/fused.py), run on torch's intra-op threads.
 
 When the extension was not built (no compiler or no torch at install time) or is disabled with
 WEIGHTSTREAM_NATIVE=0, `available()` is False and callers run torch's own kernels; that is said once.
@@ -67,6 +68,21 @@ def best_path() -> str:
 def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str = "auto") -> torch.Tensor:
     """x (M, K) times the (N, K) matrix whose rows `w` (uint8, N x row_bytes) encodes; float32 (M, N)."""
     return torch.ops.weightstream.qmm(x, w, TYPE_IDS[wtype], n, k, PATHS[path])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) times W^T (+ bias), (..., N) in x's dtype: a dense Linear whose weight is blocks, in one call."""
+    return torch.ops.weightstream.linear(x, w, TYPE_IDS[wtype], n, k, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)), float32: transformers' RMSNorm in one call (csrc/layers.cpp)."""
+    return torch.ops.weightstream.rms_norm(x, weight, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (B, H, S, D) times cos plus rotate_half times sin, float32, bitwise the standard rotary embedding."""
+    return torch.ops.weightstream.rope(q, k, cos, sin)
 
 
 def moe_layer(

@@ -37,6 +37,7 @@ class StreamingRuntime:
         # set by load_streaming_model(predict_next=True): read-aheads the next layer's guessed experts
         self.predictor: NextLayerPredictor | None = None
         self.kernels: dict[str, str] = {}  # experts class -> kernel name (set by load_streaming_model)
+        self.fused: list[str] = []  # norms and rotary functions run as native ops (engine/fused.py)
         self.dense_bytes_touched = 0  # dense weight bytes one decode token multiplies by (set by the loader)
         self.mean_expert_bytes = sum(e.nbytes for e in layout.experts.values()) / max(1, len(layout.experts))
 

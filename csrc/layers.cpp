@@ -1,0 +1,117 @@
+// The small float32 steps around a decoder layer's products, each one call instead of a chain of torch ops:
+// transformers' RMSNorm (8 ops) and its standard rotary embedding (about 16 ops for q and k). A model whose dense
+// weights are GGML blocks computes in float32 (QuantFormat.compute_dtype), where these chains cost more time a
+// token than their arithmetic; engine/fused.py puts these ops in their place where a model's own modules prove
+// equal to them.
+//
+// rope is bitwise the standard `q * cos + rotate_half(q) * sin`: each product rounded, then the sum (compiled with
+// -ffp-contract=off, so nothing is fused). rms_norm sums the squares in its own order (8 lanes, then a fixed
+// tree), so it differs from torch's sum in the last bits of the scale; everything after is torch's sequence.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+// weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, float32: the Llama-style RMSNorm in float32.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
+              "weightstream rms_norm: x and weight must be float32");
+  TORCH_CHECK(weight_in.dim() == 1 && x_in.dim() >= 1 && x_in.size(-1) == weight_in.size(0),
+              "weightstream rms_norm: weight must be (", x_in.size(-1), ")");
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t d = weight.size(0), rows = d ? x.numel() / d : 0;
+  const float e = (float)eps, n = (float)d;
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) {
+      const float* xr = xp + r * d;
+      float* o = op + r * d;
+      float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8) {
+        for (int l = 0; l < 8; l++) {
+          const float sq = xr[i + l] * xr[i + l];
+          lane[l] += sq;
+        }
+      }
+      float total = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+      for (; i < d; i++) {
+        const float sq = xr[i] * xr[i];
+        total += sq;
+      }
+      const float inv = 1.f / std::sqrt(total / n + e);
+      for (i = 0; i < d; i++) {
+        const float scaled = xr[i] * inv;
+        o[i] = w[i] * scaled;
+      }
+    }
+  });
+  return out;
+}
+
+// t (B, H, S, D) rotated: out = t * cos + rotate_half(t) * sin, cos and sin (B or 1, S, D) broadcast over heads;
+// rotate_half(t) = cat(-t[..., D/2:], t[..., :D/2]). Strides as empty_like(t) gives; t's last dimension dense.
+at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
+  at::Tensor out = at::empty_like(t);
+  TORCH_CHECK(t.stride(3) == 1 && out.stride(3) == 1, "weightstream rope: the last dimension must be dense");
+  const float* tp = t.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t cb = cos.size(0) == 1 ? 0 : S * D;
+  at::parallel_for(0, B * H * S, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; idx++) {
+      const int64_t b = idx / (H * S), h = (idx / S) % H, s = idx % S;
+      const float* x = tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2);
+      float* o = op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2);
+      const float* c = cp + b * cb + s * D;
+      const float* n = sp + b * cb + s * D;
+      for (int64_t j = 0; j < half; j++) {
+        const float straight = x[j] * c[j], turned = (-x[j + half]) * n[j];
+        o[j] = straight + turned;
+      }
+      for (int64_t j = half; j < D; j++) {
+        const float straight = x[j] * c[j], turned = x[j - half] * n[j];
+        o[j] = straight + turned;
+      }
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_in,
+                                        const at::Tensor& sin_in) {
+  for (const at::Tensor* t : {&q, &k, &cos_in, &sin_in}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "weightstream rope: q, k, cos and sin must be float32");
+  }
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos_in.dim() == 3 && sin_in.sizes() == cos_in.sizes(),
+              "weightstream rope: q and k must be (B, H, S, D), cos and sin (B, S, D)");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->size(3) % 2 == 0 && t->size(3) == cos.size(2) && t->size(2) == cos.size(1) &&
+                    (cos.size(0) == 1 || cos.size(0) == t->size(0)),
+                "weightstream rope: q ", q.sizes(), " and k ", k.sizes(), " do not match cos ", cos.sizes());
+  }
+  return {rotate(q, cos, sin), rotate(k, cos, sin)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(weightstream, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+}
