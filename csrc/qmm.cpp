@@ -94,28 +94,33 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
-// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words.
-inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words: scales bytes
+// 0-7 of words[0..1], mins of words[2..3].
+inline void scale_min_words_k4(const uint8_t* q, uint32_t* out) {
   uint32_t w[3];
   std::memcpy(w, q, 12);
   const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
-  const uint32_t s0 = w[0] & low6, m0 = w[1] & low6;
-  const uint32_t s1 = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
-  const uint32_t m1 = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
-  std::memcpy(sc, &s0, 4);
-  std::memcpy(sc + 4, &s1, 4);
-  std::memcpy(m, &m0, 4);
-  std::memcpy(m + 4, &m1, 4);
+  out[0] = w[0] & low6;
+  out[1] = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
+  out[2] = w[1] & low6;
+  out[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
+}
+
+inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  uint32_t words[4];
+  scale_min_words_k4(q, words);
+  std::memcpy(sc, words, 8);
+  std::memcpy(m, words + 2, 8);
 }
 
 // Activations of one row quantized: K / ablock scales, K / 32 sums.
 struct QAct {
   const int8_t* q;   // K values
   const float* d;    // one scale per activation block (32, or 256 for K types)
-  const int32_t* s;  // one sum of q per 32
+  const int16_t* s;  // one sum of q per 32 (at most 32 x 127 in size: int16, which the AVX2 Q4_K min term takes)
 };
 
-void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int32_t* s) {
+void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
   for (int64_t b = 0; b < k / ablock; b++) {
     const float* xb = x + b * ablock;
     float amax = 0.f;
@@ -128,7 +133,7 @@ void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d
   for (int64_t b = 0; b < k / 32; b++) {
     int32_t sum = 0;
     for (int i = 0; i < 32; i++) sum += q[b * 32 + i];
-    s[b] = sum;
+    s[b] = (int16_t)sum;
   }
 }
 
@@ -283,11 +288,34 @@ WS_AVX2_INLINE void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __
   rest = std::fma(offset * dx, (float)a.s[b], rest);
 }
 
+// int16 element i of each 128-bit half, in all 16 int16 lanes
+WS_AVX2_INLINE __m256i broadcast_i16(__m256i v, int i) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8))));
+}
+
+// A Q4_K block's 8 scales and 8 mins as int16, scales in both 128-bit halves: scale_min_words_k4's arithmetic on
+// the 12 bytes in a vector register (the 4 bytes loaded after them are the block's own and unused).
+WS_AVX2_INLINE void scales_mins_k4_avx2(const uint8_t* q, __m256i& scales, __m128i& mins) {
+  const __m128i w = _mm_loadu_si128((const __m128i*)q);                          // w0, w1, w2, -
+  const __m128i low6 = _mm_set1_epi32(0x3f3f3f3f), low4 = _mm_set1_epi32(0x0f0f0f0f), two = _mm_set1_epi32(0x03030303);
+  const __m128i s0m0 = _mm_and_si128(w, low6);                                    // s0, m0
+  const __m128i w2 = _mm_srlv_epi32(_mm_shuffle_epi32(w, 0xaa), _mm_setr_epi32(0, 4, 0, 0));  // w2, w2 >> 4
+  const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w, 6), two), 4);         // from w0, w1
+  const __m128i s1m1 = _mm_or_si128(_mm_and_si128(w2, low4), high);               // s1, m1
+  const __m256i both = _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(s0m0, s1m1));      // s0 s1 m0 m1 as 16 int16
+  scales = _mm256_permute2x128_si256(both, both, 0x00);
+  mins = _mm256_extracti128_si256(both, 1);
+}
+
 WS_AVX2_INLINE void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
   const __m256i mask = _mm256_set1_epi8(0xF);
-  const float d = fp16_hw(row), dmin = fp16_hw(row + 2);
-  alignas(8) uint8_t sc[8], mn[8];
-  scales_mins_k4(row + 4, sc, mn);
+  uint32_t halves;
+  std::memcpy(&halves, row, 4);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));  // d, dmin: exact, as fp16() gives them
+  const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+  __m256i scales;
+  __m128i mins;
+  scales_mins_k4_avx2(row + 4, scales, mins);
   const uint8_t* qs = row + 16;
   const int8_t* xq = a.q + b * 256;
   __m256i isum = _mm256_setzero_si256();
@@ -295,16 +323,13 @@ WS_AVX2_INLINE void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m
     const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
     const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
     const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
-    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, _mm256_set1_epi16(sc[2 * c])));
+    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, broadcast_i16(scales, 2 * c)));
     isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1,
-                                                    _mm256_set1_epi16(sc[2 * c + 1])));
+                                                    broadcast_i16(scales, 2 * c + 1)));
   }
-  // min term: the 8 mins times the 8 sums of qx, in integers
-  const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)mn));
-  const __m256i sums = _mm256_loadu_si256((const __m256i*)(a.s + b * 8));
-  const __m256i prod = _mm256_mullo_epi32(mins, sums);
-  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1));
-  const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  // min term: the 8 mins times the 8 sums of qx, in integers (pairs by madd, then the 4 pair sums)
+  const __m128i pairs = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.s + b * 8)));
+  const __m128i quad = _mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 0x4e));
   const int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
   acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
   rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
@@ -393,7 +418,7 @@ struct QRows {
   int64_t k = 0, blocks = 0, sums = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> s;
+  std::vector<int16_t> s;
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype) : k(k_) {
     const int64_t ablock = act_block(wtype);
