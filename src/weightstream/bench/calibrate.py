@@ -31,6 +31,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from weightstream.bench.read_timing import ExpertReads, read_timing
 from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.cache.expert_cache import ExpertCache
+from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.io.pagecache import cached_bytes, evict_file, process_read_bytes, resident_pages
 from weightstream.sim.overlap_model import Measurements
@@ -91,13 +92,14 @@ def timed_steps(model, prompt: list[int], steps: int) -> tuple[tuple[float, floa
     timer = StepTimer(model.weightstream)
     try:
         start = (time.perf_counter(), 0.0)
-        with torch.inference_mode():
+        with torch.inference_mode(), quiet_cache_kwarg():
             model.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=steps,
                 min_new_tokens=steps,
                 do_sample=False,
                 stopping_criteria=StoppingCriteriaList([timer]),
+                past_key_values=engine_cache(model, len(prompt) + steps),  # as engine.generate runs
             )
     finally:
         timer.close()

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+
 
 @dataclass(slots=True)
 class GenerationStats:
@@ -79,7 +81,9 @@ def generate(
     snap = lambda: _snapshot(runtime)  # noqa: E731
     clock = _StepClock(snap)
     start = snap()
-    with torch.inference_mode():
+    if "past_key_values" not in kwargs:  # written in place, not concatenated every step (engine/kv_cache.py)
+        kwargs["past_key_values"] = engine_cache(model, input_ids.shape[1] + max_new_tokens)
+    with torch.inference_mode(), quiet_cache_kwarg():
         out = model.generate(
             input_ids,
             max_new_tokens=max_new_tokens,

@@ -1,0 +1,156 @@
+"""What the steps between the products cost a decode token, paired token by token in one process.
+
+Two comparisons on a checkpoint that computes in float32 (its dense weights GGML blocks, e.g. `weightstream
+quantize MODEL --bits 4 --dense int4`), every expert resident:
+
+1. `fused`: the native rms_norm and rope ops (engine/fused.py) against transformers' own RMSNorm modules and
+   rotary function, switched in place before every token, alternating which goes first;
+2. `kv`: the engine's KV cache (engine/kv_cache.py) against transformers' DynamicCache, two caches of the same
+   generation advanced alternately, token by token, to --tokens positions past the prompt.
+
+Pairing cancels this VM's drift (its speed moves by a third within minutes); each figure is the median over
+tokens of one configuration's step time, and the median of the per-token differences. Also the dispatched torch
+ops of one decode token with everything on (TorchDispatchMode: the calls Python makes, not their sub-ops).
+
+    .venv/bin/python benchmarks/decode_steps.py .work/bench-models/olmoe-8l-q4k-d4 --tokens 400 \\
+        --out benchmarks/results/decode-steps-olmoe8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from expert_compute import tokenized_prompts  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from weightstream.bench.child import warm_every_expert  # noqa: E402
+from weightstream.engine.fused import NativeRMSNorm, NativeRotary  # noqa: E402
+from weightstream.engine.kv_cache import engine_cache  # noqa: E402
+from weightstream.engine.loader import load_streaming_model  # noqa: E402
+
+
+def _step(model, token, cache, position):
+    start = time.perf_counter()
+    out = model(token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+    return out.logits[:, -1:].argmax(-1), time.perf_counter() - start
+
+
+def _summary(times: dict, diffs: list[float]) -> dict:
+    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return {"median_ms": ms, "paired_saving_median_ms": 1000 * statistics.median(diffs), "tokens": len(diffs)}
+
+
+def fused_pair(model, prompt, tokens: int) -> dict:
+    """Native norms and rotary against transformers', switched before each token of one generation."""
+    swaps, rotaries = [], {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, NativeRMSNorm):
+            parent, _, attr = name.rpartition(".")
+            swaps.append((model.get_submodule(parent), attr, module, module.replaced[0]))
+    for modeling in {sys.modules[type(m).__module__] for m in model.modules()}:
+        if isinstance(getattr(modeling, "apply_rotary_pos_emb", None), NativeRotary):
+            rotaries[modeling] = modeling.apply_rotary_pos_emb
+    if not swaps:
+        raise SystemExit("the model has no fused ops: give a checkpoint whose dense weights are GGML blocks")
+
+    def use(native: bool) -> None:
+        for parent, attr, ours, theirs in swaps:
+            setattr(parent, attr, ours if native else theirs)
+        for modeling, ours in rotaries.items():
+            modeling.apply_rotary_pos_emb = ours if native else ours.original
+
+    times, diffs = {"native": [], "transformers": []}, []
+    try:
+        cache = engine_cache(model, prompt.shape[1] + tokens + 1)
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(tokens):
+            native = i % 2 == 0
+            use(native)
+            token, dt = _step(model, token, cache, prompt.shape[1] + i)
+            times["native" if native else "transformers"].append(dt)
+        diffs = [b - a for a, b in zip(times["native"], times["transformers"], strict=False)]
+    finally:
+        use(True)
+    return _summary(times, diffs)
+
+
+def kv_pair(model, prompt, tokens: int) -> dict:
+    """The engine's cache against DynamicCache: two generations advanced alternately, token by token."""
+    caches = {"engine": engine_cache(model, prompt.shape[1] + tokens + 1), "dynamic": DynamicCache(config=model.config)}
+    next_token = {}
+    for name, cache in caches.items():
+        next_token[name] = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    times, diffs, same = {name: [] for name in caches}, [], True
+    for i in range(tokens):
+        step = {}
+        for name in ("engine", "dynamic") if i % 2 else ("dynamic", "engine"):
+            next_token[name], step[name] = _step(model, next_token[name], caches[name], prompt.shape[1] + i)
+            times[name].append(step[name])
+        same = same and torch.equal(next_token["engine"], next_token["dynamic"])
+        diffs.append(step["dynamic"] - step["engine"])
+    out = _summary(times, diffs)
+    half = len(diffs) // 2
+    out["paired_saving_median_ms_second_half"] = 1000 * statistics.median(diffs[half:])
+    out["positions"] = [prompt.shape[1], prompt.shape[1] + tokens]
+    out["same_tokens"] = same
+    return out
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(model, prompt, tokens: int = 4) -> float:
+    cache = engine_cache(model, prompt.shape[1] + tokens + 1)
+    token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    with _Count() as count:
+        for i in range(tokens):
+            token, _ = _step(model, token, cache, prompt.shape[1] + i)
+    return count.calls / tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a checkpoint whose dense weights are GGML blocks (quantize --dense int4|int8)")
+    ap.add_argument("--tokens", type=int, default=400, help="decode tokens of each paired run (default 400)")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    model = load_streaming_model(args.model, expert_cache="1000x")
+    try:
+        warm_every_expert(model.weightstream.cache)
+        prompt = torch.tensor([tokenized_prompts(args.model, None)[0]])
+        with torch.inference_mode():
+            report = {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "model": args.model,
+                "threads": torch.get_num_threads(),
+                "fused": model.weightstream.fused,
+                "dispatched_ops_per_token": dispatched_ops(model, prompt),
+                "fused_vs_transformers": fused_pair(model, prompt, args.tokens),
+                "engine_kv_vs_dynamic_cache": kv_pair(model, prompt, args.tokens),
+            }
+    finally:
+        model.weightstream.close()
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
