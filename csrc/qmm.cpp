@@ -377,6 +377,35 @@ WS_AVX2 inline float dot_blocks(const uint8_t* row, const QAct& a, int64_t k) {
   return out.total();
 }
 
+// quantize_row's arithmetic, 8 values at a time: the same max (ignoring NaN, as fmax does), scale, reciprocal and
+// round-to-nearest-even conversion, so the same bytes, scales and sums.
+WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / ablock; b++) {
+    const float* xb = x + b * ablock;
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = 0; i < ablock; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    for (int64_t i = 0; i < ablock; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), inv));
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+      s[(b * ablock + i) / 32] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
+      // packs work within 128-bit halves: (0 1 4 5 | 2 3 6 7) in 32-bit groups, put back in order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i*)(q + b * ablock + i), ordered);
+    }
+    d[b] = scale;
+  }
+}
+
 WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
   switch (wtype) {
     case Q8_0: return dot_blocks<32, 34, block_q8_0>(row, a, k);
@@ -420,7 +449,7 @@ struct QRows {
   std::vector<float> d;
   std::vector<int16_t> s;
 
-  QRows(const float* x, int64_t m, int64_t k_, int64_t wtype) : k(k_) {
+  QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
     const int64_t ablock = act_block(wtype);
     blocks = k / ablock;
     sums = k / 32;
@@ -428,7 +457,16 @@ struct QRows {
     d.resize(m * blocks);
     s.resize(m * sums);
     for (int64_t r = 0; r < m; r++) {
-      quantize_row(x + r * k, k, ablock, q.data() + r * k, d.data() + r * blocks, s.data() + r * sums);
+      int8_t* qr = q.data() + r * k;
+      float* dr = d.data() + r * blocks;
+      int16_t* sr = s.data() + r * sums;
+#ifdef WS_X86
+      if (path == 2) {
+        quantize_row_avx2(x + r * k, k, ablock, qr, dr, sr);
+        continue;
+      }
+#endif
+      quantize_row(x + r * k, k, ablock, qr, dr, sr);
     }
   }
   QAct row(int64_t r) const { return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums}; }
@@ -448,7 +486,7 @@ int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_b
 // y (m, n) = x (m, k) times W^T, into y; x and y float32, contiguous.
 void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
               int64_t path) {
-  const QRows a(x, m, k, wtype);
+  const QRows a(x, m, k, wtype, path);
   const int64_t row_bytes = row_bytes_of(wtype, k);
   at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; j++) {
@@ -547,7 +585,7 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   if (np == 0) return;
 
   // gate and up for every (expert, output row), each row of x quantized once for all experts
-  const QRows ax(x.data_ptr<float>(), x.size(0), hidden, gu_type);
+  const QRows ax(x.data_ptr<float>(), x.size(0), hidden, gu_type, path);
   std::vector<const uint8_t*> gu_ptr(ne), down_ptr(ne);
   for (int64_t i = 0; i < ne; i++) {
     gu_ptr[i] = gate_up[i].data_ptr<uint8_t>();
@@ -589,7 +627,7 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
       for (int64_t i = begin; i < end; i++) {
         gate_up_rows(i, 0, gu_rows);
         gated(first[i], first[i + 1]);
-        const QRows ah(h.data() + first[i] * inter, first[i + 1] - first[i], inter, down_type);
+        const QRows ah(h.data() + first[i] * inter, first[i + 1] - first[i], inter, down_type, path);
         down_rows(i, 0, hidden, ah, first[i]);
       }
     });
@@ -603,7 +641,7 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     }
   });
   gated(0, np);
-  const QRows ah(h.data(), np, inter, down_type);
+  const QRows ah(h.data(), np, inter, down_type, path);
   at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end;) {
       const int64_t i = u / hidden, stop = std::min(end, (i + 1) * hidden);

@@ -61,6 +61,23 @@ def test_products_avx2_equal_portable_bitwise_and_are_close_to_float(wtype):
 
 
 @pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K"])
+def test_activations_are_quantized_alike_on_both_paths_ties_and_zeros_included(wtype):
+    """The AVX2 quantizer against the portable one, through the products: a block whose largest value is 127 (its
+    scale 1, so x.5 values round half to even), an all-zero block, a block led by a negative value, tiny values."""
+    if native.best_path() != "avx2":
+        pytest.skip("this CPU runs only the portable path")
+    k = 512
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    x[0, :32] = torch.arange(32) - 15.5  # halves, then 127 sets the scale to 1
+    x[0, 31] = 127.0
+    x[0, 256:288] = 0.0
+    x[1, :256] *= 1e-30
+    x[2, 7] = -50.0
+    w = torch.from_numpy(_blocks(wtype, 16, k, seed=3)).reshape(-1)
+    assert torch.equal(native.qmm(x, w, wtype, 16, k, "avx2"), native.qmm(x, w, wtype, 16, k, "portable"))
+
+
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K"])
 def test_a_rows_result_depends_on_nothing_but_its_row_and_the_weights(wtype):
     """Same bits with 1 or 2 threads, alone or batched with other rows: streamed equals resident on that."""
     n, k = 256, 512
