@@ -10,7 +10,9 @@ quantize MODEL --bits 4 --dense int4`), every expert resident:
 
 Pairing cancels this VM's drift (its speed moves by a third within minutes); each figure is the median over
 tokens of one configuration's step time, and the median of the per-token differences. Also the dispatched torch
-ops of one decode token with everything on (TorchDispatchMode: the calls Python makes, not their sub-ops).
+ops of one decode token with everything on (TorchDispatchMode: the calls Python makes, not their sub-ops), and the
+floor: a decode step with the native products (`linear`, `moe_layer`) replaced by zeros of their shape, i.e. what
+a token costs besides the weight arithmetic (transformers' modules, attention, the cache's bookkeeping, Python).
 
     .venv/bin/python benchmarks/decode_steps.py .work/bench-models/olmoe-8l-q4k-d4 --tokens 400 \\
         --out benchmarks/results/decode-steps-olmoe8.json
@@ -124,6 +126,32 @@ def dispatched_ops(model, prompt, tokens: int = 4) -> float:
     return count.calls / tokens
 
 
+def floor(model, prompt, tokens: int) -> dict:
+    """Step times with the products answered by zeros (the weights never read), against the real ones, paired."""
+    from weightstream.engine import native
+
+    real = native.linear, native.moe_layer
+
+    def use(fake: bool) -> None:
+        if fake:
+            native.linear = lambda x, w, wtype, n, k, bias: x.new_zeros(*x.shape[:-1], n)
+            native.moe_layer = lambda x, *args, into=None: None if into is not None else torch.zeros_like(x)
+        else:
+            native.linear, native.moe_layer = real
+
+    times = {"products": [], "zeros": []}
+    try:
+        cache = engine_cache(model, prompt.shape[1] + tokens + 1)
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(tokens):
+            use(i % 2 == 1)
+            token, dt = _step(model, token, cache, prompt.shape[1] + i)
+            times["zeros" if i % 2 else "products"].append(dt)
+    finally:
+        use(False)
+    return {"median_ms": {name: 1000 * statistics.median(t) for name, t in times.items()}, "tokens": tokens}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint whose dense weights are GGML blocks (quantize --dense int4|int8)")
@@ -141,6 +169,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
                 "fused": model.weightstream.fused,
                 "dispatched_ops_per_token": dispatched_ops(model, prompt),
+                "floor_without_products": floor(model, prompt, 64),
                 "fused_vs_transformers": fused_pair(model, prompt, args.tokens),
                 "engine_kv_vs_dynamic_cache": kv_pair(model, prompt, args.tokens),
             }
