@@ -94,23 +94,18 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
-// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words: scales bytes
-// 0-7 of words[0..1], mins of words[2..3].
-inline void scale_min_words_k4(const uint8_t* q, uint32_t* out) {
+// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words.
+inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
   uint32_t w[3];
   std::memcpy(w, q, 12);
   const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
-  out[0] = w[0] & low6;
-  out[1] = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
-  out[2] = w[1] & low6;
-  out[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
-}
-
-inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  uint32_t words[4];
-  scale_min_words_k4(q, words);
-  std::memcpy(sc, words, 8);
-  std::memcpy(m, words + 2, 8);
+  const uint32_t s0 = w[0] & low6, m0 = w[1] & low6;
+  const uint32_t s1 = (w[2] & low4) | (((w[0] >> 6) & two) << 4);
+  const uint32_t m1 = ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4);
+  std::memcpy(sc, &s0, 4);
+  std::memcpy(sc + 4, &s1, 4);
+  std::memcpy(m, &m0, 4);
+  std::memcpy(m + 4, &m1, 4);
 }
 
 // Activations of one row quantized: K / ablock scales, K / 32 sums.
@@ -293,7 +288,7 @@ WS_AVX2_INLINE __m256i broadcast_i16(__m256i v, int i) {
   return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8))));
 }
 
-// A Q4_K block's 8 scales and 8 mins as int16, scales in both 128-bit halves: scale_min_words_k4's arithmetic on
+// A Q4_K block's 8 scales and 8 mins as int16, scales in both 128-bit halves: scales_mins_k4's arithmetic on
 // the 12 bytes in a vector register (the 4 bytes loaded after them are the block's own and unused).
 WS_AVX2_INLINE void scales_mins_k4_avx2(const uint8_t* q, __m256i& scales, __m128i& mins) {
   const __m128i w = _mm_loadu_si128((const __m128i*)q);                          // w0, w1, w2, -
@@ -497,28 +492,30 @@ void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t w
 }
 
 // y (M, N) float32 = x (M, K) times W^T, W the N x K matrix the blocks encode.
-at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
+// y (..., N) float32 = x (..., K) times W^T, W the N x K matrix the blocks encode; x of any float dtype.
+at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
   check_weights(w, wtype, n, k);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "weightstream qmm: x must be (rows, ", k, ")");
-  path = resolve_path(path);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({x.size(0), n}, at::kFloat);
-  qmm_into(x.data_ptr<float>(), x.size(0), k, w.data_ptr<uint8_t>(), wtype, n, y.data_ptr<float>(), path);
+  std::vector<int64_t> sizes = x_in.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, at::kFloat);
+  qmm_into(x.data_ptr<float>(), x.numel() / k, k, w.data_ptr<uint8_t>(), wtype, n, y.data_ptr<float>(),
+           resolve_path(path));
   return y;
+}
+
+// y (M, N) float32 = x (M, K) times W^T.
+at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "weightstream qmm: x must be (rows, ", k, ")");
+  return product(x_in, w, wtype, n, k, path);
 }
 
 // A dense Linear in one call: y (..., N) in x's dtype = x (..., K) times W^T, plus bias (in x's dtype, after the
 // product is rounded to it, as `y.to(dtype) + bias` would); the decode step of `NativeLinear`.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k,
                   const std::optional<at::Tensor>& bias) {
-  check_weights(w, wtype, n, k);
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == k, "weightstream linear: x must be (..., ", k, ")");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  std::vector<int64_t> sizes = x_in.sizes().vec();
-  sizes.back() = n;
-  at::Tensor y = at::empty(sizes, at::kFloat);
-  qmm_into(x.data_ptr<float>(), x.numel() / k, k, w.data_ptr<uint8_t>(), wtype, n, y.data_ptr<float>(),
-           resolve_path(0));
+  at::Tensor y = product(x_in, w, wtype, n, k, 0);
   if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -84,11 +84,11 @@ def fuse_dense_ops(model: torch.nn.Module) -> list[str]:
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         modeling = sys.modules.get(module_name)
         original = getattr(modeling, "apply_rotary_pos_emb", None)
-        if isinstance(original, NativeRotary):
-            fused.add(f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
-        elif callable(original) and _rope_proves(original):
+        if not isinstance(original, NativeRotary):  # another model of this architecture replaced it already
+            if not (callable(original) and _rope_proves(original)):
+                continue
             modeling.apply_rotary_pos_emb = NativeRotary(original)
-            fused.add(f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
+        fused.add(f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
     return sorted(fused)
 
 
