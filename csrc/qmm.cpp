@@ -11,6 +11,9 @@
 //     w = d sc q - dmin m
 //   Q6_K (210 bytes / 256): 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (one per 16), fp16 d;
 //     w = d sc (q - 32)
+//   BF16 (64 bytes / 32):  32 bfloat16 values, the upper halves of float32s. Not quantized: its activations stay
+//     float32 and each weight meets its value in a float fused multiply-add (4 sets of 8 lanes, 8 elements into
+//     set (i / 8) % 4), so a bf16 checkpoint runs on these kernels at 2 bytes a weight.
 // Activations: per block of 32 values (256 for the K types), dx = max|x| / 127, qx = round(x / dx) in -127..127,
 // and per 32 values sx = sum of qx. K types sum each super-block in integers (sub-block scales are integers), so
 // a super-block of 256 costs one float multiply-add.
@@ -38,7 +41,7 @@
 
 namespace {
 
-enum WType : int64_t { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14 };  // GGML's type ids
+enum WType : int64_t { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14, BF16 = 30 };  // GGML's type ids
 
 struct Format {
   int64_t block;  // elements per block
@@ -52,6 +55,7 @@ Format format_of(int64_t wtype) {
     case Q4_1: return {32, 20};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
+    case BF16: return {32, 64};
   }
   TORCH_CHECK(false, "weightstream qmm: unknown weight type ", wtype);
 }
@@ -113,6 +117,7 @@ struct QAct {
   const int8_t* q;   // K values
   const float* d;    // one scale per activation block (32, or 256 for K types)
   const int16_t* s;  // one sum of q per 32 (at most 32 x 127 in size: int16, which the AVX2 Q4_K min term takes)
+  const float* f;    // BF16 weights: the K values themselves, not quantized
 };
 
 void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
@@ -172,7 +177,31 @@ inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 element
   }
 }
 
+inline float bf16(const uint8_t* p) {
+  const uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The BF16 sum both paths share: set (i / 8) % 4, lane i % 8 of element i, then the sets and lanes in a fixed tree.
+inline float total_bf16(const float (&lane)[4][8]) {
+  float l[8];
+  for (int i = 0; i < 8; i++) l[i] = (lane[0][i] + lane[1][i]) + (lane[2][i] + lane[3][i]);
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+float dot_bf16_portable(const uint8_t* row, const float* x, int64_t k) {
+  float lane[4][8] = {};
+  for (int64_t i = 0; i < k; i++) {
+    float& acc = lane[(i / 8) % 4][i % 8];
+    acc = std::fma(bf16(row + 2 * i), x[i], acc);
+  }
+  return total_bf16(lane);
+}
+
 float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
+  if (wtype == BF16) return dot_bf16_portable(row, a.f, k);
   Acc acc;
   int32_t lanes[8];
   uint8_t u[32];
@@ -401,8 +430,32 @@ WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t
   }
 }
 
+WS_AVX2_INLINE __m256 bf16x8(const uint8_t* p) {  // 8 bfloat16 values widened to float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+WS_AVX2 float dot_bf16_avx2(const uint8_t* row, const float* x, int64_t k) {
+  // four named accumulators, not an array: an indexed array of vectors may be kept in memory, and every
+  // multiply-add then waits on a store and a load
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+  __m256 acc3 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32, row += 64) {
+    acc0 = _mm256_fmadd_ps(bf16x8(row), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(bf16x8(row + 16), _mm256_loadu_ps(x + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(bf16x8(row + 32), _mm256_loadu_ps(x + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(bf16x8(row + 48), _mm256_loadu_ps(x + i + 24), acc3);
+  }
+  float lane[4][8];
+  _mm256_storeu_ps(lane[0], acc0);
+  _mm256_storeu_ps(lane[1], acc1);
+  _mm256_storeu_ps(lane[2], acc2);
+  _mm256_storeu_ps(lane[3], acc3);
+  return total_bf16(lane);
+}
+
 WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
   switch (wtype) {
+    case BF16: return dot_bf16_avx2(row, a.f, k);
     case Q8_0: return dot_blocks<32, 34, block_q8_0>(row, a, k);
     case Q4_0: return dot_blocks<32, 18, block_q4_01<18>>(row, a, k);
     case Q4_1: return dot_blocks<32, 20, block_q4_01<20>>(row, a, k);
@@ -443,8 +496,13 @@ struct QRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s;
+  std::vector<float> f;  // BF16 weights: the rows as they are
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
+    if (wtype == BF16) {
+      f.assign(x, x + m * k);
+      return;
+    }
     const int64_t ablock = act_block(wtype);
     blocks = k / ablock;
     sums = k / 32;
@@ -464,7 +522,10 @@ struct QRows {
       quantize_row(x + r * k, k, ablock, qr, dr, sr);
     }
   }
-  QAct row(int64_t r) const { return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums}; }
+  QAct row(int64_t r) const {
+    if (!f.empty()) return {nullptr, nullptr, nullptr, f.data() + r * k};
+    return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums, nullptr};
+  }
 };
 
 inline float dot(int64_t path, int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
@@ -715,7 +776,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) 
       const uint8_t* row = wp + j * row_bytes;
       float* o = op + j * k;
       for (int64_t b = 0; b < k / f.block; b++, row += f.bytes, o += f.block) {
-        if (wtype == Q8_0) {
+        if (wtype == BF16) {
+          for (int i = 0; i < 32; i++) o[i] = bf16(row + 2 * i);
+        } else if (wtype == Q8_0) {
           const float d = fp16(row);
           for (int i = 0; i < 32; i++) o[i] = d * (float)((const int8_t*)(row + 2))[i];
         } else if (wtype == Q4_0 || wtype == Q4_1) {

@@ -18,11 +18,19 @@ def register(sub) -> None:
         "model directory that generate, bench, trace record, simulate and serve take as they are. It streams: one "
         "expert at a time, never the whole model in memory; the output appears only when complete.",
         epilog="examples:\n  weightstream quantize models/olmoe --bits 4 --out models/olmoe-int4\n"
-        "  weightstream quantize models/olmoe --bits 8 --out models/olmoe-int8 --force",
+        "  weightstream quantize models/olmoe --bits 8 --out models/olmoe-int8 --force\n"
+        "  weightstream quantize models/olmoe --bits 16 --dense bf16 --out models/olmoe-bf16-native",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8 or 4 bits per expert weight")
+    p.add_argument(
+        "--bits",
+        type=int,
+        required=True,
+        choices=(8, 4, 16),
+        help="8 or 4 bits per expert weight; 16: bf16 experts, not quantized, on the native kernels (with --dense "
+        "bf16, a bf16 model that runs every product natively)",
+    )
     p.add_argument(
         "--kernel",
         choices=("auto", "native", "torch"),
@@ -33,11 +41,11 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--dense",
-        choices=("keep", "int8", "int4"),
+        choices=("keep", "int8", "int4", "bf16"),
         default="keep",
         help="also quantize the dense linear weights (attention, shared experts, dense MLPs, an untied output "
-        "head; never the router, norms or embeddings) for the native kernels: int8 (Q8_0) or int4 (Q4_K, or Q4_1). "
-        "Default keep: their source precision",
+        "head; never the router, norms or embeddings) for the native kernels: int8 (Q8_0), int4 (Q4_K, or Q4_1) or "
+        "bf16 (not quantized). Default keep: their source precision, run by torch",
     )
     p.add_argument(
         "--group-size",
@@ -58,7 +66,8 @@ def run(args) -> int:
     from weightstream.commands.progress import byte_progress
     from weightstream.store.quantize import quantize_checkpoint
 
-    with byte_progress(f"quantizing {args.model} to int{args.bits}") as progress:
+    target = "bf16 blocks" if args.bits == 16 else f"int{args.bits}"
+    with byte_progress(f"quantizing {args.model} to {target}") as progress:
         result = quantize_checkpoint(
             args.model, args.out, args.bits, args.group_size, args.force, progress, args.kernel, args.dense
         )

@@ -1,7 +1,8 @@
 """weightstream's native CPU kernels (csrc/, built by pip as the extension `weightstream._native`).
 
 Products of weights in GGML's block formats (the byte layouts GGUF files store: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
-with activations quantized to int8 in blocks of 32, summed in integers: an AVX2 path and a portable path that is
+with activations quantized to int8 in blocks of 32, summed in integers, and of bf16 weights with float32
+activations (BF16, summed in float32 fused multiply-adds): an AVX2 path and a portable path that is
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
 count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.linear`, `.dequantize`, per MoE
 layer `.moe_layer`, `.moe_contribute`, `.moe_sum`, and the float32 steps between products, `.rms_norm` and `.rope`:
@@ -19,7 +20,7 @@ import sys
 import torch
 
 # GGML's type ids, as the C++ ops take them (block sizes: store.quant_format.BLOCK_TYPES)
-TYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+TYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 PATHS = {"auto": 0, "portable": 1, "avx2": 2}
 
 _module = None

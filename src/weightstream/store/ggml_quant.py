@@ -4,7 +4,8 @@ Each takes a float matrix (N, K) and returns uint8 (N, row bytes): every row its
 GGUF file stores them, so a weight quantized here and a weight imported from a GGUF are the same kind of thing.
 Formats (docs/kernels.md): Q8_0 (fp16 scale per 32, int8), Q4_0 (fp16 scale per 32, 4-bit codes around 8),
 Q4_1 (fp16 scale and minimum per 32, 4-bit codes), Q4_K (per 256: fp16 scale and min of scales, 6-bit scale and
-min per 32, 4-bit codes), Q6_K (per 256: fp16 scale, int8 scale per 16, 6-bit codes).
+min per 32, 4-bit codes), Q6_K (per 256: fp16 scale, int8 scale per 16, 6-bit codes); and BF16, the weights as
+bfloat16, which the kernels multiply by float32 activations.
 """
 
 from __future__ import annotations
@@ -97,7 +98,13 @@ def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
+def encode_bf16(w: torch.Tensor) -> torch.Tensor:
+    """Not quantized: each weight rounded to bfloat16 (exact for a bf16 source), its two bytes little-endian."""
+    return w.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(w.shape[0], -1)
+
+
 ENCODERS = {
+    "BF16": encode_bf16,
     "Q8_0": quantize_q8_0,
     "Q4_0": quantize_q4_0,
     "Q4_1": quantize_q4_1,

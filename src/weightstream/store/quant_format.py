@@ -33,12 +33,20 @@ GGML_SCHEMES = {
     "q8_0": ("Q8_0",),
     "q4_1": ("Q4_1", "Q4_0", "Q8_0"),
     "q4_k": ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0"),
+    "bf16": ("BF16",),  # not quantized: bf16 weights on the native kernels (float32 activations)
 }
 SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
 BLOB_ALIGN = 64
 # the dtypes a blob's tensors may have (names as torch spells them), and GGML block types (rows of blocks)
 DTYPES = {name: from_torch_name(name) for name in ("bfloat16", "float16", "float32", "int8", "uint8")}
-BLOCK_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCK_TYPES = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+    "BF16": (32, 64),
+}
 
 
 def row_bytes(wtype: str, k: int) -> int:

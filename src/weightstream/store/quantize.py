@@ -48,7 +48,8 @@ from weightstream.store.safetensors_writer import SafetensorsWriter
 
 DEFAULT_GROUP = 128  # torch int4: see docs/quantization.md for the measured choice
 KERNELS = ("auto", "native", "torch")
-DENSE_CHOICES = ("keep", "int8", "int4")
+DENSE_CHOICES = ("keep", "int8", "int4", "bf16")
+DENSE_TYPES = {"int8": "Q8_0", "bf16": "BF16"}  # int4: Q4_K where inputs are whole super-blocks of 256, else Q4_1
 # Linear modules that stay in the source precision under --dense: routers (a wrong expert is a different model)
 KEEP_DENSE = ("gate", "router", "shared_expert_gate")
 
@@ -79,7 +80,7 @@ def dense_plan(mapped, bits: str) -> dict[str, tuple[str, tuple[int, int]]]:
         n, k = module.out_features, module.in_features
         if f"{path}.weight" not in mapped.layout.dense or k % 32:
             continue
-        wtype = "Q8_0" if bits == "int8" else ("Q4_K" if k % 256 == 0 else "Q4_1")
+        wtype = DENSE_TYPES.get(bits) or ("Q4_K" if k % 256 == 0 else "Q4_1")
         plan[mapped.layout.dense[f"{path}.weight"].name] = (wtype, (n, k))  # by the name in the checkpoint
     return plan
 
@@ -153,7 +154,8 @@ def _check_shapes(shapes: dict[str, tuple[int, int]], scheme: str, group: int | 
     else:
         need = f"{n} x {k}; int4 with groups of {group} needs inputs divisible by the group and outputs by 16"
     if scheme in GGML_SCHEMES:
-        works = ["--kernel torch"] if all(k % 16 == 0 for _, k in shapes.values()) else []
+        torch_fits = scheme != "bf16" and all(k % 16 == 0 for _, k in shapes.values())
+        works = ["--kernel torch"] if torch_fits else []
     else:
         groups = [g for g in INT4_GROUPS if all(_fits("int4", g, *s) for s in shapes.values())]
         works = [f"--bits 4 --group-size {max(groups)}"] if groups else []
@@ -207,14 +209,19 @@ def quantize_checkpoint(
     """Write `out`: `src` with every routed expert quantized to `bits`.
 
     `kernel` decides the format: `native` stores GGML blocks the native kernels run (8 bits: Q8_0; 4 bits: Q4_K,
-    or Q4_1 where an input size is not whole super-blocks of 256); `torch` stores torch's packed layouts (8 bits:
-    one scale per output channel; 4 bits: groups of `group_size`); `auto` is native where the native kernels are
-    built and no `group_size` is given, else torch. `dense` (`keep`, `int8`, `int4`) quantizes the dense linear
-    weights too (attention, shared experts, dense MLPs, an untied output head; not the router, norms or
-    embeddings) into the same block formats, for the native kernels."""
+    or Q4_1 where an input size is not whole super-blocks of 256; 16 bits: BF16, the weights as bfloat16, not
+    quantized); `torch` stores torch's packed layouts (8 bits: one scale per output channel; 4 bits: groups of
+    `group_size`); `auto` is native where the native kernels are built and no `group_size` is given, else torch.
+    `dense` (`keep`, `int8`, `int4`, `bf16`) stores the dense linear weights too (attention, shared experts, dense
+    MLPs, an untied output head; not the router, norms or embeddings) in the same block formats, for the native
+    kernels."""
     start = time.perf_counter()
-    if bits not in (8, 4):
-        raise WeightstreamError(f"--bits {bits}: choose 8 or 4")
+    if bits not in (8, 4, 16):
+        raise WeightstreamError(f"--bits {bits}: choose 8, 4 or 16")
+    if bits == 16 and (kernel == "torch" or group_size is not None):
+        raise WeightstreamError("--bits 16 stores bf16 experts for the native kernels; drop --kernel torch")
+    if bits == 16 and not native.available():
+        raise WeightstreamError(f"--bits 16: the native kernels are not available here ({native.why_not()})")
     if kernel not in KERNELS:
         raise WeightstreamError(f"--kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     if kernel == "native" and group_size is not None:
@@ -230,7 +237,7 @@ def quantize_checkpoint(
     if kernel == "native" and not native.available():
         raise WeightstreamError(f"--kernel native: the native kernels are not available here ({native.why_not()})")
     use_torch = kernel == "torch" or group_size is not None or (kernel == "auto" and not native.available())
-    scheme = ("int8" if bits == 8 else "int4") if use_torch else ("q8_0" if bits == 8 else None)
+    scheme = ("int8" if bits == 8 else "int4") if use_torch else {8: "q8_0", 16: "bf16"}.get(bits)
     group = DEFAULT_GROUP if group_size is None else group_size
     if scheme == "int4" and group not in INT4_GROUPS:
         raise WeightstreamError(
