@@ -197,6 +197,12 @@ def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_pa
         ),
         (("quantize", narrow, "--bits", "8", "--out", str(tmp_path / "e")), "q8_0 needs inputs in whole blocks of 32"),
         (("quantize", src, "--bits", "4", "--kernel", "cuda", "--out", str(tmp_path / "f")), "invalid choice"),
+        (("quantize", src, "--bits", "16", "--kernel", "torch", "--out", str(tmp_path / "g")), "drop --kernel torch"),
+        (
+            ("quantize", narrow, "--bits", "16", "--out", str(tmp_path / "h")),
+            "bf16 needs inputs in whole blocks of 32 (run the checkpoint as it is",
+        ),
+        (("quantize", src, "--bits", "8", "--dense", "fp8", "--out", str(tmp_path / "i")), "invalid choice"),
         (("quantize", src, "--bits", "8", "--out", str(a_file)), "exists and is a file"),
         (("quantize", src, "--bits", "8", "--out", str(a_file), "--force"), "exists and is a file"),
         (("quantize", src, "--bits", "8", "--out", str(existing), "--force"), "weightstream did not write it"),

@@ -160,11 +160,12 @@ def _check_shapes(shapes: dict[str, tuple[int, int]], scheme: str, group: int | 
         groups = [g for g in INT4_GROUPS if all(_fits("int4", g, *s) for s in shapes.values())]
         works = [f"--bits 4 --group-size {max(groups)}"] if groups else []
         works += ["--bits 8"] if scheme != "int8" and all(_fits("int8", None, *s) for s in shapes.values()) else []
-    hint = (
-        f"use {' or '.join(works)}"
-        if works
-        else "no int8 or int4 scheme fits these experts' shapes; keep them in their own precision"
-    )
+    if works:
+        hint = f"use {' or '.join(works)}"
+    elif scheme == "bf16":
+        hint = "run the checkpoint as it is: eager bf16 needs no conversion"
+    else:
+        hint = "no int8 or int4 scheme fits these experts' shapes; keep them in their own precision"
     raise WeightstreamError(f"expert weight {name} is {need} ({hint})")
 
 
