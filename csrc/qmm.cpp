@@ -496,11 +496,11 @@ struct QRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s;
-  std::vector<float> f;  // BF16 weights: the rows as they are
+  const float* f = nullptr;  // BF16 weights: the caller's rows as they are (they outlive this)
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
     if (wtype == BF16) {
-      f.assign(x, x + m * k);
+      f = x;
       return;
     }
     const int64_t ablock = act_block(wtype);
@@ -523,7 +523,7 @@ struct QRows {
     }
   }
   QAct row(int64_t r) const {
-    if (!f.empty()) return {nullptr, nullptr, nullptr, f.data() + r * k};
+    if (f != nullptr) return {nullptr, nullptr, nullptr, f + r * k};
     return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums, nullptr};
   }
 };
@@ -552,7 +552,6 @@ void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t w
   });
 }
 
-// y (M, N) float32 = x (M, K) times W^T, W the N x K matrix the blocks encode.
 // y (..., N) float32 = x (..., K) times W^T, W the N x K matrix the blocks encode; x of any float dtype.
 at::Tensor product(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k, int64_t path) {
   check_weights(w, wtype, n, k);
