@@ -1,11 +1,18 @@
 """The engine's KV cache (engine/kv_cache.py) against transformers' DynamicCache: same keys and values, same
-generations, in place of concatenation."""
+generations, in place of concatenation; and a model that builds a cache of its own (MiniMax) streams with it."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from weightstream.engine.kv_cache import GrowingLayer, engine_cache, quiet_cache_kwarg
+from weightstream.engine.generate import generate
+from weightstream.engine.kv_cache import GrowingLayer, engine_cache, quiet_cache_kwarg, takes_dynamic_cache
+from weightstream.engine.loader import load_streaming_model
+from weightstream.engine.serve.metrics import ServeMetrics
+from weightstream.engine.serve.service import ModelService, ServeSettings
+from weightstream.errors import WeightstreamError
+from weightstream.store.synth import DTYPES, synthesize
 
 
 def _states(gen, positions, heads=2, dim=4):
@@ -58,3 +65,79 @@ def test_a_generation_with_it_equals_one_with_dynamic_cache(tiny_model):
     assert torch.equal(tokens, want_tokens)
     assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True))
     assert all(type(layer) is GrowingLayer for layer in engine_cache(model, 4).layers)
+
+
+# Every MoE architecture of the installed transformers whose experts go through `@use_experts_implementation` and
+# whose model builds a cache of its own (transformers' `_supports_default_dynamic_cache()` is False): a tiny config
+# of each, with both kinds of layer.
+OWN_CACHE = {
+    "minimax": dict(
+        model_type="minimax",
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        block_size=4,  # the 8-position prompt spans linear attention's blocks
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        num_key_value_heads=2,
+    ),
+}
+_TINY = dict(
+    hidden_size=64, num_attention_heads=4, head_dim=16, vocab_size=512, max_position_embeddings=512,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _own_cache_architectures() -> set[str]:
+    import importlib
+    import inspect
+    import pathlib
+
+    import transformers
+
+    found = set()
+    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
+        if "@use_experts_implementation" not in path.read_text():
+            continue
+        module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and name.endswith("ForCausalLM") and not cls._supports_default_dynamic_cache():
+                found.add(path.parent.name)
+    return found
+
+
+def test_every_moe_architecture_with_a_cache_of_its_own_is_checked():
+    """A transformers that adds one fails here until OWN_CACHE has its tiny config."""
+    assert _own_cache_architectures() == set(OWN_CACHE)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", sorted(OWN_CACHE))
+def test_a_model_with_a_cache_of_its_own_streams_token_exact(tmp_path, arch, dtype):
+    """The engine hands such a model no cache (it raises on a DynamicCache): `generate` streams it with its own and
+    gets the in-memory model's greedy tokens; serve, which holds every sequence in a DynamicCache, refuses it at
+    load in one line."""
+    model_dir = str(tmp_path / arch)
+    synthesize(model_dir, {**_TINY, **OWN_CACHE[arch]}, dtype=dtype, seed=1)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], experts_implementation="eager")
+    assert not takes_dynamic_cache(ref) and engine_cache(ref, 8) is None
+    prompt = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
+    with torch.inference_mode():
+        want = ref.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert len(want) == 12
+    for size in ("1x", "100x"):
+        model = load_streaming_model(model_dir, expert_cache=size, io_threads=2)
+        try:
+            new, stats = generate(model, prompt, 12)
+        finally:
+            model.weightstream.close()
+        assert new[0].tolist() == want, (arch, dtype, size)
+        assert stats.expert_misses > 0
+    service = ModelService(ServeSettings(model_dir), ServeMetrics())
+    with pytest.raises(WeightstreamError, match="keeps a cache of its own"):
+        service.load()
+
+
+def test_a_model_that_takes_a_dynamic_cache_still_gets_the_engines(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3_moe"))
+    assert takes_dynamic_cache(model) and isinstance(engine_cache(model, 8), DynamicCache)

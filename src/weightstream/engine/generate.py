@@ -82,7 +82,7 @@ def generate(
     clock = _StepClock(snap)
     start = snap()
     if "past_key_values" not in kwargs:  # written in place, not concatenated every step (engine/kv_cache.py)
-        kwargs["past_key_values"] = engine_cache(model, input_ids.shape[1] + max_new_tokens)
+        kwargs["past_key_values"] = engine_cache(model, input_ids.shape[1] + max_new_tokens)  # None: its own
     with torch.inference_mode(), quiet_cache_kwarg():
         out = model.generate(
             input_ids,

@@ -9,6 +9,7 @@ positions, so attention still sees exactly the cached positions (scaled_dot_prod
 on these views as on contiguous copies: tests/test_engine_exact.py compares the engine with transformers'
 in-memory model token for token and logit for logit). Past the hint, or after transformers reassigns `keys`
 (crop, beam reordering), the layer re-allocates from what it holds. Sliding-window layers stay transformers'.
+A model whose transformers class builds a cache of its own (MiniMax) raises on any other, so it gets none from here.
 """
 
 from __future__ import annotations
@@ -70,9 +71,18 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def engine_cache(model, tokens: int) -> DynamicCache:
+def takes_dynamic_cache(model) -> bool:
+    """Whether the model runs on a DynamicCache it is handed: transformers' own test before `generate` builds one
+    (False for MiniMax, whose forward refuses any cache but its MiniMaxCache of linear-attention state)."""
+    return model._supports_default_dynamic_cache()
+
+
+def engine_cache(model, tokens: int) -> DynamicCache | None:
     """A DynamicCache for one generation of `tokens` positions in all (prompt and new tokens), its full-attention
-    layers GrowingLayer."""
+    layers GrowingLayer; None for a model that builds a cache of its own (`takes_dynamic_cache`), which `generate`
+    then lets it build, as it ran before this cache existed."""
+    if not takes_dynamic_cache(model):
+        return None
     cache = DynamicCache(config=model.config)
     cache.layers = [GrowingLayer(tokens) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache

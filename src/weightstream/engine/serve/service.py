@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import DynamicCache
 
+from weightstream.engine.kv_cache import takes_dynamic_cache
 from weightstream.engine.serve.batch import batchable
 from weightstream.engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
@@ -136,6 +137,11 @@ class ModelService:
         if s.max_model_len is not None and s.max_model_len > limit:
             raise WeightstreamError(f"--max-model-len {s.max_model_len}: this model's positions end at {limit}")
         self.max_model_len = s.max_model_len or limit
+        if not takes_dynamic_cache(model):  # the scheduler holds, pads and measures each sequence's DynamicCache
+            raise WeightstreamError(
+                f"{model.config.model_type}: its transformers model keeps a cache of its own, not the DynamicCache "
+                "serve holds each sequence's KV in; `weightstream generate` runs it"
+            )
         self.kv_bytes_per_token = self._warm_up()
         if s.kv_budget_bytes < 2 * self.kv_bytes_per_token:
             raise WeightstreamError(
