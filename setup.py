@@ -3,7 +3,7 @@
 pyproject.toml holds the package's metadata; this file only adds the extension. It needs the torch it will run
 with at build time, so install with `pip install --no-build-isolation` after torch (the Makefile does). Without
 torch, or when the compiler fails, the package installs without the extension and weightstream runs torch's own
-kernels, saying so once (`weightstream.engine.native`).
+kernels, saying so once (`weightstream.native`).
 """
 
 import sys

@@ -128,7 +128,7 @@ def dispatched_ops(model, prompt, tokens: int = 4) -> float:
 
 def floor(model, prompt, tokens: int) -> dict:
     """Step times with the products answered by zeros (the weights never read), against the real ones, paired."""
-    from weightstream.engine import native
+    from weightstream import native
 
     real = native.linear, native.moe_layer
 

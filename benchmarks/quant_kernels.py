@@ -5,7 +5,7 @@ memory bandwidth.
 For each weight shape of the model (gate_up and down of one expert, or one square matrix with --square N) and each
 row count M (1 = batch-1 decode, more = prefill or batched serving): bf16 F.linear (the unquantized baseline),
 int8 through `_weight_int8pack_mm`, int4 through `_weight_int4pack_mm_for_cpu` per group size, the native kernels
-on GGML blocks (Q8_0, Q4_K, Q4_1: engine/native.py), and each dequantized then F.linear. Medians of many calls, in
+on GGML blocks (Q8_0, Q4_K, Q4_1: native.py), and each dequantized then F.linear. Medians of many calls, in
 one process, on this machine's threads. Prints JSON with the crossover row counts and, at M = 1, each route's
 weight bytes per second against the machine's read bandwidth (a float32 sum of 1 GiB). Examples:
 
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.quant import (
     dequantize_int4,

@@ -1,22 +1,19 @@
-// Quantized-weight products for CPU decode: weights in GGML's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: the
-// byte layouts GGUF files store), activations quantized to int8 in blocks of 32, products summed in integers.
+// Quantized-weight products for CPU decode: weights in GGML's block formats (the byte layouts GGUF files store),
+// activations quantized to int8 in blocks of 32 (256 for the K types), products summed in integers.
 //
-// Written from the formats' arithmetic (docs/kernels.md):
-//   Q8_0 (34 bytes / 32):  fp16 d, int8 q[32]                       w = d q
-//   Q4_0 (18 bytes / 32):  fp16 d, 16 bytes of nibbles              w = d (q - 8)
-//   Q4_1 (20 bytes / 32):  fp16 d, fp16 m, 16 bytes of nibbles      w = d q + m
-//     nibbles: element j < 16 is the low nibble of byte j, element j + 16 its high nibble
-//   Q4_K (144 bytes / 256): fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32, 128 bytes of
-//     nibbles: 64-element chunk c holds sub-block 2c in the low nibbles of its 32 bytes, 2c + 1 in the high ones;
-//     w = d sc q - dmin m
-//   Q6_K (210 bytes / 256): 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (one per 16), fp16 d;
-//     w = d sc (q - 32)
-//   BF16 (64 bytes / 32):  32 bfloat16 values, the upper halves of float32s. Not quantized: its activations stay
-//     float32 and each weight meets its value in a float fused multiply-add (4 sets of 8 lanes, 8 elements into
-//     set (i / 8) % 4), so a bf16 checkpoint runs on these kernels at 2 bytes a weight.
+// Each block type is defined once, in its own struct below (written from the formats' arithmetic, docs/kernels.md):
+//   T::Block      its bytes, field by field (sizeof checked against GGML's size at compile time)
+//   T::id         GGML's type id; T::name; T::elements per block; T::act, the activation block it meets
+//   T::dot        the portable path, the reference: one block into the accumulators
+//   T::dot_avx2   the same arithmetic on AVX2, bitwise equal
+//   T::dequantize one block to float32, bitwise as the `gguf` package's decoder
+// and listed once in WS_TYPES; everything else (row sizes, checks, dispatch, the table Python checks itself against
+// at load: native.py) is derived from those. Adding a type is its struct and its line in WS_TYPES.
+//
 // Activations: per block of 32 values (256 for the K types), dx = max|x| / 127, qx = round(x / dx) in -127..127,
 // and per 32 values sx = sum of qx. K types sum each super-block in integers (sub-block scales are integers), so
-// a super-block of 256 costs one float multiply-add.
+// a super-block of 256 costs one float multiply-add (two with a min term). BF16 is not quantized: its activations
+// stay float32 and each weight meets its value in a float fused multiply-add.
 //
 // Determinism: each output element is computed by one thread, in one order, whatever the thread count. The AVX2
 // path and the portable path give bitwise the same result: integer block sums are exact, and the float arithmetic
@@ -32,39 +29,19 @@
 #include <cstring>
 #include <algorithm>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define WS_X86 1
+#define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define WS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 #endif
 
 namespace {
 
-enum WType : int64_t { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14, BF16 = 30 };  // GGML's type ids
-
-struct Format {
-  int64_t block;  // elements per block
-  int64_t bytes;  // bytes per block
-};
-
-Format format_of(int64_t wtype) {
-  switch (wtype) {
-    case Q8_0: return {32, 34};
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q4_K: return {256, 144};
-    case Q6_K: return {256, 210};
-    case BF16: return {32, 64};
-  }
-  TORCH_CHECK(false, "weightstream qmm: unknown weight type ", wtype);
-}
-
-// Bytes of one row of k weights (whole blocks) of type wtype.
-int64_t row_bytes_of(int64_t wtype, int64_t k) {
-  const Format f = format_of(wtype);
-  return k / f.block * f.bytes;
-}
+// ---- shared arithmetic ----
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -88,17 +65,14 @@ inline float fp16(const uint8_t* p) {
   return f;
 }
 
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+inline float bf16(const uint8_t* p) {
+  const uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
-// All 8 (scale, min) pairs of a Q4_K super-block at once, from the 12 bytes as three 32-bit words.
+// All 8 (scale, min) pairs of a Q4_K / Q5_K super-block at once, from the 12 bytes as three 32-bit words.
 inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
   uint32_t w[3];
   std::memcpy(w, q, 12);
@@ -112,11 +86,11 @@ inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* m) {
   std::memcpy(m + 4, &m1, 4);
 }
 
-// Activations of one row quantized: K / ablock scales, K / 32 sums.
+// Activations of one row quantized: K / act scales, K / 32 sums.
 struct QAct {
   const int8_t* q;   // K values
   const float* d;    // one scale per activation block (32, or 256 for K types)
-  const int16_t* s;  // one sum of q per 32 (at most 32 x 127 in size: int16, which the AVX2 Q4_K min term takes)
+  const int16_t* s;  // one sum of q per 32 (at most 32 x 127 in size: int16, which the AVX2 min terms take)
   const float* f;    // BF16 weights: the K values themselves, not quantized
 };
 
@@ -137,8 +111,6 @@ void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d
   }
 }
 
-int64_t act_block(int64_t wtype) { return wtype == Q4_K || wtype == Q6_K ? 256 : 32; }
-
 // The accumulation both paths share: two sets of 8 lane accumulators, even blocks into set 0 and odd ones into
 // set 1 (two independent chains of multiply-adds, so the float latency is not the bound), lane l of a 32-element
 // block summing elements 4l..4l+3; and two scalar accumulators for the min / offset terms, the same way.
@@ -153,11 +125,13 @@ struct Acc {
   }
 };
 
-// ---- portable path: the reference ----
-
 inline void lanes_fma(Acc& acc, int64_t b, float f, const int32_t* lanes) {
   float* set = acc.lane[b & 1];
   for (int l = 0; l < 8; l++) set[l] = std::fma(f, (float)lanes[l], set[l]);
+}
+
+inline void rest_fma(Acc& acc, int64_t b, float f, int32_t v) {
+  acc.rest[b & 1] = std::fma(f, (float)v, acc.rest[b & 1]);
 }
 
 // Lane sums of a 32-element block: w (0..255 as unsigned or -128..127 as signed, in int) times qx.
@@ -170,146 +144,53 @@ inline void lane_sums(const W* w, const int8_t* x, int32_t* lanes) {
   }
 }
 
-inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 element order
+// Lane sums of a K super-block's sub-block of 32 whose scales are per 16: lanes 0-3 times s0, lanes 4-7 times s1.
+inline void add_scaled16(int32_t* isum, const int32_t* lanes, int32_t s0, int32_t s1) {
+  for (int l = 0; l < 8; l++) isum[l] += (l < 4 ? s0 : s1) * lanes[l];
+}
+
+inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 / MXFP4 element order
   for (int j = 0; j < 16; j++) {
     out[j] = qs[j] & 0xF;
     out[j + 16] = qs[j] >> 4;
   }
 }
 
-inline float bf16(const uint8_t* p) {
-  const uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// The BF16 sum both paths share: set (i / 8) % 4, lane i % 8 of element i, then the sets and lanes in a fixed tree.
-inline float total_bf16(const float (&lane)[4][8]) {
-  float l[8];
-  for (int i = 0; i < 8; i++) l[i] = (lane[0][i] + lane[1][i]) + (lane[2][i] + lane[3][i]);
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-float dot_bf16_portable(const uint8_t* row, const float* x, int64_t k) {
-  float lane[4][8] = {};
-  for (int64_t i = 0; i < k; i++) {
-    float& acc = lane[(i / 8) % 4][i % 8];
-    acc = std::fma(bf16(row + 2 * i), x[i], acc);
-  }
-  return total_bf16(lane);
-}
-
-float dot_portable(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
-  if (wtype == BF16) return dot_bf16_portable(row, a.f, k);
-  Acc acc;
-  int32_t lanes[8];
-  uint8_t u[32];
-  int8_t sv[32];
-  if (wtype == Q8_0) {
-    for (int64_t b = 0; b < k / 32; b++, row += 34) {
-      lane_sums((const int8_t*)(row + 2), a.q + b * 32, lanes);
-      lanes_fma(acc, b, fp16(row) * a.d[b], lanes);
-    }
-  } else if (wtype == Q4_0 || wtype == Q4_1) {
-    const int64_t bytes = wtype == Q4_0 ? 18 : 20;
-    for (int64_t b = 0; b < k / 32; b++, row += bytes) {
-      nibbles32(row + bytes - 16, u);
-      lane_sums(u, a.q + b * 32, lanes);
-      const float d = fp16(row), dx = a.d[b];
-      lanes_fma(acc, b, d * dx, lanes);
-      const float offset = wtype == Q4_0 ? -8.f * d : fp16(row + 2);  // w = d q + offset
-      acc.rest[b & 1] = std::fma(offset * dx, (float)a.s[b], acc.rest[b & 1]);
-    }
-  } else if (wtype == Q4_K) {
-    for (int64_t b = 0; b < k / 256; b++, row += 144) {
-      const float d = fp16(row), dmin = fp16(row + 2);
-      const uint8_t* scales = row + 4;
-      const uint8_t* qs = row + 16;
-      int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0;
-      uint8_t sc[8], mn[8];
-      scales_mins_k4(scales, sc, mn);
-      for (int sub = 0; sub < 8; sub++) {
-        const uint8_t* chunk = qs + 32 * (sub / 2);
-        for (int l = 0; l < 32; l++) u[l] = sub & 1 ? chunk[l] >> 4 : chunk[l] & 0xF;
-        lane_sums(u, a.q + b * 256 + sub * 32, lanes);
-        for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
-        msum += mn[sub] * a.s[b * 8 + sub];
-      }
-      lanes_fma(acc, b, d * a.d[b], isum);
-      acc.rest[b & 1] = std::fma(-(dmin * a.d[b]), (float)msum, acc.rest[b & 1]);
-    }
-  } else {  // Q6_K
-    for (int64_t b = 0; b < k / 256; b++, row += 210) {
-      const uint8_t* ql = row;
-      const uint8_t* qh = row + 128;
-      const int8_t* sc = (const int8_t*)(row + 192);
-      const float d = fp16(row + 208);
-      int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int sub = 0; sub < 8; sub++) {  // 32 elements each; scales per 16: lanes 0-3 and 4-7
-        const int n = sub / 4, r = sub % 4;  // 128-element half n, quarter r
-        for (int l = 0; l < 32; l++) {
-          const uint8_t byte = ql[64 * n + 32 * (r & 1) + l], lo = r >> 1 ? byte >> 4 : byte & 0xF;
-          const uint8_t hi = (qh[32 * n + l] >> (2 * r)) & 3;
-          sv[l] = (int8_t)((lo | (hi << 4)) - 32);
-        }
-        lane_sums(sv, a.q + b * 256 + sub * 32, lanes);
-        for (int l = 0; l < 8; l++) isum[l] += (int32_t)sc[8 * n + 2 * r + l / 4] * lanes[l];
-      }
-      lanes_fma(acc, b, d * a.d[b], isum);
-    }
-  }
-  return acc.total();
-}
-
-// ---- AVX2 path ----
-
 #ifdef WS_X86
-#define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define WS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-
-WS_AVX2 inline float fp16_hw(const uint8_t* p) {  // the same value as fp16(): the conversion is exact
+WS_AVX2_INLINE float fp16_hw(const uint8_t* p) {  // the same value as fp16(): the conversion is exact
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
 
 // u8 x s8 pair sums, then pairs of those times `mult` (int16): 8 int32, lane l = mult x elements 4l..4l+3
-WS_AVX2 inline __m256i lanes_u8_s8_times(__m256i w, __m256i x, __m256i mult) {
+WS_AVX2_INLINE __m256i lanes_u8_s8_times(__m256i w, __m256i x, __m256i mult) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), mult);
 }
 
-WS_AVX2 inline __m256i lanes_u8_s8(__m256i w, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);                // u8 x s8 -> 16 int16 pair sums
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));           // -> 8 int32: lane l = elements 4l..4l+3
+WS_AVX2_INLINE __m256i lanes_u8_s8(__m256i w, __m256i x) { return lanes_u8_s8_times(w, x, _mm256_set1_epi16(1)); }
+
+WS_AVX2_INLINE __m256i lanes_s8_s8_times(__m256i w, __m256i x, __m256i mult) {
+  return lanes_u8_s8_times(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), mult);  // |w| x sign(w) x
 }
 
-WS_AVX2 inline __m256i lanes_s8_s8(__m256i w, __m256i x) {
-  return lanes_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |w| x sign(w) x
-}
+WS_AVX2_INLINE __m256i lanes_s8_s8(__m256i w, __m256i x) { return lanes_s8_s8_times(w, x, _mm256_set1_epi16(1)); }
 
-WS_AVX2 inline __m256i nibbles32_avx2(const uint8_t* qs) {
+WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {
   const __m128i raw = _mm_loadu_si128((const __m128i*)qs);
   const __m128i mask = _mm_set1_epi8(0xF);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// One block of each type into one (vector, scalar) accumulator pair; the dot runs even blocks into pair 0 and odd
-// ones into pair 1, as the portable path's Acc does.
-WS_AVX2_INLINE void block_q8_0(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
-  const __m256i w = _mm256_loadu_si256((const __m256i*)(row + 2));
-  const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(row) * a.d[b]), _mm256_cvtepi32_ps(lanes_s8_s8(w, x)), acc);
+// int16 multipliers of a sub-block of 32 whose scales are per 16: s0 for elements 0-15, s1 for 16-31
+WS_AVX2_INLINE __m256i per16(int s0, int s1) {
+  return _mm256_setr_m128i(_mm_set1_epi16((short)s0), _mm_set1_epi16((short)s1));
 }
 
-template <int64_t Bytes>  // 18: Q4_0, 20: Q4_1
-WS_AVX2_INLINE void block_q4_01(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
-  const __m256i w = nibbles32_avx2(row + Bytes - 16);
-  const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 32));
-  const float d = fp16_hw(row), dx = a.d[b];
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes_u8_s8(w, x)), acc);
-  const float offset = Bytes == 18 ? -8.f * d : fp16_hw(row + 2);
-  rest = std::fma(offset * dx, (float)a.s[b], rest);
+WS_AVX2_INLINE int32_t hsum_i32(__m256i v) {
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
 }
 
 // int16 element i of each 128-bit half, in all 16 int16 lanes
@@ -317,8 +198,8 @@ WS_AVX2_INLINE __m256i broadcast_i16(__m256i v, int i) {
   return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8))));
 }
 
-// A Q4_K block's 8 scales and 8 mins as int16, scales in both 128-bit halves: scales_mins_k4's arithmetic on
-// the 12 bytes in a vector register (the 4 bytes loaded after them are the block's own and unused).
+// A Q4_K / Q5_K block's 8 scales and 8 mins as int16, scales in both 128-bit halves: scales_mins_k4's arithmetic
+// on the 12 bytes in a vector register (the 4 bytes loaded after them are the block's own and unused).
 WS_AVX2_INLINE void scales_mins_k4_avx2(const uint8_t* q, __m256i& scales, __m128i& mins) {
   const __m128i w = _mm_loadu_si128((const __m128i*)q);                          // w0, w1, w2, -
   const __m128i low6 = _mm_set1_epi32(0x3f3f3f3f), low4 = _mm_set1_epi32(0x0f0f0f0f), two = _mm_set1_epi32(0x03030303);
@@ -331,78 +212,580 @@ WS_AVX2_INLINE void scales_mins_k4_avx2(const uint8_t* q, __m256i& scales, __m12
   mins = _mm256_extracti128_si256(both, 1);
 }
 
-WS_AVX2_INLINE void block_q4_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float& rest) {
-  const __m256i mask = _mm256_set1_epi8(0xF);
-  uint32_t halves;
-  std::memcpy(&halves, row, 4);
-  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));  // d, dmin: exact, as fp16() gives them
-  const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
-  __m256i scales;
-  __m128i mins;
-  scales_mins_k4_avx2(row + 4, scales, mins);
-  const uint8_t* qs = row + 16;
-  const int8_t* xq = a.q + b * 256;
-  __m256i isum = _mm256_setzero_si256();
-  for (int c = 0; c < 4; c++) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c));
-    const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32));
-    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), x0, broadcast_i16(scales, 2 * c)));
-    isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), x1,
-                                                    broadcast_i16(scales, 2 * c + 1)));
-  }
-  // min term: the 8 mins times the 8 sums of qx, in integers (pairs by madd, then the 4 pair sums)
-  const __m128i pairs = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.s + b * 8)));
+// The 8 mins of a Q4_K / Q5_K block times the 8 sums of qx of its sub-blocks, in integers.
+WS_AVX2_INLINE int32_t min_term_k4(__m128i mins, const int16_t* sums) {
+  const __m128i pairs = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)sums));
   const __m128i quad = _mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 0x4e));
-  const int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-  rest = std::fma(-(dmin * a.d[b]), (float)msum, rest);
+  return _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
 }
 
-WS_AVX2_INLINE void block_q6_k(const uint8_t* row, const QAct& a, int64_t b, __m256& acc, float&) {
-  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-  const uint8_t* ql = row;
-  const uint8_t* qh = row + 128;
-  const int8_t* sc = (const int8_t*)(row + 192);
-  const float d = fp16_hw(row + 208);
-  __m256i isum = _mm256_setzero_si256();
-  for (int sub = 0; sub < 8; sub++) {
+WS_AVX2_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+#endif
+
+// ---- the block types ----
+
+struct Q8_0 {  // w = d q
+  static constexpr int64_t id = 8, elements = 32, act = 32;
+  static constexpr const char* name = "Q8_0";
+  struct Block {
+    uint8_t d[2];
+    int8_t qs[32];
+  };
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t lanes[8];
+    lane_sums(x.qs, a.q + b * 32, lanes);
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], lanes);
+  }
+  static void dequantize(const Block& x, float* o) {
+    const float d = fp16(x.d);
+    for (int i = 0; i < 32; i++) o[i] = d * (float)x.qs[i];
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+    const __m256i lanes = lanes_s8_s8(load256(x.qs), load256(a.q + b * 32));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
+  }
+#endif
+};
+
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m): element j < 16 the low nibble of byte j, j + 16 its high nibble.
+struct BlockQ4_0 {
+  uint8_t d[2];
+  uint8_t qs[16];
+};
+struct BlockQ4_1 {
+  uint8_t d[2], m[2];
+  uint8_t qs[16];
+};
+template <typename B, bool WithMin>
+struct Q4_01 {
+  using Block = B;
+  static float offset(const Block& x, float d) {
+    if constexpr (WithMin) return fp16(x.m);
+    return -8.f * d;
+  }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t lanes[8];
+    uint8_t u[32];
+    nibbles32(x.qs, u);
+    lane_sums(u, a.q + b * 32, lanes);
+    const float d = fp16(x.d), dx = a.d[b];
+    lanes_fma(acc, b, d * dx, lanes);
+    rest_fma(acc, b, offset(x, d) * dx, a.s[b]);
+  }
+  static void dequantize(const Block& x, float* o) {
+    uint8_t u[32];
+    nibbles32(x.qs, u);
+    const float d = fp16(x.d);
+    for (int i = 0; i < 32; i++) {
+      if constexpr (WithMin) o[i] = d * (float)u[i] + fp16(x.m);
+      else o[i] = d * (float)(u[i] - 8);
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+    const __m256i lanes = lanes_u8_s8(nibbles32_avx2(x.qs), load256(a.q + b * 32));
+    const float d = fp16_hw(x.d), dx = a.d[b];
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes), acc);
+    rest = std::fma(offset(x, d) * dx, (float)a.s[b], rest);
+  }
+#endif
+};
+struct Q4_0 : Q4_01<BlockQ4_0, false> {
+  static constexpr int64_t id = 2, elements = 32, act = 32;
+  static constexpr const char* name = "Q4_0";
+};
+struct Q4_1 : Q4_01<BlockQ4_1, true> {
+  static constexpr int64_t id = 3, elements = 32, act = 32;
+  static constexpr const char* name = "Q4_1";
+};
+
+// Q2_K: per 16 a 4-bit scale and a 4-bit min, codes 0..3; w = d sc q - dmin m. Sub-block s of 32 (half n = s / 4,
+// j = s % 4) is bits 2j of bytes 32n..32n+31; its scale bytes are 2s (elements 0-15) and 2s + 1 (16-31).
+struct Q2_K {
+  static constexpr int64_t id = 10, elements = 256, act = 256;
+  static constexpr const char* name = "Q2_K";
+  struct Block {
+    uint8_t scales[16];  // low nibble scale, high nibble min
+    uint8_t qs[64];
+    uint8_t d[2], dmin[2];
+  };
+  static uint8_t code(const Block& x, int sub, int l) { return (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3; }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    const int8_t* xq = a.q + b * 256;
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
+    uint8_t u[32];
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
+      lane_sums(u, xq + 32 * sub, lanes);
+      const uint8_t s0 = x.scales[2 * sub], s1 = x.scales[2 * sub + 1];
+      add_scaled16(isum, lanes, s0 & 0xF, s1 & 0xF);
+      int32_t x0 = 0, x1 = 0;
+      for (int i = 0; i < 16; i++) x0 += xq[32 * sub + i], x1 += xq[32 * sub + 16 + i];
+      msum += (s0 >> 4) * x0 + (s1 >> 4) * x1;
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  static void dequantize(const Block& x, float* o) {
+    const float d = fp16(x.d), dmin = fp16(x.dmin);
+    for (int g = 0; g < 16; g++) {  // 16 elements a scale
+      const float dl = d * (float)(x.scales[g] & 0xF), ml = dmin * (float)(x.scales[g] >> 4);
+      for (int l = 0; l < 16; l++) o[16 * g + l] = dl * (float)code(x, g / 2, 16 * (g % 2) + l) - ml;
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    const int8_t* xq = a.q + b * 256;
+    __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+      const __m256i q = load256(x.qs + 32 * n);
+      for (int j = 0; j < 4; j++) {
+        const int sub = 4 * n + j;
+        const __m256i w = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+        const __m256i xv = load256(xq + 32 * sub);
+        const uint8_t s0 = x.scales[2 * sub], s1 = x.scales[2 * sub + 1];
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w, xv, per16(s0 & 0xF, s1 & 0xF)));
+        msum = _mm256_add_epi32(msum, lanes_u8_s8_times(ones, xv, per16(s0 >> 4, s1 >> 4)));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)hsum_i32(msum), rest);
+  }
+#endif
+};
+
+// Q3_K: per 16 a 6-bit scale (stored - 32), codes -4..3: 2 low bits as Q2_K lays them out, the third bit (set:
+// no -4) bit s of hmask byte l for element l of sub-block s; w = d (sc - 32) q.
+struct Q3_K {
+  static constexpr int64_t id = 11, elements = 256, act = 256;
+  static constexpr const char* name = "Q3_K";
+  struct Block {
+    uint8_t hmask[32];
+    uint8_t qs[64];
+    uint8_t scales[12];
+    uint8_t d[2];
+  };
+  static void scales16(const Block& x, int8_t* sc) {  // bytes 0-7: low 4 bits, bytes 8-11: high 2 bits
+    for (int i = 0; i < 16; i++) {
+      const int low = i < 8 ? x.scales[i] & 0xF : x.scales[i - 8] >> 4;
+      const int high = (x.scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+      sc[i] = (int8_t)((low | (high << 4)) - 32);
+    }
+  }
+  static int8_t code(const Block& x, int sub, int l) {
+    const int low = (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
+    return (int8_t)(low - ((x.hmask[l] >> sub) & 1 ? 0 : 4));
+  }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int8_t sc[16], sv[32];
+    scales16(x, sc);
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lanes[8];
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) sv[l] = code(x, sub, l);
+      lane_sums(sv, a.q + b * 256 + 32 * sub, lanes);
+      add_scaled16(isum, lanes, sc[2 * sub], sc[2 * sub + 1]);
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+  }
+  static void dequantize(const Block& x, float* o) {
+    int8_t sc[16];
+    scales16(x, sc);
+    const float d = fp16(x.d);
+    for (int g = 0; g < 16; g++) {
+      const float dl = d * (float)sc[g];
+      for (int l = 0; l < 16; l++) o[16 * g + l] = dl * (float)code(x, g / 2, 16 * (g % 2) + l);
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    int8_t sc[16];
+    scales16(x, sc);
+    const __m256i hm = load256(x.hmask);
+    __m256i isum = _mm256_setzero_si256();
+    for (int n = 0; n < 2; n++) {
+      const __m256i q = load256(x.qs + 32 * n);
+      for (int j = 0; j < 4; j++) {
+        const int sub = 4 * n + j;
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+        const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, sub), ones), ones);
+        const __m256i w = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));  // 0 or 4 a byte: no carries
+        const __m256i xv = load256(a.q + b * 256 + 32 * sub);
+        isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc[2 * sub], sc[2 * sub + 1])));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+  }
+#endif
+};
+
+// Q4_K: per 32 a 6-bit scale and min; 64-element chunk c holds sub-block 2c in the low nibbles of its 32 bytes,
+// 2c + 1 in the high ones; w = d sc q - dmin m.
+struct Q4_K {
+  static constexpr int64_t id = 12, elements = 256, act = 256;
+  static constexpr const char* name = "Q4_K";
+  struct Block {
+    uint8_t d[2], dmin[2];
+    uint8_t scales[12];
+    uint8_t qs[128];
+  };
+  static uint8_t code(const Block& x, int sub, int l) {
+    const uint8_t byte = x.qs[32 * (sub / 2) + l];
+    return sub & 1 ? byte >> 4 : byte & 0xF;
+  }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
+    uint8_t sc[8], mn[8], u[32];
+    scales_mins_k4(x.scales, sc, mn);
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
+      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
+      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
+      msum += mn[sub] * a.s[b * 8 + sub];
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  static void dequantize(const Block& x, float* o) {
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(x.scales, sc, mn);
+    const float d = fp16(x.d), dmin = fp16(x.dmin);
+    for (int sub = 0; sub < 8; sub++) {
+      const float scale = d * (float)sc[sub], offset = dmin * (float)mn[sub];
+      for (int l = 0; l < 32; l++) o[32 * sub + l] = scale * (float)code(x, sub, l) - offset;
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    uint32_t halves;
+    std::memcpy(&halves, x.d, 4);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));  // d, dmin: exact, as fp16() gives them
+    const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+    __m256i scales;
+    __m128i mins;
+    scales_mins_k4_avx2(x.scales, scales, mins);
+    const int8_t* xq = a.q + b * 256;
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      const __m256i raw = load256(x.qs + 32 * c);
+      isum = _mm256_add_epi32(
+          isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
+      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                                                      load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    rest = std::fma(-(dmin * a.d[b]), (float)min_term_k4(mins, a.s + b * 8), rest);
+  }
+#endif
+};
+
+// Q5_K: Q4_K's scales, mins and nibbles, and a fifth bit: bit s of qh byte l for element l of sub-block s.
+struct Q5_K {
+  static constexpr int64_t id = 13, elements = 256, act = 256;
+  static constexpr const char* name = "Q5_K";
+  struct Block {
+    uint8_t d[2], dmin[2];
+    uint8_t scales[12];
+    uint8_t qh[32];
+    uint8_t qs[128];
+  };
+  static uint8_t code(const Block& x, int sub, int l) {
+    const uint8_t byte = x.qs[32 * (sub / 2) + l];
+    return (sub & 1 ? byte >> 4 : byte & 0xF) | (((x.qh[l] >> sub) & 1) << 4);
+  }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
+    uint8_t sc[8], mn[8], u[32];
+    scales_mins_k4(x.scales, sc, mn);
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
+      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
+      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
+      msum += mn[sub] * a.s[b * 8 + sub];
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  static void dequantize(const Block& x, float* o) {
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(x.scales, sc, mn);
+    const float d = fp16(x.d), dmin = fp16(x.dmin);
+    for (int sub = 0; sub < 8; sub++) {
+      const float scale = d * (float)sc[sub], offset = dmin * (float)mn[sub];
+      for (int l = 0; l < 32; l++) o[32 * sub + l] = scale * (float)code(x, sub, l) - offset;
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+    const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
+    __m256i scales;
+    __m128i mins;
+    scales_mins_k4_avx2(x.scales, scales, mins);
+    const __m256i qh = load256(x.qh);
+    const int8_t* xq = a.q + b * 256;
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+      const __m256i raw = load256(x.qs + 32 * c);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), ones), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), ones), 4);
+      const __m256i w0 = _mm256_or_si256(_mm256_and_si256(raw, mask), h0);
+      const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), h1);
+      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w0, load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
+      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w1, load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)min_term_k4(mins, a.s + b * 8), rest);
+  }
+#endif
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, int8 scales per 16; w = d sc (q - 32). Sub-block s of 32
+// (half n = s / 4, quarter r = s % 4): low nibbles of bytes 64n + 32(r & 1) (high nibbles when r >= 2), bits 2r
+// of bytes 32n of the highs; scales 8n + 2r and 8n + 2r + 1.
+struct Q6_K {
+  static constexpr int64_t id = 14, elements = 256, act = 256;
+  static constexpr const char* name = "Q6_K";
+  struct Block {
+    uint8_t ql[128];
+    uint8_t qh[64];
+    int8_t scales[16];
+    uint8_t d[2];
+  };
+  static int8_t code(const Block& x, int sub, int l) {
     const int n = sub / 4, r = sub % 4;
-    const __m256i l4 = _mm256_loadu_si256((const __m256i*)(ql + 64 * n + 32 * (r & 1)));
-    const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
-    const __m256i h2 = _mm256_loadu_si256((const __m256i*)(qh + 32 * n));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h2, 2 * r), m2);
-    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
-    const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + b * 256 + sub * 32));
-    // int16 pair sums; scales per 16 elements: the low 128 bits take sc[2r], the high ones sc[2r + 1]
-    const __m256i mult = _mm256_setr_m128i(_mm_set1_epi16(sc[8 * n + 2 * r]), _mm_set1_epi16(sc[8 * n + 2 * r + 1]));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, mult));
+    const uint8_t byte = x.ql[64 * n + 32 * (r & 1) + l], lo = r >> 1 ? byte >> 4 : byte & 0xF;
+    const uint8_t hi = (x.qh[32 * n + l] >> (2 * r)) & 3;
+    return (int8_t)((lo | (hi << 4)) - 32);
   }
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+  static int scale(const Block& x, int sub, int half) { return x.scales[8 * (sub / 4) + 2 * (sub % 4) + half]; }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lanes[8];
+    int8_t sv[32];
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) sv[l] = code(x, sub, l);
+      lane_sums(sv, a.q + b * 256 + sub * 32, lanes);
+      add_scaled16(isum, lanes, scale(x, sub, 0), scale(x, sub, 1));
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+  }
+  static void dequantize(const Block& x, float* o) {
+    const float d = fp16(x.d);
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) o[32 * sub + l] = (d * (float)scale(x, sub, l / 16)) * (float)code(x, sub, l);
+    }
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    __m256i isum = _mm256_setzero_si256();
+    for (int sub = 0; sub < 8; sub++) {
+      const int n = sub / 4, r = sub % 4;
+      const __m256i l4 = load256(x.ql + 64 * n + 32 * (r & 1));
+      const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), m2);
+      const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+      const __m256i xv = load256(a.q + b * 256 + sub * 32);
+      isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(scale(x, sub, 0), scale(x, sub, 1))));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+  }
+#endif
+};
+
+// MXFP4 (OCP microscaling, gpt-oss's experts): per 32 a power-of-two scale (E8M0) and 4-bit E2M1 codes, element
+// order as Q4_0's. GGML keeps the code values doubled (integers -12..12) and the scale halved: w = kv[q] 2^(e-128).
+struct MXFP4 {
+  static constexpr int64_t id = 39, elements = 32, act = 32;
+  static constexpr const char* name = "MXFP4";
+  static constexpr int8_t kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  struct Block {
+    uint8_t e;
+    uint8_t qs[16];
+  };
+  static float scale(const Block& x) {  // 2^(e - 128), exact (a subnormal below e = 2)
+    const uint32_t bits = x.e < 2 ? 0x00200000u << x.e : (uint32_t)(x.e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static void codes(const Block& x, int8_t* sv) {
+    uint8_t u[32];
+    nibbles32(x.qs, u);
+    for (int i = 0; i < 32; i++) sv[i] = kvalues[u[i]];
+  }
+  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+    int8_t sv[32];
+    int32_t lanes[8];
+    codes(x, sv);
+    lane_sums(sv, a.q + b * 32, lanes);
+    lanes_fma(acc, b, scale(x) * a.d[b], lanes);
+  }
+  static void dequantize(const Block& x, float* o) {
+    int8_t sv[32];
+    codes(x, sv);
+    const float d = scale(x);
+    for (int i = 0; i < 32; i++) o[i] = d * (float)sv[i];
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)kvalues);
+    const __m128i raw = _mm_loadu_si128((const __m128i*)x.qs), mask = _mm_set1_epi8(0xF);
+    const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), mask)),
+                                       _mm_shuffle_epi8(table, _mm_and_si128(raw, mask)));
+    const __m256i lanes = lanes_s8_s8(w, load256(a.q + b * 32));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(x) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
+  }
+#endif
+};
+
+// BF16: 32 bfloat16 values a block, the upper halves of float32s, against float32 activations: element i into
+// set (i / 8) % 4, lane i % 8 of float accumulators, then the sets and lanes in a fixed tree. Whole rows at a time.
+struct BF16 {
+  static constexpr int64_t id = 30, elements = 32, act = 0;  // act 0: activations stay float32
+  static constexpr const char* name = "BF16";
+  struct Block {
+    uint8_t v[64];
+  };
+  static float total(const float (&lane)[4][8]) {
+    float l[8];
+    for (int i = 0; i < 8; i++) l[i] = (lane[0][i] + lane[1][i]) + (lane[2][i] + lane[3][i]);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  }
+  static float dot_row(const uint8_t* row, const float* x, int64_t k) {
+    float lane[4][8] = {};
+    for (int64_t i = 0; i < k; i++) {
+      float& acc = lane[(i / 8) % 4][i % 8];
+      acc = std::fma(bf16(row + 2 * i), x[i], acc);
+    }
+    return total(lane);
+  }
+  static void dequantize(const Block& x, float* o) {
+    for (int i = 0; i < 32; i++) o[i] = bf16(x.v + 2 * i);
+  }
+#ifdef WS_X86
+  WS_AVX2_INLINE static __m256 widen8(const uint8_t* p) {  // 8 bfloat16 values widened to float32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  WS_AVX2 static float dot_row_avx2(const uint8_t* row, const float* x, int64_t k) {
+    // four named accumulators, not an array: an indexed array of vectors may be kept in memory, and every
+    // multiply-add then waits on a store and a load
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    __m256 acc3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32, row += 64) {
+      acc0 = _mm256_fmadd_ps(widen8(row), _mm256_loadu_ps(x + i), acc0);
+      acc1 = _mm256_fmadd_ps(widen8(row + 16), _mm256_loadu_ps(x + i + 8), acc1);
+      acc2 = _mm256_fmadd_ps(widen8(row + 32), _mm256_loadu_ps(x + i + 16), acc2);
+      acc3 = _mm256_fmadd_ps(widen8(row + 48), _mm256_loadu_ps(x + i + 24), acc3);
+    }
+    float lane[4][8];
+    _mm256_storeu_ps(lane[0], acc0);
+    _mm256_storeu_ps(lane[1], acc1);
+    _mm256_storeu_ps(lane[2], acc2);
+    _mm256_storeu_ps(lane[3], acc3);
+    return total(lane);
+  }
+#endif
+};
+
+// Every type, once: GGML's byte sizes checked here at compile time.
+#define WS_TYPES(X) \
+  X(Q8_0, 34) X(Q4_0, 18) X(Q4_1, 20) X(Q2_K, 84) X(Q3_K, 110) X(Q4_K, 144) X(Q5_K, 176) X(Q6_K, 210) \
+  X(MXFP4, 17) X(BF16, 64)
+#define WS_CHECK_SIZE(T, bytes) static_assert(sizeof(T::Block) == (bytes) && alignof(T::Block) == 1, #T);
+WS_TYPES(WS_CHECK_SIZE)
+
+// f(T{}) for the type whose GGML id is `wtype`.
+template <typename F>
+auto with_type(int64_t wtype, F&& f) {
+  switch (wtype) {
+#define WS_CASE(T, bytes) \
+  case T::id: return f(T{});
+    WS_TYPES(WS_CASE)
+  }
+  TORCH_CHECK(false, "weightstream qmm: unknown weight type ", wtype);
+  return f(Q8_0{});  // not reached
 }
 
-template <int64_t Block, int64_t Bytes, void (*One)(const uint8_t*, const QAct&, int64_t, __m256&, float&)>
-WS_AVX2 inline float dot_blocks(const uint8_t* row, const QAct& a, int64_t k) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float rest0 = 0.f, rest1 = 0.f;
-  const int64_t nb = k / Block;
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2, row += 2 * Bytes) {
-    One(row, a, b, acc0, rest0);
-    One(row + Bytes, a, b + 1, acc1, rest1);
+struct Format {
+  int64_t block;  // elements per block
+  int64_t bytes;  // bytes per block
+  int64_t act;    // activation block (0: float32 activations)
+};
+
+Format format_of(int64_t wtype) {
+  return with_type(wtype, [](auto t) {
+    using T = decltype(t);
+    return Format{T::elements, (int64_t)sizeof(typename T::Block), T::act};
+  });
+}
+
+// Bytes of one row of k weights (whole blocks) of type wtype.
+int64_t row_bytes_of(int64_t wtype, int64_t k) {
+  const Format f = format_of(wtype);
+  return k / f.block * f.bytes;
+}
+
+// ---- rows: the portable reference and the AVX2 path ----
+
+template <typename T>
+float dot_row_portable(const uint8_t* row, const QAct& a, int64_t k) {
+  if constexpr (T::act == 0) {
+    return T::dot_row(row, a.f, k);
+  } else {
+    Acc acc;
+    const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
+    for (int64_t b = 0; b < k / T::elements; b++) T::dot(blocks[b], a, b, acc);
+    return acc.total();
   }
-  if (b < nb) One(row, a, b, acc0, rest0);
-  Acc out;
-  _mm256_storeu_ps(out.lane[0], acc0);
-  _mm256_storeu_ps(out.lane[1], acc1);
-  out.rest[0] = rest0;
-  out.rest[1] = rest1;
-  return out.total();
+}
+
+#ifdef WS_X86
+// Even blocks into accumulator pair 0 and odd ones into pair 1, as the portable path's Acc does.
+template <typename T>
+WS_AVX2 float dot_row_avx2(const uint8_t* row, const QAct& a, int64_t k) {
+  if constexpr (T::act == 0) {
+    return T::dot_row_avx2(row, a.f, k);
+  } else {
+    const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float rest0 = 0.f, rest1 = 0.f;
+    const int64_t nb = k / T::elements;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      T::dot_avx2(blocks[b], a, b, acc0, rest0);
+      T::dot_avx2(blocks[b + 1], a, b + 1, acc1, rest1);
+    }
+    if (b < nb) T::dot_avx2(blocks[b], a, b, acc0, rest0);
+    Acc out;
+    _mm256_storeu_ps(out.lane[0], acc0);
+    _mm256_storeu_ps(out.lane[1], acc1);
+    out.rest[0] = rest0;
+    out.rest[1] = rest1;
+    return out.total();
+  }
+}
+#endif
+
+using DotFn = float (*)(const uint8_t*, const QAct&, int64_t);
+
+// The row dot of type wtype on path 1 (portable) or 2 (AVX2), looked up once per product.
+DotFn dot_fn(int64_t path, int64_t wtype) {
+  return with_type(wtype, [path](auto t) -> DotFn {
+    using T = decltype(t);
+#ifdef WS_X86
+    if (path == 2) return &dot_row_avx2<T>;
+#endif
+    (void)path;
+    return &dot_row_portable<T>;
+  });
 }
 
 // quantize_row's arithmetic, 8 values at a time: the same max (ignoring NaN, as fmax does), scale, reciprocal and
 // round-to-nearest-even conversion, so the same bytes, scales and sums.
+#ifdef WS_X86
 WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < k / ablock; b++) {
@@ -417,50 +800,14 @@ WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t
     for (int64_t i = 0; i < ablock; i += 32) {
       __m256i v[4];
       for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), inv));
-      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
-      const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      const __m128i quad = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
-      s[(b * ablock + i) / 32] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xb1)));
+      s[(b * ablock + i) / 32] =
+          (int16_t)hsum_i32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
       // packs work within 128-bit halves: (0 1 4 5 | 2 3 6 7) in 32-bit groups, put back in order
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
       const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256((__m256i*)(q + b * ablock + i), ordered);
     }
     d[b] = scale;
-  }
-}
-
-WS_AVX2_INLINE __m256 bf16x8(const uint8_t* p) {  // 8 bfloat16 values widened to float32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-WS_AVX2 float dot_bf16_avx2(const uint8_t* row, const float* x, int64_t k) {
-  // four named accumulators, not an array: an indexed array of vectors may be kept in memory, and every
-  // multiply-add then waits on a store and a load
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-  __m256 acc3 = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += 32, row += 64) {
-    acc0 = _mm256_fmadd_ps(bf16x8(row), _mm256_loadu_ps(x + i), acc0);
-    acc1 = _mm256_fmadd_ps(bf16x8(row + 16), _mm256_loadu_ps(x + i + 8), acc1);
-    acc2 = _mm256_fmadd_ps(bf16x8(row + 32), _mm256_loadu_ps(x + i + 16), acc2);
-    acc3 = _mm256_fmadd_ps(bf16x8(row + 48), _mm256_loadu_ps(x + i + 24), acc3);
-  }
-  float lane[4][8];
-  _mm256_storeu_ps(lane[0], acc0);
-  _mm256_storeu_ps(lane[1], acc1);
-  _mm256_storeu_ps(lane[2], acc2);
-  _mm256_storeu_ps(lane[3], acc3);
-  return total_bf16(lane);
-}
-
-WS_AVX2 float dot_avx2(int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
-  switch (wtype) {
-    case BF16: return dot_bf16_avx2(row, a.f, k);
-    case Q8_0: return dot_blocks<32, 34, block_q8_0>(row, a, k);
-    case Q4_0: return dot_blocks<32, 18, block_q4_01<18>>(row, a, k);
-    case Q4_1: return dot_blocks<32, 20, block_q4_01<20>>(row, a, k);
-    case Q4_K: return dot_blocks<256, 144, block_q4_k>(row, a, k);
-    default: return dot_blocks<256, 210, block_q6_k>(row, a, k);
   }
 }
 #endif
@@ -499,11 +846,11 @@ struct QRows {
   const float* f = nullptr;  // BF16 weights: the caller's rows as they are (they outlive this)
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
-    if (wtype == BF16) {
+    const int64_t ablock = format_of(wtype).act;
+    if (ablock == 0) {
       f = x;
       return;
     }
-    const int64_t ablock = act_block(wtype);
     blocks = k / ablock;
     sums = k / 32;
     q.resize(m * k);
@@ -528,14 +875,6 @@ struct QRows {
   }
 };
 
-inline float dot(int64_t path, int64_t wtype, const uint8_t* row, const QAct& a, int64_t k) {
-#ifdef WS_X86
-  return path == 2 ? dot_avx2(wtype, row, a, k) : dot_portable(wtype, row, a, k);
-#else
-  return dot_portable(wtype, row, a, k);
-#endif
-}
-
 // Output rows per parallel task: enough that a task reads about 64 KiB of weights.
 int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_bytes); }
 
@@ -543,11 +882,12 @@ int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_b
 void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
               int64_t path) {
   const QRows a(x, m, k, wtype, path);
+  const DotFn dot = dot_fn(path, wtype);
   const int64_t row_bytes = row_bytes_of(wtype, k);
   at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; j++) {
       const uint8_t* row = wp + j * row_bytes;
-      for (int64_t r = 0; r < m; r++) yp[r * n + j] = dot(path, wtype, row, a.row(r), k);
+      for (int64_t r = 0; r < m; r++) yp[r * n + j] = dot(row, a.row(r), k);
     }
   });
 }
@@ -650,12 +990,13 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   }
   const int64_t gu_rows = 2 * inter, gu_bytes = row_bytes_of(gu_type, hidden);
   const int64_t down_bytes = row_bytes_of(down_type, inter);
+  const DotFn gu_dot = dot_fn(path, gu_type), down_dot = dot_fn(path, down_type);
   std::vector<float> g(np * gu_rows), h(np * inter);
   auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1) {  // expert i's gate/up outputs j0..j1, its rows
     for (int64_t j = j0; j < j1; j++) {
       const uint8_t* row = gu_ptr[i] + j * gu_bytes;
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
-        g[(first[i] + p) * gu_rows + j] = dot(path, gu_type, row, ax.row(pairs[i][p].token), hidden);
+        g[(first[i] + p) * gu_rows + j] = gu_dot(row, ax.row(pairs[i][p].token), hidden);
       }
     }
   };
@@ -672,7 +1013,7 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
         const Pair& pr = pairs[i][p];
         const int64_t slot = pr.token * top_k + pr.choice;
-        contrib[slot * hidden + j] = dot(path, down_type, row, ah.row(first[i] - row0 + p), inter) * wp[slot];
+        contrib[slot * hidden + j] = down_dot(row, ah.row(first[i] - row0 + p), inter) * wp[slot];
       }
     }
   };
@@ -765,60 +1106,32 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& index, const at::Ten
 at::Tensor dequantize(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
   check_weights(w, wtype, n, k);
   at::Tensor out = at::empty({n, k}, at::kFloat);
-  const Format f = format_of(wtype);
   const int64_t row_bytes = row_bytes_of(wtype, k);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    uint8_t u[32];
-    for (int64_t j = begin; j < end; j++) {
-      const uint8_t* row = wp + j * row_bytes;
-      float* o = op + j * k;
-      for (int64_t b = 0; b < k / f.block; b++, row += f.bytes, o += f.block) {
-        if (wtype == BF16) {
-          for (int i = 0; i < 32; i++) o[i] = bf16(row + 2 * i);
-        } else if (wtype == Q8_0) {
-          const float d = fp16(row);
-          for (int i = 0; i < 32; i++) o[i] = d * (float)((const int8_t*)(row + 2))[i];
-        } else if (wtype == Q4_0 || wtype == Q4_1) {
-          nibbles32(row + f.bytes - 16, u);
-          const float d = fp16(row);
-          if (wtype == Q4_0) {
-            for (int i = 0; i < 32; i++) o[i] = d * (float)(u[i] - 8);
-          } else {
-            const float m = fp16(row + 2);
-            for (int i = 0; i < 32; i++) o[i] = d * (float)u[i] + m;
-          }
-        } else if (wtype == Q4_K) {
-          const float d = fp16(row), dmin = fp16(row + 2);
-          for (int sub = 0; sub < 8; sub++) {
-            int sc, m;
-            scale_min_k4(sub, row + 4, &sc, &m);
-            const float scale = d * (float)sc, offset = dmin * (float)m;
-            for (int l = 0; l < 32; l++) {
-              const uint8_t byte = row[16 + 32 * (sub / 2) + l];
-              o[32 * sub + l] = scale * (float)(sub & 1 ? byte >> 4 : byte & 0xF) - offset;
-            }
-          }
-        } else {
-          const float d = fp16(row + 208);
-          const int8_t* sc = (const int8_t*)(row + 192);
-          for (int sub = 0; sub < 8; sub++) {
-            const int n2 = sub / 4, r = sub % 4;
-            for (int l = 0; l < 32; l++) {
-              const uint8_t b4 = row[64 * n2 + 32 * (r & 1) + l];
-              const int lo = r >> 1 ? b4 >> 4 : b4 & 0xF, hi = (row[128 + 32 * n2 + l] >> (2 * r)) & 3;
-              o[32 * sub + l] = (d * (float)sc[8 * n2 + 2 * r + l / 16]) * (float)((lo | (hi << 4)) - 32);
-            }
-          }
-        }
+  with_type(wtype, [&](auto t) {
+    using T = decltype(t);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; j++) {
+        const auto* blocks = reinterpret_cast<const typename T::Block*>(wp + j * row_bytes);
+        for (int64_t b = 0; b < k / T::elements; b++) T::dequantize(blocks[b], op + j * k + b * T::elements);
       }
-    }
+    });
+    return 0;
   });
   return out;
 }
 
 bool avx2_available() { return have_avx2(); }
+
+// (name, GGML id, elements a block, bytes a block, activation block) of every type: native.py checks its own
+// table against this one at load.
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> block_types() {
+  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> out;
+#define WS_ROW(T, bytes) out.emplace_back(T::name, T::id, T::elements, (int64_t)sizeof(T::Block), T::act);
+  WS_TYPES(WS_ROW)
+  return out;
+}
 
 }  // namespace
 
@@ -845,4 +1158,5 @@ TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "weightstream's native CPU kernels (registered as torch.ops.weightstream.*)";
   module.def("avx2", &avx2_available, "whether this CPU runs the AVX2 path");
+  module.def("block_types", &block_types, "(name, GGML id, elements, bytes, activation block) of every block type");
 }

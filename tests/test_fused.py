@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType, quants
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.engine.fused import NORM_TOLERANCE, NativeRMSNorm, NativeRotary, _norm_proves, _rope_proves
 from weightstream.store.presets import TINY
 from weightstream.store.quantize import quantize_checkpoint

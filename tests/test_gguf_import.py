@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
 from safetensors import safe_open
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import open_checkpoint

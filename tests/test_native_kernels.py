@@ -10,10 +10,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.store.ggml_quant import ENCODERS
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "BF16"]
+TYPES = list(native.BLOCK_TYPES)
+# where a K type keeps its fp16 super-block scales (d, and dmin where it has one): byte offsets in the block
+FP16_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def _blocks(wtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -25,12 +27,29 @@ def _blocks(wtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         return quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
     block, size = quants.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 1e-2, size=(n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if wtype == "Q4_K":
-        raw[..., 0:4] = scales.reshape(n, k // block, 4)
-    else:
-        raw[..., 208:210] = scales[..., :2]
+    if wtype == "MXFP4":  # exponents around 2^0, both sides, every code
+        raw[..., 0] = rng.integers(118, 134, size=(n, k // block), dtype=np.uint8)
+        return raw.reshape(n, -1)
+    for at in FP16_SCALES[wtype]:
+        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
+
+
+def test_the_extensions_block_table_is_the_packages():
+    """csrc/qmm.cpp's WS_TYPES and native.BLOCK_TYPES are one table: each type's GGML id and sizes as the gguf
+    package has them, and an extension whose table differs is not used (it was built from other sources)."""
+    for name, t in native.BLOCK_TYPES.items():
+        kind = getattr(GGMLQuantizationType, name)
+        block, size = quants.GGML_QUANT_SIZES[kind]
+        assert t.id == int(kind) and t.bytes * block == size * t.elements, name
+        assert (t.elements, t.bytes) == (block, size) or name == "BF16", name  # BF16: rows of 32 values
+    code = (
+        "from weightstream import native; native.BLOCK_TYPES = dict(native.BLOCK_TYPES); "
+        "native.BLOCK_TYPES['Q4_K'] = native.BlockType(256, 145, 12, 256); print(native.available())"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stderr
+    assert "built from other sources" in r.stderr and "pip install --no-build-isolation" in r.stderr
 
 
 def test_the_build_made_the_extension():
@@ -47,14 +66,22 @@ def test_dequantize_is_bitwise_ggufs_reference(wtype):
     assert np.array_equal(got.numpy(), want)
 
 
-@pytest.mark.parametrize("wtype", TYPES)
-def test_products_avx2_equal_portable_bitwise_and_are_close_to_float(wtype):
-    n, k = 72, 768 if wtype in ("Q8_0", "Q4_0", "Q4_1", "BF16") else 512
+def _product_case(wtype: str):
+    n, k = 72, 768 if native.BLOCK_TYPES[wtype].elements == 32 else 512
     w = torch.from_numpy(_blocks(wtype, n, k, seed=1)).reshape(-1)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    return x, w, n, k
+
+
+def _needs_avx2():
+    if native.best_path() != "avx2":
+        pytest.skip("this CPU runs only the portable path: nothing to compare it with")
+
+
+@pytest.mark.parametrize("wtype", TYPES)
+def test_products_are_close_to_float(wtype):
+    x, w, n, k = _product_case(wtype)
     portable = native.qmm(x, w, wtype, n, k, "portable")
-    if native.best_path() == "avx2":
-        assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), portable)
     exact = x.double() @ native.dequantize(w, wtype, n, k).double().t()
     # 8-bit activations: each block's error is at most half a step of 127 per value; BF16 keeps float32 activations,
     # so only float32 rounding is left
@@ -62,12 +89,18 @@ def test_products_avx2_equal_portable_bitwise_and_are_close_to_float(wtype):
     assert error < (1e-5 if wtype == "BF16" else 0.02), error
 
 
-@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("wtype", TYPES)
+def test_products_avx2_equal_portable_bitwise(wtype):
+    _needs_avx2()
+    x, w, n, k = _product_case(wtype)
+    assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable"))
+
+
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K", "Q2_K"])
 def test_activations_are_quantized_alike_on_both_paths_ties_and_zeros_included(wtype):
     """The AVX2 quantizer against the portable one, through the products: a block whose largest value is 127 (its
     scale 1, so x.5 values round half to even), an all-zero block, a block led by a negative value, tiny values."""
-    if native.best_path() != "avx2":
-        pytest.skip("this CPU runs only the portable path")
+    _needs_avx2()
     k = 512
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
     x[0, :32] = torch.arange(32) - 15.5  # halves, then 127 sets the scale to 1
@@ -104,7 +137,8 @@ def test_our_encoders_write_what_gguf_decodes(wtype):
     raw = ENCODERS[wtype](w)
     back = quants.dequantize(raw.numpy(), getattr(GGMLQuantizationType, wtype)).reshape(32, 512)
     rms = float(np.sqrt(((back - w.numpy()) ** 2).mean() / (w.numpy() ** 2).mean()))
-    assert rms < {"Q8_0": 0.01, "Q4_0": 0.1, "Q4_1": 0.1, "Q4_K": 0.1, "Q6_K": 0.03, "BF16": 0.003}[wtype], rms
+    bound = {"Q8_0": 0.01, "Q4_0": 0.1, "Q4_1": 0.1, "Q2_K": 0.4, "Q3_K": 0.2, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}
+    assert rms < {**bound, "MXFP4": 0.15, "BF16": 0.003}[wtype], rms
     assert np.array_equal(native.dequantize(raw.reshape(-1), wtype, 32, 512).numpy(), back)
 
 
@@ -117,7 +151,7 @@ def test_bad_shapes_are_refused_not_read_past():
 
 
 def test_disabled_native_kernels_are_said_once_and_torch_runs(tmp_path):
-    code = "from weightstream.engine import native; print(native.available(), native.available(), native.best_path())"
+    code = "from weightstream import native; print(native.available(), native.available(), native.best_path())"
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -141,7 +175,17 @@ def _moe_layer_case(gu_type: str, down_type: str, tokens: int, seed: int = 6):
     return x, index, weights, gate_up, down, hidden, inter
 
 
-@pytest.mark.parametrize("wtypes", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q4_1", "Q4_0"), ("BF16", "BF16")])
+WTYPE_PAIRS = [
+    ("Q4_K", "Q6_K"),
+    ("Q8_0", "Q8_0"),
+    ("Q4_1", "Q4_0"),
+    ("BF16", "BF16"),
+    ("Q2_K", "Q3_K"),
+    ("Q5_K", "MXFP4"),
+]
+
+
+@pytest.mark.parametrize("wtypes", WTYPE_PAIRS)
 def test_one_call_moe_layer_is_the_sum_of_its_experts(wtypes):
     """moe_layer = per token, the sum over its routed experts of (silu(x G^T) * x U^T) D^T * w, in one call:
     close to the same steps through qmm and torch (they round between steps, the op keeps float32); a token's

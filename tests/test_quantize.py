@@ -503,7 +503,7 @@ def test_bf16_blocks_keep_the_weights_and_run_every_product_natively(tiny_model,
     """`--bits 16 --dense bf16`: experts and dense linears become BF16 rows (the source's bytes, nothing rounded)
     run by the native kernels in float32; streamed equals resident bitwise at every cache size and thread count,
     and the logits stay near the bf16 model's, which rounds every step to bf16 where this keeps float32."""
-    from weightstream.engine import native
+    from weightstream import native
     from weightstream.engine.kernels import NativeLinear
 
     src = tiny_model(arch, "bf16")

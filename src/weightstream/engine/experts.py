@@ -15,7 +15,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from weightstream.cache.expert_cache import ExpertSource
-from weightstream.engine import native
+from weightstream import native
 from weightstream.engine.kernels import Kernel
 
 IMPLEMENTATION = "weightstream"

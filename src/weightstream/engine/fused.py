@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from weightstream.engine import native
+from weightstream import native
 
 NORM_TOLERANCE = 1e-5  # relative to the output's largest magnitude: a few float32 ulps of the scale
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import _default_apply_gate
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.quant import dequantize_int4, dequantize_int8, torch_int4_layout, unpack_int4
 from weightstream.store.quant_format import QuantFormat

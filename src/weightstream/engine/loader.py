@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 from transformers import GenerationConfig
 
+from weightstream import native
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
-from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES, native
+from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.kernels import NativeLinear, StoredEmbedding, check_kernel_name, choose_kernel

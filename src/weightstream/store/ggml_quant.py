@@ -1,4 +1,4 @@
-"""Round-to-nearest encoders for GGML's block formats, the ones the native kernels run (engine/native.py).
+"""Round-to-nearest encoders for GGML's block formats, the ones the native kernels run (native.py).
 
 Each takes a float matrix (N, K) and returns uint8 (N, row bytes): every row its blocks back to back, bytes as a
 GGUF file stores them, so a weight quantized here and a weight imported from a GGUF are the same kind of thing.
@@ -42,27 +42,101 @@ def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([_fp16_bytes(d), _fp16_bytes(m), _nibbles(q)], dim=-1).reshape(n, -1)
 
 
-def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
-    """Per 32: scale (max - min) / 15 and minimum (at most 0), each as a 6-bit multiple of its super-block's fp16
-    step; codes rounded against the scale and minimum as stored."""
+def _scales_mins_k(w: torch.Tensor, levels: int):
+    """Q4_K / Q5_K per 32: scale (max - min) / levels and minimum (at most 0), each a 6-bit multiple of its
+    super-block's fp16 step; codes rounded against the scale and minimum as stored. Returns (d, dmin, the 12
+    packed scale bytes, codes (n, S, 8, 32))."""
     n, k = w.shape
     b = w.float().reshape(n, k // 256, 8, 32)
     lo = b.amin(dim=-1).clamp(max=0)  # (n, S, 8); the format subtracts a non-negative min
-    scale, mins = (b.amax(dim=-1) - lo) / 15, -lo
+    scale, mins = (b.amax(dim=-1) - lo) / levels, -lo
     d = (scale.amax(dim=-1, keepdim=True) / 63).to(torch.float16).float()
     dmin = (mins.amax(dim=-1, keepdim=True) / 63).to(torch.float16).float()
     sc = torch.round(scale / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 63).to(torch.int32)
     mn = torch.round(mins / torch.where(dmin > 0, dmin, torch.ones_like(dmin))).clamp(0, 63).to(torch.int32)
     step, offset = (d * sc.float()).unsqueeze(-1), (dmin * mn.float()).unsqueeze(-1)
     inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-    q = torch.round((b + offset) * inv).clamp(0, 15).to(torch.uint8)  # (n, S, 8, 32)
-    # 64-element chunk c: sub-block 2c in the low nibbles of its 32 bytes, 2c + 1 in the high ones
-    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)
+    q = torch.round((b + offset) * inv).clamp(0, levels).to(torch.uint8)  # (n, S, 8, 32)
     low = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
     mid = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
     high = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
     scales = torch.cat([low, mid, high], dim=-1).to(torch.uint8)  # (n, S, 12)
-    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), scales, qs], dim=-1).reshape(n, -1)
+    return d, dmin, scales, q
+
+
+def _k_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(n, S, 8, 32) codes -> (n, S, 128): 64-element chunk c holds sub-block 2c in the low nibbles of its 32
+    bytes, 2c + 1 in the high ones."""
+    n, s = q.shape[:2]
+    return ((q[:, :, 0::2] & 15) | ((q[:, :, 1::2] & 15) << 4)).reshape(n, s, 128)
+
+
+def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """Per 32: codes 0..15 against a 6-bit scale and min (`_scales_mins_k`)."""
+    n, _ = w.shape
+    d, dmin, scales, q = _scales_mins_k(w, 15)
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), scales, _k_nibbles(q)], dim=-1).reshape(n, -1)
+
+
+def quantize_q5_k(w: torch.Tensor) -> torch.Tensor:
+    """Q4_K with codes 0..31: the fifth bit of element l of sub-block s is bit s of high-bit byte l."""
+    n, _ = w.shape
+    d, dmin, scales, q = _scales_mins_k(w, 31)
+    shifts = torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)
+    qh = ((q.to(torch.int32) >> 4) << shifts).sum(dim=2).to(torch.uint8)  # (n, S, 32)
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), scales, qh, _k_nibbles(q)], dim=-1).reshape(n, -1)
+
+
+def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """(n, S, 8, 32) codes 0..3 -> (n, S, 64): sub-block 4h + j in bits 2j of bytes 32h..32h + 31."""
+    n, s = q.shape[:2]
+    q = q.to(torch.int32).reshape(n, s, 2, 4, 32) << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 1, 4, 1)
+    return q.sum(dim=3).to(torch.uint8).reshape(n, s, 64)
+
+
+def quantize_q2_k(w: torch.Tensor) -> torch.Tensor:
+    """Per 16: scale (max - min) / 3 and minimum (at most 0) as 4-bit multiples of fp16 steps; codes 0..3."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 256, 16, 16)
+    lo = b.amin(dim=-1).clamp(max=0)
+    scale, mins = (b.amax(dim=-1) - lo) / 3, -lo
+    d = (scale.amax(dim=-1, keepdim=True) / 15).to(torch.float16).float()
+    dmin = (mins.amax(dim=-1, keepdim=True) / 15).to(torch.float16).float()
+    sc = torch.round(scale / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 15).to(torch.int32)
+    mn = torch.round(mins / torch.where(dmin > 0, dmin, torch.ones_like(dmin))).clamp(0, 15).to(torch.int32)
+    step, offset = (d * sc.float()).unsqueeze(-1), (dmin * mn.float()).unsqueeze(-1)
+    q = torch.round((b + offset) * torch.where(step > 0, 1 / step, torch.zeros_like(step))).clamp(0, 3)
+    scales = (sc | (mn << 4)).to(torch.uint8)  # (n, S, 16)
+    qs = _two_bit_planes(q.reshape(n, k // 256, 8, 32))
+    return torch.cat([scales, qs, _fp16_bytes(d), _fp16_bytes(dmin)], dim=-1).reshape(n, -1)
+
+
+def quantize_q3_k(w: torch.Tensor) -> torch.Tensor:
+    """Per 16: the value of largest magnitude is -4 steps (codes -4..3), the step a signed 6-bit multiple of an
+    fp16 `d`; codes stored as 2 low bits (Q2_K's planes) and a third bit, set where the code is not below 0."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 256, 16, 16)
+    scale = (b.gather(-1, b.abs().argmax(dim=-1, keepdim=True)) / -4).squeeze(-1)  # (n, S, 16), signed
+    d = (scale.abs().amax(dim=-1, keepdim=True) / 31).to(torch.float16).float()
+    sc = torch.round(scale / torch.where(d > 0, d, torch.ones_like(d))).clamp(-32, 31).to(torch.int32)
+    step = (d * sc.float()).unsqueeze(-1)
+    q = torch.round(b * torch.where(step != 0, 1 / step, torch.zeros_like(step))).clamp(-4, 3).to(torch.int32) + 4
+    q = q.reshape(n, k // 256, 8, 32)
+    hmask = ((q >> 2) << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1)).sum(dim=2).to(torch.uint8)
+    s6 = sc + 32  # (n, S, 16) in 0..63
+    low = (s6[..., :8] & 15) | ((s6[..., 8:] & 15) << 4)
+    high = sum(((s6[..., 4 * i : 4 * i + 4] >> 4) & 3) << (2 * i) for i in range(4))
+    scales = torch.cat([low, high], dim=-1).to(torch.uint8)  # (n, S, 12)
+    return torch.cat([hmask, _two_bit_planes(q & 3), scales, _fp16_bytes(d)], dim=-1).reshape(n, -1)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """Per 32: a power-of-two scale and the nearest E2M1 value of each weight (the `gguf` package's encoder, as
+    llama.cpp's converter writes gpt-oss's experts)."""
+    from gguf import GGMLQuantizationType, quants
+
+    out = quants.quantize(w.float().numpy(), GGMLQuantizationType.MXFP4)
+    return torch.from_numpy(out).reshape(w.shape[0], -1)
 
 
 def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
@@ -108,6 +182,10 @@ ENCODERS = {
     "Q8_0": quantize_q8_0,
     "Q4_0": quantize_q4_0,
     "Q4_1": quantize_q4_1,
+    "Q2_K": quantize_q2_k,
+    "Q3_K": quantize_q3_k,
     "Q4_K": quantize_q4_k,
+    "Q5_K": quantize_q5_k,
     "Q6_K": quantize_q6_k,
+    "MXFP4": quantize_mxfp4,
 }

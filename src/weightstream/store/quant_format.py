@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from weightstream.errors import WeightstreamError
+from weightstream.native import BLOCK_TYPES, row_bytes
 from weightstream.store.dtypes import from_torch_name
 from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
 
@@ -27,31 +28,20 @@ FORMAT = "weightstream-quantized-experts"
 VERSION = 2
 VERSIONS = (1, 2)
 TORCH_SCHEMES = ("int8", "int4")
-# GGML block schemes (engine/native.py) -> the block types a weight may be stored in (an import keeps each
-# tensor's own type: a Q4_K_M file stores some projections as Q6_K)
+# GGML block schemes (native.py) -> the block types a weight may be stored in, the one `quantize` writes first
+# (an import keeps each tensor's own type: a Q4_K_M file stores some projections as Q6_K, a Q2_K file mixes
+# Q2_K/Q3_K/Q4_K, gpt-oss's experts are MXFP4)
 GGML_SCHEMES = {
     "q8_0": ("Q8_0",),
     "q4_1": ("Q4_1", "Q4_0", "Q8_0"),
-    "q4_k": ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0"),
+    "q4_k": ("Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "MXFP4"),
     "bf16": ("BF16",),  # not quantized: bf16 weights on the native kernels (float32 activations)
 }
 SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
 BLOB_ALIGN = 64
-# the dtypes a blob's tensors may have (names as torch spells them), and GGML block types (rows of blocks)
+# the dtypes a blob's tensors may have (names as torch spells them); GGML block types (rows of blocks) are
+# native.BLOCK_TYPES
 DTYPES = {name: from_torch_name(name) for name in ("bfloat16", "float16", "float32", "int8", "uint8")}
-BLOCK_TYPES = {
-    "Q8_0": (32, 34),
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q4_K": (256, 144),
-    "Q6_K": (256, 210),
-    "BF16": (32, 64),
-}
-
-
-def row_bytes(wtype: str, k: int) -> int:
-    """Bytes of one row of `k` weights (whole blocks) in GGML block type `wtype`."""
-    return k // BLOCK_TYPES[wtype][0] * BLOCK_TYPES[wtype][1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +82,7 @@ class QuantFormat:
     # import keeps each tensor's type, and Q4_K_M files store some layers' down projections as Q6_K)
     layer_tables: dict[int, tuple[tuple[BlobTensor, ...], int]] | None = None
     # dense weights stored as GGML blocks too (`quantize --dense`): parameter name -> its block type and
-    # logical (out, in) shape; the checkpoint holds them as uint8 (out, row bytes), run by engine/native.py
+    # logical (out, in) shape; the checkpoint holds them as uint8 (out, row bytes), run by native.py
     dense: dict[str, tuple[str, tuple[int, int]]] | None = None
 
     def table(self, layer: int) -> tuple[tuple[BlobTensor, ...], int]:
@@ -226,12 +216,12 @@ def _validate(fmt: QuantFormat, path: str) -> None:
             raise bad(f"a layer's blob holds {names}, the others {[t.name for t in fmt.tensors]}")
         for t in table:
             known = t.dtype in DTYPES or (
-                t.dtype in blocks and len(t.shape) == 2 and t.shape[1] % BLOCK_TYPES[t.dtype][0] == 0
+                t.dtype in blocks and len(t.shape) == 2 and t.shape[1] % BLOCK_TYPES[t.dtype].elements == 0
             )
             if not known or t.offset % BLOB_ALIGN or t.offset + t.nbytes > blob_bytes:
                 raise bad(f"tensor {t.name!r} ({t.dtype}, offset {t.offset}) is unknown, unaligned or outside the blob")
     for name, (dtype, shape) in (fmt.dense or {}).items():
-        if dtype not in BLOCK_TYPES or len(shape) != 2 or shape[1] % BLOCK_TYPES[dtype][0]:
+        if dtype not in BLOCK_TYPES or len(shape) != 2 or shape[1] % BLOCK_TYPES[dtype].elements:
             raise bad(f"dense weight {name!r} is {dtype} {list(shape)}, not whole blocks of a type the kernels run")
     for t in fmt.tensors if not fmt.native else ():
         if t.name.endswith(".qweight"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightstream.engine import native
+from weightstream import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME
 from weightstream.store.dtypes import SAFETENSORS, torch_name
@@ -135,7 +135,7 @@ def _out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
 
 def _fits(scheme: str, group: int | None, n: int, k: int) -> bool:
     if scheme in GGML_SCHEMES:
-        return k % BLOCK_TYPES[GGML_SCHEMES[scheme][0]][0] == 0
+        return k % BLOCK_TYPES[GGML_SCHEMES[scheme][0]].elements == 0
     # torch's int8 kernel returns wrong values (no error) for bf16 inputs whose length is not a multiple of 16
     return k % 16 == 0 if scheme == "int8" else (k % group == 0 and n % 16 == 0)
 
@@ -147,7 +147,7 @@ def _check_shapes(shapes: dict[str, tuple[int, int]], scheme: str, group: int | 
         return
     name, n, k = bad
     if scheme in GGML_SCHEMES:
-        block = BLOCK_TYPES[GGML_SCHEMES[scheme][0]][0]
+        block = BLOCK_TYPES[GGML_SCHEMES[scheme][0]].elements
         need = f"{n} x {k}; {scheme} needs inputs in whole blocks of {block}"
     elif scheme == "int8":
         need = f"{k} inputs; int8 experts need a multiple of 16"

@@ -1,8 +1,9 @@
-"""weightstream's native CPU kernels (csrc/, built by pip as the extension `weightstream._native`).
+"""weightstream's native CPU kernels (csrc/, built by pip as the extension `weightstream._native`), below every
+package: store/ writes the block formats this table defines, engine/ runs them.
 
-Products of weights in GGML's block formats (the byte layouts GGUF files store: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
-with activations quantized to int8 in blocks of 32, summed in integers, and of bf16 weights with float32
-activations (BF16, summed in float32 fused multiply-adds): an AVX2 path and a portable path that is
+Products of weights in GGML's block formats (the byte layouts GGUF files store: `BLOCK_TYPES`) with
+activations quantized to int8 in blocks of 32 (256 for the K types), summed in integers, and of bf16 weights
+with float32 activations (BF16, summed in float32 fused multiply-adds): an AVX2 path and a portable path that is
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
 count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.linear`, `.dequantize`, per MoE
 layer `.moe_layer`, `.moe_contribute`, `.moe_sum`, and the float32 steps between products, `.rms_norm` and `.rope`:
@@ -16,11 +17,42 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
-# GGML's type ids, as the C++ ops take them (block sizes: store.quant_format.BLOCK_TYPES)
-TYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
+
+class BlockType(NamedTuple):
+    """One GGML block type the kernels run: weights a block, bytes a block, GGML's type id, and the block of
+    activations it meets (0: float32 activations, not quantized)."""
+
+    elements: int
+    bytes: int
+    id: int
+    act: int
+
+
+# The one Python table of block types; the extension's own (csrc/qmm.cpp WS_TYPES) is checked against it at load.
+BLOCK_TYPES = {
+    "Q8_0": BlockType(32, 34, 8, 32),
+    "Q4_0": BlockType(32, 18, 2, 32),
+    "Q4_1": BlockType(32, 20, 3, 32),
+    "Q2_K": BlockType(256, 84, 10, 256),
+    "Q3_K": BlockType(256, 110, 11, 256),
+    "Q4_K": BlockType(256, 144, 12, 256),
+    "Q5_K": BlockType(256, 176, 13, 256),
+    "Q6_K": BlockType(256, 210, 14, 256),
+    "MXFP4": BlockType(32, 17, 39, 32),
+    "BF16": BlockType(32, 64, 30, 0),
+}
+TYPE_IDS = {name: t.id for name, t in BLOCK_TYPES.items()}
+
+
+def row_bytes(wtype: str, k: int) -> int:
+    """Bytes of one row of `k` weights (whole blocks) in GGML block type `wtype`."""
+    return k // BLOCK_TYPES[wtype].elements * BLOCK_TYPES[wtype].bytes
+
+
 PATHS = {"auto": 0, "portable": 1, "avx2": 2}
 
 _module = None
@@ -41,6 +73,13 @@ def _load():
         _why_not = (
             f"the extension weightstream._native is not built or does not load ({exc}); reinstall with "
             "`pip install --no-build-isolation -e .` where torch and a C++ compiler are installed"
+        )
+        return
+    built = {name: BlockType(elements, nbytes, id_, act) for name, id_, elements, nbytes, act in _native.block_types()}
+    if built != BLOCK_TYPES:
+        _why_not = (
+            f"the extension weightstream._native was built from other sources (its block types {sorted(built)} do not "
+            f"match this package's {sorted(BLOCK_TYPES)}); rebuild it with `pip install --no-build-isolation -e .`"
         )
         return
     _module = _native
