@@ -91,10 +91,11 @@ struct QAct {
   const int8_t* q;   // K values
   const float* d;    // one scale per activation block (32, or 256 for K types)
   const int16_t* s;  // one sum of q per 32 (at most 32 x 127 in size: int16, which the AVX2 min terms take)
+  const int16_t* s16;  // one sum of q per 16 (Q2_K's mins are per 16)
   const float* f;    // BF16 weights: the K values themselves, not quantized
 };
 
-void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
+void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s, int16_t* s16) {
   for (int64_t b = 0; b < k / ablock; b++) {
     const float* xb = x + b * ablock;
     float amax = 0.f;
@@ -104,11 +105,12 @@ void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d
     for (int64_t i = 0; i < ablock; i++) q[b * ablock + i] = (int8_t)std::nearbyint(xb[i] * inv);
     d[b] = scale;
   }
-  for (int64_t b = 0; b < k / 32; b++) {
+  for (int64_t b = 0; b < k / 16; b++) {
     int32_t sum = 0;
-    for (int i = 0; i < 32; i++) sum += q[b * 32 + i];
-    s[b] = (int16_t)sum;
+    for (int i = 0; i < 16; i++) sum += q[b * 16 + i];
+    s16[b] = (int16_t)sum;
   }
+  for (int64_t b = 0; b < k / 32; b++) s[b] = (int16_t)(s16[2 * b] + s16[2 * b + 1]);
 }
 
 // The accumulation both paths share: two sets of 8 lane accumulators, even blocks into set 0 and odd ones into
@@ -182,9 +184,24 @@ WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// int16 multipliers of a sub-block of 32 whose scales are per 16: s0 for elements 0-15, s1 for 16-31
-WS_AVX2_INLINE __m256i per16(int s0, int s1) {
-  return _mm256_setr_m128i(_mm_set1_epi16((short)s0), _mm_set1_epi16((short)s1));
+// The 16 per-16 scales of a K super-block as int16, each 128-bit half holding 8 of them twice over: lo for
+// sub-blocks 0-3 (scales 0-7), hi for 4-7 (scales 8-15).
+struct Scales16 {
+  __m256i lo, hi;
+};
+
+WS_AVX2_INLINE Scales16 scales16_avx2(__m128i sc8, bool is_signed) {
+  const __m256i all = is_signed ? _mm256_cvtepi8_epi16(sc8) : _mm256_cvtepu8_epi16(sc8);
+  return {_mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
+}
+
+// int16 multipliers of sub-block `sub` of 32 whose scales are per 16: scale 2 sub for elements 0-15, 2 sub + 1 for
+// 16-31, broadcast by one shuffle.
+WS_AVX2_INLINE __m256i per16(const Scales16& sc, int sub) {
+  const int j = sub % 4;
+  const __m256i ctrl = _mm256_setr_m128i(_mm_set1_epi16((short)((4 * j) | ((4 * j + 1) << 8))),
+                                         _mm_set1_epi16((short)((4 * j + 2) | ((4 * j + 3) << 8))));
+  return _mm256_shuffle_epi8(sub < 4 ? sc.lo : sc.hi, ctrl);
 }
 
 WS_AVX2_INLINE int32_t hsum_i32(__m256i v) {
@@ -320,9 +337,7 @@ struct Q2_K {
       lane_sums(u, xq + 32 * sub, lanes);
       const uint8_t s0 = x.scales[2 * sub], s1 = x.scales[2 * sub + 1];
       add_scaled16(isum, lanes, s0 & 0xF, s1 & 0xF);
-      int32_t x0 = 0, x1 = 0;
-      for (int i = 0; i < 16; i++) x0 += xq[32 * sub + i], x1 += xq[32 * sub + 16 + i];
-      msum += (s0 >> 4) * x0 + (s1 >> 4) * x1;
+      msum += (s0 >> 4) * a.s16[b * 16 + 2 * sub] + (s1 >> 4) * a.s16[b * 16 + 2 * sub + 1];
     }
     lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
     rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
@@ -336,22 +351,24 @@ struct Q2_K {
   }
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), low4 = _mm_set1_epi8(0xF);
+    const Scales16 sc = scales16_avx2(_mm_and_si128(raw, low4), false);
     const int8_t* xq = a.q + b * 256;
-    __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
+    __m256i isum = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
       const __m256i q = load256(x.qs + 32 * n);
       for (int j = 0; j < 4; j++) {
         const int sub = 4 * n + j;
         const __m256i w = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-        const __m256i xv = load256(xq + 32 * sub);
-        const uint8_t s0 = x.scales[2 * sub], s1 = x.scales[2 * sub + 1];
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w, xv, per16(s0 & 0xF, s1 & 0xF)));
-        msum = _mm256_add_epi32(msum, lanes_u8_s8_times(ones, xv, per16(s0 >> 4, s1 >> 4)));
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w, load256(xq + 32 * sub), per16(sc, sub)));
       }
     }
+    // min term: the 16 mins times the 16 sums of qx, in integers
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    const int32_t msum = hsum_i32(_mm256_madd_epi16(mins, load256(a.s16 + b * 16)));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)hsum_i32(msum), rest);
+    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)msum, rest);
   }
 #endif
 };
@@ -367,12 +384,18 @@ struct Q3_K {
     uint8_t scales[12];
     uint8_t d[2];
   };
-  static void scales16(const Block& x, int8_t* sc) {  // bytes 0-7: low 4 bits, bytes 8-11: high 2 bits
-    for (int i = 0; i < 16; i++) {
-      const int low = i < 8 ? x.scales[i] & 0xF : x.scales[i - 8] >> 4;
-      const int high = (x.scales[8 + i % 4] >> (2 * (i / 4))) & 3;
-      sc[i] = (int8_t)((low | (high << 4)) - 32);
-    }
+  // 16 scales of 6 bits: the low 4 bits of scale i in bytes 0-7 (i < 8 low nibbles, else high), the high 2 bits in
+  // bytes 8-11 (bits 2 (i / 4) of byte 8 + i % 4); unpacked four at a time in 32-bit words
+  static void scales16(const Block& x, int8_t* sc) {
+    uint32_t w[4];
+    std::memcpy(w, x.scales, 12);
+    const uint32_t low4 = 0x0f0f0f0fu, two = 0x03030303u, high = w[2];
+    w[2] = ((w[0] >> 4) & low4) | (((high >> 4) & two) << 4);
+    w[3] = ((w[1] >> 4) & low4) | (((high >> 6) & two) << 4);
+    w[0] = (w[0] & low4) | ((high & two) << 4);
+    w[1] = (w[1] & low4) | (((high >> 2) & two) << 4);
+    std::memcpy(sc, w, 16);
+    for (int i = 0; i < 16; i++) sc[i] = (int8_t)(sc[i] - 32);
   }
   static int8_t code(const Block& x, int sub, int l) {
     const int low = (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
@@ -401,8 +424,15 @@ struct Q3_K {
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
     const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
-    int8_t sc[16];
-    scales16(x, sc);
+    // scales16's arithmetic on the four words in a vector register (the 12 bytes read as 8 + 4: no read past them)
+    uint32_t w2;
+    std::memcpy(&w2, x.scales + 8, 4);
+    const __m128i w01 = _mm_loadl_epi64((const __m128i*)x.scales);                  // w0, w1, 0, 0
+    const __m128i lows = _mm_srlv_epi32(_mm_unpacklo_epi64(w01, w01), _mm_setr_epi32(0, 0, 4, 4));
+    const __m128i highs = _mm_srlv_epi32(_mm_set1_epi32((int)w2), _mm_setr_epi32(0, 2, 4, 6));
+    const __m128i sc6 = _mm_or_si128(_mm_and_si128(lows, _mm_set1_epi8(0xF)),
+                                     _mm_slli_epi32(_mm_and_si128(highs, _mm_set1_epi8(3)), 4));
+    const Scales16 sc = scales16_avx2(_mm_sub_epi8(sc6, _mm_set1_epi8(32)), true);
     const __m256i hm = load256(x.hmask);
     __m256i isum = _mm256_setzero_si256();
     for (int n = 0; n < 2; n++) {
@@ -413,7 +443,7 @@ struct Q3_K {
         const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, sub), ones), ones);
         const __m256i w = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));  // 0 or 4 a byte: no carries
         const __m256i xv = load256(a.q + b * 256 + 32 * sub);
-        isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc[2 * sub], sc[2 * sub + 1])));
+        isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
       }
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
@@ -580,6 +610,7 @@ struct Q6_K {
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const Scales16 sc = scales16_avx2(_mm_loadu_si128((const __m128i*)x.scales), true);
     __m256i isum = _mm256_setzero_si256();
     for (int sub = 0; sub < 8; sub++) {
       const int n = sub / 4, r = sub % 4;
@@ -588,7 +619,7 @@ struct Q6_K {
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), m2);
       const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
       const __m256i xv = load256(a.q + b * 256 + sub * 32);
-      isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(scale(x, sub, 0), scale(x, sub, 1))));
+      isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
   }
@@ -786,7 +817,8 @@ DotFn dot_fn(int64_t path, int64_t wtype) {
 // quantize_row's arithmetic, 8 values at a time: the same max (ignoring NaN, as fmax does), scale, reciprocal and
 // round-to-nearest-even conversion, so the same bytes, scales and sums.
 #ifdef WS_X86
-WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s) {
+WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d, int16_t* s,
+                               int16_t* s16) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < k / ablock; b++) {
     const float* xb = x + b * ablock;
@@ -800,8 +832,10 @@ WS_AVX2 void quantize_row_avx2(const float* x, int64_t k, int64_t ablock, int8_t
     for (int64_t i = 0; i < ablock; i += 32) {
       __m256i v[4];
       for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), inv));
-      s[(b * ablock + i) / 32] =
-          (int16_t)hsum_i32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+      const int64_t at = (b * ablock + i) / 16;
+      s16[at] = (int16_t)hsum_i32(_mm256_add_epi32(v[0], v[1]));
+      s16[at + 1] = (int16_t)hsum_i32(_mm256_add_epi32(v[2], v[3]));
+      s[at / 2] = (int16_t)(s16[at] + s16[at + 1]);
       // packs work within 128-bit halves: (0 1 4 5 | 2 3 6 7) in 32-bit groups, put back in order
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
       const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -842,7 +876,7 @@ struct QRows {
   int64_t k = 0, blocks = 0, sums = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> s;
+  std::vector<int16_t> s, s16;
   const float* f = nullptr;  // BF16 weights: the caller's rows as they are (they outlive this)
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
@@ -856,22 +890,24 @@ struct QRows {
     q.resize(m * k);
     d.resize(m * blocks);
     s.resize(m * sums);
+    s16.resize(m * 2 * sums);
     for (int64_t r = 0; r < m; r++) {
       int8_t* qr = q.data() + r * k;
       float* dr = d.data() + r * blocks;
       int16_t* sr = s.data() + r * sums;
+      int16_t* s16r = s16.data() + r * 2 * sums;
 #ifdef WS_X86
       if (path == 2) {
-        quantize_row_avx2(x + r * k, k, ablock, qr, dr, sr);
+        quantize_row_avx2(x + r * k, k, ablock, qr, dr, sr, s16r);
         continue;
       }
 #endif
-      quantize_row(x + r * k, k, ablock, qr, dr, sr);
+      quantize_row(x + r * k, k, ablock, qr, dr, sr, s16r);
     }
   }
   QAct row(int64_t r) const {
-    if (f != nullptr) return {nullptr, nullptr, nullptr, f + r * k};
-    return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums, nullptr};
+    if (f != nullptr) return {nullptr, nullptr, nullptr, nullptr, f + r * k};
+    return {q.data() + r * k, d.data() + r * blocks, s.data() + r * sums, s16.data() + r * 2 * sums, nullptr};
   }
 };
 
