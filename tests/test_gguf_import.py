@@ -46,8 +46,8 @@ PERMUTED = {"mixtral"}  # llama.cpp's LlamaModel permutes attn_q/attn_k rows; Qw
 
 
 def _encode(w: torch.Tensor, kind: str, seed: int) -> np.ndarray:
-    """(N, K) floats -> (N, row bytes) GGML blocks: weightstream's encoders, gguf's, or for Q6_K (which neither
-    encodes) random blocks with sane fp16 scales (the values then are the blocks', not `w`'s)."""
+    """(N, K) floats -> (N, row bytes) GGML blocks: weightstream's encoders, gguf's, or for types neither encodes
+    (IQ4_NL) random blocks with sane fp16 scales (the values then are the blocks', not `w`'s)."""
     if kind in ENCODERS:
         return ENCODERS[kind](w.float()).numpy()
     if kind in ("Q4_0", "Q5_0", "MXFP4"):
@@ -56,11 +56,13 @@ def _encode(w: torch.Tensor, kind: str, seed: int) -> np.ndarray:
         return quants.quantize(w.float().numpy(), GGMLQuantizationType.BF16)
     if kind == "F32":
         return w.float().numpy()
-    assert kind == "Q6_K"
+    assert kind in ("Q6_K", "IQ4_NL")
     n, k = w.shape
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = rng.uniform(1e-5, 3e-5, size=(n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    at = 208 if kind == "Q6_K" else 0  # the fp16 scale
+    raw[..., at : at + 2] = rng.uniform(1e-5, 3e-5, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -218,8 +220,16 @@ def mixed(layer: int, proj: str) -> str:
     )[proj]
 
 
+def lowbit(layer: int, proj: str) -> str:
+    """A Q2_K / Q3_K_M-like file: every low-bit K type, layers that differ."""
+    return {0: {"gate": "Q2_K", "up": "Q2_K", "down": "Q3_K"}, 1: {"gate": "Q5_K", "up": "Q5_K", "down": "Q6_K"}}.get(
+        layer, {"gate": "Q3_K", "up": "Q3_K", "down": "Q2_K"}
+    )[proj]
+
+
 # RECIPES: name -> (architecture, expert types, dense types)
 RECIPES = {
+    "olmoe-lowbit": ("olmoe", lowbit, "BF16"),
     "qwen3-mixed": ("qwen3_moe", mixed, "BF16"),
     "qwen2-q8": (
         "qwen2_moe",
@@ -251,10 +261,18 @@ DENSE_TYPES = {
         "ffn_down_shexp": "Q5_0",
         "output": "Q4_K",
     },
+    "olmoe-lowbit-dense": {
+        "attn_q": "Q2_K",
+        "attn_k": "Q3_K",
+        "attn_v": "Q5_K",
+        "attn_output": "Q3_K",
+        "output": "Q5_K",
+    },
 }
 DENSE_RECIPES = {
     "mixtral-dense-blocks": ("mixtral", lambda layer, proj: "Q4_K", DENSE_TYPES["mixtral-dense-blocks"]),
     "qwen2-dense-blocks": ("qwen2_moe", lambda layer, proj: "Q8_0", DENSE_TYPES["qwen2-dense-blocks"]),
+    "olmoe-lowbit-dense": ("olmoe", lowbit, DENSE_TYPES["olmoe-lowbit-dense"]),
 }
 
 
@@ -304,7 +322,14 @@ def test_every_expert_is_the_ggufs_blocks_bit_for_bit(imported, recipe):
     path, out = imported(recipe)
     fmt, tensors = read_manifest(out), _gguf(path)
     assert (
-        fmt.scheme == {"qwen3-mixed": "q4_k", "qwen2-q8": "q8_0", "olmoe-q4_0": "q4_1", "mixtral-q4_1": "q4_1"}[recipe]
+        fmt.scheme
+        == {
+            "qwen3-mixed": "q4_k",
+            "qwen2-q8": "q8_0",
+            "olmoe-q4_0": "q4_1",
+            "mixtral-q4_1": "q4_1",
+            "olmoe-lowbit": "q4_k",
+        }[recipe]
     )
     layers = sorted({int(n.split(".")[1]) for n in tensors if "_exps" in n})
     for layer in layers:
@@ -449,8 +474,11 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
         "is a row lookup",
         "qwen2-dense-blocks": "3 Q5_0 tensor(s) dequantized to bfloat16 (blk.0.ffn_down_shexp.weight, "
         "blk.1.ffn_down_shexp.weight, blk.2.ffn_down_shexp.weight): the native kernels do not run Q5_0",
-    }[recipe]
-    assert any(dequantized in line for line in result.notes), result.notes
+    }.get(recipe)
+    if dequantized is None:  # every quantized dense weight kept as blocks
+        assert not any("dequantized" in line for line in result.notes), result.notes
+    else:
+        assert any(dequantized in line for line in result.notes), result.notes
     model = load_streaming_model(out, expert_cache="1x")
     try:
         linears = {f"{p}.weight": m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
@@ -601,10 +629,10 @@ def test_float_experts_make_a_plain_checkpoint_equal_to_the_source(source, tmp_p
 
 
 def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source, tmp_path):
-    """Q5_0 (5.5 bits a weight) -> Q8_0, MXFP4 (4.25) -> Q4_K: the bytes are the encoders' of gguf's decoded
+    """Q5_0 (5.5 bits a weight) -> Q8_0, IQ4_NL (4.5) -> Q4_K: the bytes are the encoders' of gguf's decoded
     values, and the error against those values is measured and said."""
     path = gguf_from(
-        source("qwen3_moe"), tmp_path / "q5.gguf", lambda layer, proj: "MXFP4" if proj == "down" else "Q5_0"
+        source("qwen3_moe"), tmp_path / "q5.gguf", lambda layer, proj: "IQ4_NL" if proj == "down" else "Q5_0"
     )
     notes = []
     result = import_gguf(path, str(tmp_path / "out"), log=notes.append)
@@ -612,10 +640,10 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     assert fmt.scheme == "q4_k" and [t.dtype for t in fmt.tensors] == ["Q8_0", "Q4_K"] and not fmt.layer_tables
     by_type = {r["from"]: r for r in result.requantized}
     assert {(r["from"], r["to"], r["tensors"]) for r in result.requantized} == {
-        ("MXFP4", "Q4_K", 3),
+        ("IQ4_NL", "Q4_K", 3),
         ("Q5_0", "Q8_0", 6),
     }
-    sse = {"Q5_0": 0.0, "MXFP4": 0.0}
+    sse = {"Q5_0": 0.0, "IQ4_NL": 0.0}
     ssr = dict.fromkeys(sse, 0.0)
     for layer in range(3):
         for e in range(8):
@@ -632,12 +660,12 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     for kind in sse:
         assert by_type[kind]["rel_rms"] == pytest.approx((sse[kind] / ssr[kind]) ** 0.5, rel=1e-6)
         assert any(f"{kind} tensor(s) requantized to {by_type[kind]['to']}" in line for line in notes), notes
-    assert 0.001 < by_type["Q5_0"]["rel_rms"] < 0.01 and 0.02 < by_type["MXFP4"]["rel_rms"] < 0.15
+    assert 0.001 < by_type["Q5_0"]["rel_rms"] < 0.01 and 0.02 < by_type["IQ4_NL"]["rel_rms"] < 0.15
     tokens, _, runtime = _logits(str(tmp_path / "out"), max_new_tokens=2, expert_cache="1x")
     assert len(tokens) == PROMPT.shape[1] + 2 and runtime.kernels == {"Qwen3MoeExperts": "q4_k-native"}
     result = import_gguf(path, str(tmp_path / "q8"), requantize="q8_0", log=lambda line: None)
     assert [t.dtype for t in read_manifest(str(tmp_path / "q8")).tensors] == ["Q8_0", "Q8_0"]
-    assert {r["from"]: r["to"] for r in result.requantized} == {"MXFP4": "Q8_0", "Q5_0": "Q8_0"}
+    assert {r["from"]: r["to"] for r in result.requantized} == {"IQ4_NL": "Q8_0", "Q5_0": "Q8_0"}
 
 
 def test_a_split_gguf_imports_as_the_single_file_does(imported, source, tmp_path):
