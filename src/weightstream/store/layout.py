@@ -29,7 +29,16 @@ from weightstream.store.checkpoint import Checkpoint
 from weightstream.store.quant_format import QuantFormat, blob_key
 from weightstream.store.safetensors_index import TensorInfo
 
-TESTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss")
+TESTED_ARCHITECTURES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe",
+    "gpt_oss",
+)
 _EXEC_ORDER = {
     "gate_up_proj": 0,
     "up_proj": 0,

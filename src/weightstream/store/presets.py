@@ -81,6 +81,20 @@ TINY = {
         moe_intermediate_size=64,
         **_TINY_MLA,
     ),
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        num_hidden_layers=3,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        intermediate_size=96,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        use_qk_norm=True,  # GLM-4.5 has attention biases but no q/k norms; the tiny one has both, proving both
+        attention_bias=True,
+        num_nextn_predict_layers=0,  # transformers' Glm4Moe does not build the MTP layer
+    ),
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_hidden_layers=3,
