@@ -28,7 +28,8 @@ from pathlib import Path
 CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "llama.cpp"
 TARGETS = ("llama-bench", "llama-cli", "llama-quantize", "llama-perplexity")
 
-# The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally), so its
+# The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally), and on a
+# GLM tokenizer without GLM's special tokens (GLM's is written as GPT-2's instead), so the pre-tokenizer's
 # name is forced: llama.cpp's "default" where the vocabulary does not matter (speed), "gpt-2" where llama.cpp must
 # split text as our tokenizers do (GPT-2's ByteLevel pre-tokenizer; benchmarks/gguf_quality.py).
 _CONVERT = """
@@ -36,7 +37,10 @@ import runpy, sys
 sys.path.insert(0, {tree!r})
 sys.path.insert(1, {gguf!r})
 import conversion.base as base
+import conversion.glm as glm
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+# GLM's vocabulary needs GLM's own special tokens ([gMASK], ...), which a synthetic tokenizer lacks
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = {argv!r}
 runpy.run_path({script!r}, run_name="__main__")
 """
