@@ -19,7 +19,8 @@ def register(sub) -> None:
         "F32; dequantized where the file quantized them). Other expert block types are requantized, and every "
         "lossy step is said on stderr with its measured error. A split model (NAME-00001-of-0000N.gguf) is read "
         "from all its parts. It streams: one tensor or one expert at a time; the output appears only when "
-        "complete. Architectures: qwen3moe, qwen2moe, olmoe, Mixtral (docs/gguf.md).",
+        "complete. Architectures: qwen3moe, qwen2moe, olmoe, Mixtral, deepseek2 (DeepSeek-V2/V3, Kimi-K2), glm4moe "
+        "(GLM-4.5) (docs/gguf.md).",
         epilog="examples:\n  weightstream import Qwen3-30B-A3B-Q4_K_M.gguf --out models/qwen3-30b-q4km\n"
         "  weightstream generate models/qwen3-30b-q4km --prompt 'Hello' --expert-cache 4GiB",
         formatter_class=argparse.RawDescriptionHelpFormatter,
