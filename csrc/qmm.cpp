@@ -451,9 +451,39 @@ struct Q3_K {
 #endif
 };
 
+// Q4_K and Q5_K: per 32 a 6-bit scale and min, w = d sc q - dmin m; T::code(x, sub, l) is the code of element l
+// of sub-block sub (the portable path and the decoder; each AVX2 path unpacks its codes its own way).
+template <typename T>
+struct ScalesMinsK {
+  template <typename B>
+  static void dot(const B& x, const QAct& a, int64_t b, Acc& acc) {
+    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
+    uint8_t sc[8], mn[8], u[32];
+    scales_mins_k4(x.scales, sc, mn);
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) u[l] = T::code(x, sub, l);
+      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
+      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
+      msum += mn[sub] * a.s[b * 8 + sub];
+    }
+    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  template <typename B>
+  static void dequantize(const B& x, float* o) {
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(x.scales, sc, mn);
+    const float d = fp16(x.d), dmin = fp16(x.dmin);
+    for (int sub = 0; sub < 8; sub++) {
+      const float scale = d * (float)sc[sub], offset = dmin * (float)mn[sub];
+      for (int l = 0; l < 32; l++) o[32 * sub + l] = scale * (float)T::code(x, sub, l) - offset;
+    }
+  }
+};
+
 // Q4_K: per 32 a 6-bit scale and min; 64-element chunk c holds sub-block 2c in the low nibbles of its 32 bytes,
 // 2c + 1 in the high ones; w = d sc q - dmin m.
-struct Q4_K {
+struct Q4_K : ScalesMinsK<Q4_K> {
   static constexpr int64_t id = 12, elements = 256, act = 256;
   static constexpr const char* name = "Q4_K";
   struct Block {
@@ -464,28 +494,6 @@ struct Q4_K {
   static uint8_t code(const Block& x, int sub, int l) {
     const uint8_t byte = x.qs[32 * (sub / 2) + l];
     return sub & 1 ? byte >> 4 : byte & 0xF;
-  }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
-    uint8_t sc[8], mn[8], u[32];
-    scales_mins_k4(x.scales, sc, mn);
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
-      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
-      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
-      msum += mn[sub] * a.s[b * 8 + sub];
-    }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
-    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
-  }
-  static void dequantize(const Block& x, float* o) {
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(x.scales, sc, mn);
-    const float d = fp16(x.d), dmin = fp16(x.dmin);
-    for (int sub = 0; sub < 8; sub++) {
-      const float scale = d * (float)sc[sub], offset = dmin * (float)mn[sub];
-      for (int l = 0; l < 32; l++) o[32 * sub + l] = scale * (float)code(x, sub, l) - offset;
-    }
   }
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
@@ -513,7 +521,7 @@ struct Q4_K {
 };
 
 // Q5_K: Q4_K's scales, mins and nibbles, and a fifth bit: bit s of qh byte l for element l of sub-block s.
-struct Q5_K {
+struct Q5_K : ScalesMinsK<Q5_K> {
   static constexpr int64_t id = 13, elements = 256, act = 256;
   static constexpr const char* name = "Q5_K";
   struct Block {
@@ -525,28 +533,6 @@ struct Q5_K {
   static uint8_t code(const Block& x, int sub, int l) {
     const uint8_t byte = x.qs[32 * (sub / 2) + l];
     return (sub & 1 ? byte >> 4 : byte & 0xF) | (((x.qh[l] >> sub) & 1) << 4);
-  }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
-    uint8_t sc[8], mn[8], u[32];
-    scales_mins_k4(x.scales, sc, mn);
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
-      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
-      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
-      msum += mn[sub] * a.s[b * 8 + sub];
-    }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
-    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
-  }
-  static void dequantize(const Block& x, float* o) {
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(x.scales, sc, mn);
-    const float d = fp16(x.d), dmin = fp16(x.dmin);
-    for (int sub = 0; sub < 8; sub++) {
-      const float scale = d * (float)sc[sub], offset = dmin * (float)mn[sub];
-      for (int l = 0; l < 32; l++) o[32 * sub + l] = scale * (float)code(x, sub, l) - offset;
-    }
   }
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
