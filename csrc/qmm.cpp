@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -178,10 +179,9 @@ WS_AVX2_INLINE __m256i lanes_s8_s8_times(__m256i w, __m256i x, __m256i mult) {
 
 WS_AVX2_INLINE __m256i lanes_s8_s8(__m256i w, __m256i x) { return lanes_s8_s8_times(w, x, _mm256_set1_epi16(1)); }
 
-WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {
+WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {  // low nibbles in the low half, high in the high
   const __m128i raw = _mm_loadu_si128((const __m128i*)qs);
-  const __m128i mask = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
 }
 
 // The 16 per-16 scales of a K super-block as int16, each 128-bit half holding 8 of them twice over: lo for
@@ -612,6 +612,17 @@ struct Q6_K {
 #endif
 };
 
+// 2^(e - 128) for every E8M0 byte e, exact (subnormal below e = 2): MXFP4's scales, halved as GGML keeps them.
+// A table read is one load where the bit arithmetic was a branch and a move between register files.
+const std::array<float, 256> e8m0_half = [] {
+  std::array<float, 256> out{};
+  for (uint32_t e = 0; e < 256; e++) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    std::memcpy(&out[e], &bits, 4);
+  }
+  return out;
+}();
+
 // MXFP4 (OCP microscaling, gpt-oss's experts): per 32 a power-of-two scale (E8M0) and 4-bit E2M1 codes, element
 // order as Q4_0's. GGML keeps the code values doubled (integers -12..12) and the scale halved: w = kv[q] 2^(e-128).
 struct MXFP4 {
@@ -622,12 +633,7 @@ struct MXFP4 {
     uint8_t e;
     uint8_t qs[16];
   };
-  static float scale(const Block& x) {  // 2^(e - 128), exact (a subnormal below e = 2)
-    const uint32_t bits = x.e < 2 ? 0x00200000u << x.e : (uint32_t)(x.e - 1) << 23;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
+  static float scale(const Block& x) { return e8m0_half[x.e]; }
   static void codes(const Block& x, int8_t* sv) {
     uint8_t u[32];
     nibbles32(x.qs, u);
@@ -648,10 +654,8 @@ struct MXFP4 {
   }
 #ifdef WS_X86
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
-    const __m128i table = _mm_loadu_si128((const __m128i*)kvalues);
-    const __m128i raw = _mm_loadu_si128((const __m128i*)x.qs), mask = _mm_set1_epi8(0xF);
-    const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), mask)),
-                                       _mm_shuffle_epi8(table, _mm_and_si128(raw, mask)));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues));
+    const __m256i w = _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs));
     const __m256i lanes = lanes_s8_s8(w, load256(a.q + b * 32));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(x) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
   }
