@@ -26,7 +26,7 @@ from weightstream.store.gguf.planner import Dense, Layer, activation_dtype, plan
 from weightstream.store.gguf.reader import FLOATS, GgufTensor, decode, ggml_kind, open_gguf, read_at, read_values
 from weightstream.store.gguf.tokenizer import gguf_tokenizer
 from weightstream.store.outdir import built_in_place, refuse_existing
-from weightstream.store.quant_format import blob_key, row_bytes, write_manifest
+from weightstream.store.quant_format import DTYPES, blob_key, row_bytes, write_manifest
 from weightstream.store.safetensors_writer import SafetensorsWriter
 
 REQUANTIZE = ("auto", "q8_0", "q4_k")
@@ -180,7 +180,7 @@ def _write(gf, dense: list[Dense], layers: list[Layer], dtype, out: str, progres
         shards.setdefault(layer_index(d.key, -1), []).append(d)
     for lay in layers:
         shards.setdefault(lay.layer, []).append(lay)
-    todo = sum(d.nbytes for d in dense) + sum(t.nbytes for lay in layers for t in lay.tensors.values())
+    todo = sum(d.nbytes for d in dense) + sum(lay.nbytes for lay in layers)
     fds = {p: os.open(p, os.O_RDONLY) for p in gf.parts}
     done, weight_map, total = 0, {}, 0
     try:
@@ -203,7 +203,7 @@ def _write(gf, dense: list[Dense], layers: list[Layer], dtype, out: str, progres
                     for e in range(item.tensors["gate"].shape[0]):
                         for key, tensor in _expert(item, e, dtype, fds, losses):
                             writer.write(key, tensor)
-                        done += sum(t.nbytes // t.shape[0] for t in item.tensors.values())
+                        done += item.nbytes // item.tensors["gate"].shape[0]
                         if progress:
                             progress(done, todo)
                     _close_expert_losses(item, losses)
@@ -295,15 +295,38 @@ def _expert(lay: Layer, e: int, dtype, fds, losses):
             yield lay.float_keys[proj][e], got
         return
     blob = np.zeros(lay.blob_bytes, dtype=np.uint8)
-    gate_up, down = lay.table
-    at = {"gate": gate_up.offset, "up": gate_up.offset + gate_up.nbytes // 2, "down": down.offset}
+    table = {t.name: t for t in lay.table}
     for proj, t in lay.tensors.items():
-        data = pieces[proj]
-        target = lay.targets[proj]
-        if target != t.type:
-            data = _requantize(data, t, target, lay, proj, losses)
-        blob[at[proj] : at[proj] + data.size] = data
+        if lay.targets[proj] != t.type:
+            pieces[proj] = _requantize(pieces[proj], t, lay.targets[proj], lay, proj, losses)
+    rows = lay.tensors["gate"].shape[1]
+    gate_up = _gate_up(pieces["gate"].reshape(rows, -1), pieces["up"].reshape(rows, -1), lay.interleaved)
+    parts = {"gate_up_proj.qweight": gate_up.reshape(-1), "down_proj.qweight": pieces["down"]}
+    if lay.biases:
+        dtype = DTYPES[table["down_proj_bias"].dtype]  # the activation dtype
+        stored = {}
+        for proj, t in lay.biases.items():
+            per = t.nbytes // t.shape[0]
+            value = decode(read_at(fds[t.path], t.path, t.offset + e * per, per), t.type, 1, t.shape[1])[0]
+            stored[proj] = value.to(dtype)
+            if FLOATS.get(t.type) != dtype:
+                acc = losses.setdefault(("expert-bias", t.type, torch_name(dtype), lay.layer, proj), _Loss())
+                acc.sse += float((stored[proj].double() - value.double()).pow(2).sum())
+                acc.ssr += float(value.double().pow(2).sum())
+        parts["gate_up_proj_bias"] = _gate_up(stored["gate"], stored["up"], lay.interleaved).view(torch.uint8).numpy()
+        parts["down_proj_bias"] = stored["down"].contiguous().view(torch.uint8).numpy()
+    for name, data in parts.items():
+        t = table[name]
+        blob[t.offset : t.offset + t.nbytes] = data
     yield blob_key(lay.path, e), torch.from_numpy(blob)
+
+
+def _gate_up(gate, up, interleaved: bool):
+    """gate_up's rows (or bias values) from gate's and up's: gate's then up's, or alternating gate_i, up_i as
+    gpt-oss's gate takes them (whole rows of blocks move: their bytes are the file's)."""
+    if isinstance(gate, torch.Tensor):
+        return torch.stack([gate, up], 1).reshape(-1, *gate.shape[1:]) if interleaved else torch.cat([gate, up])
+    return np.stack([gate, up], 1).reshape(-1, *gate.shape[1:]) if interleaved else np.concatenate([gate, up])
 
 
 def _requantize(raw: np.ndarray, t: GgufTensor, target: str, lay: Layer, proj: str, losses) -> np.ndarray:
@@ -323,7 +346,7 @@ def _close_expert_losses(lay: Layer, losses) -> None:
     """Fold a layer's per-tensor sums (over its experts) into one entry per conversion."""
     for key in [k for k in losses if len(k) == 5 and k[3] == lay.layer]:
         acc = losses.pop(key)
-        kind = "experts" if key[0] == "expert-tensor" else "experts-float"
+        kind = {"expert-tensor": "experts", "expert-bias": "expert-biases"}.get(key[0], "experts-float")
         losses.setdefault((kind, key[1], key[2]), _Loss()).add(acc.sse, acc.ssr)
 
 
@@ -337,6 +360,7 @@ def _loss_notes(losses: dict) -> list[str]:
             "experts": f"experts: {acc.tensors} {src} tensor(s) requantized to {dst} (the native kernels do not run "
             f"{src})",
             "experts-float": f"experts: {acc.tensors} {src} tensor(s) stored as {dst}",
+            "expert-biases": f"expert biases: {acc.tensors} {src} tensor(s) stored as {dst}",
         }[kind]
         lines.append(
             f"{what}: relative RMS error {acc.rms:.3%} against the GGUF's own values, {acc.worst:.3%} in the worst "

@@ -1,6 +1,7 @@
 """The import plan: the meta model the config describes, every dense tensor's GGUF source(s) and checkpoint key,
-and every MoE layer's stacked expert tensors with the GGML type each is stored in (the file's own where the native
-kernels run it, else what it is requantized to). Nothing is read here but the header."""
+and every MoE layer's stacked expert tensors (and biases, where the model's experts have them: gpt-oss) with the
+GGML type each is stored in (the file's own where the native kernels run it, else what it is requantized to).
+Nothing is read here but the header."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.gguf.families import FAMILIES, DenseSource
+from weightstream.store.gguf.families.base import check_shape
 from weightstream.store.gguf.reader import FLOATS, GgufFile, GgufTensor, dequantizable
 from weightstream.store.quant_format import BLOCK_TYPES, GGML_SCHEMES, BlobTensor, QuantFormat, blob_layout
 
@@ -49,6 +51,13 @@ class Layer:
     table: tuple[BlobTensor, ...] = ()
     blob_bytes: int = 0
     float_keys: dict[str, list[str]] | None = None  # float experts: gate/up/down -> checkpoint key per expert
+    biases: dict[str, GgufTensor] | None = None  # gate/up/down -> its (experts, outputs) bias (gpt-oss)
+    interleaved: bool = False  # gate_up rows (and bias) alternate gate and up, as the model's gate takes them
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file this layer's experts read: the 3D tensors and their biases."""
+        return sum(t.nbytes for t in (*self.tensors.values(), *(self.biases or {}).values()))
 
 
 @dataclass(slots=True)
@@ -100,6 +109,7 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
     layers = []
     for path, module in modules.items():
         layer = layer_index(path, -1)
+        n, inter, hidden = _expert_dims(module)
         tensors = {}
         for proj in PROJECTIONS:
             name = f"blk.{layer}.ffn_{proj}_exps.weight"
@@ -117,7 +127,6 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
                 )
             tensors[proj] = t
             used.add(name)
-        inter, hidden, n = module.intermediate_dim, module.hidden_dim, module.num_experts
         for proj, want in (("gate", (n, inter, hidden)), ("up", (n, inter, hidden)), ("down", (n, hidden, inter))):
             if tensors[proj].shape != want:
                 raise WeightstreamError(
@@ -130,7 +139,17 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
                 f"{tensors['up'].type}; weightstream runs gate and up as one matrix, which needs one type: "
                 "requantize the file so both have the same type (llama-quantize --tensor-type)"
             )
-        layers.append(Layer(layer, path, tensors, {}))
+        biases = {}
+        for proj, want in (("gate", (n, inter)), ("up", (n, inter)), ("down", (n, hidden))) if module.has_bias else ():
+            name, key = (
+                f"blk.{layer}.ffn_{proj}_exps.bias",
+                f"{path}.{'down' if proj == 'down' else 'gate_up'}_proj_bias",
+            )
+            t = family.tensor(gf, name, key, config)
+            check_shape(gf, t, want, key, config)
+            biases[proj] = t
+            used.add(name)
+        layers.append(Layer(layer, path, tensors, {}, biases=biases or None, interleaved=family.gate_up_interleaved))
     notes = []
     for skipped in family.skipped(gf, config):
         used.update(skipped.names)
@@ -141,16 +160,24 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
             f"{gf.path}: tensor(s) {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} have no place in the "
             f"{config.model_type} model its metadata describes; this variant of {arch} is not supported"
         )
-    floats = [t.type in FLOATS for lay in layers for t in lay.tensors.values()]
-    if all(floats):
-        _float_expert_keys(model, modules, layers, names, family)
+    floats = all(t.type in FLOATS for lay in layers for t in lay.tensors.values())
+    if floats and _float_expert_keys(model, modules, layers, names, family):
         for d in dense:  # a plain checkpoint has no manifest to list blocks in
             if d.block:
                 d.block, d.why_float = None, "the experts are floats: a plain checkpoint, with no table of blocks"
     else:
         for lay in layers:
-            lay.targets = {p: _target(gf, t, requantize) for p, t in lay.tensors.items()}
+            # float experts the checkpoint would store fused (a whole layer per tensor, gpt-oss's): the import
+            # writes one expert at a time, so they go into blobs as BF16 rows the native kernels run
+            lay.targets = {p: "BF16" if floats else _target(gf, t, requantize) for p, t in lay.tensors.items()}
     return Plan(config, model, dense, layers, notes)
+
+
+def _expert_dims(module) -> tuple[int, int, int]:
+    """(experts, intermediate, hidden) of an experts module, from its down projection (stored (E, I, H) where the
+    module's weights are transposed, gpt-oss's, else (E, H, I))."""
+    n, a, b = module.down_proj.shape
+    return (n, a, b) if module.is_transposed else (n, b, a)
 
 
 def _dense_block(t: GgufTensor, shape: tuple[int, ...], linear: bool, embedding: bool) -> tuple[str | None, str]:
@@ -168,21 +195,26 @@ def _dense_block(t: GgufTensor, shape: tuple[int, ...], linear: bool, embedding:
     return t.type, ""
 
 
-def _float_expert_keys(model, modules, layers: list[Layer], names, family) -> None:
-    """Float experts go into a plain checkpoint under the architecture's own per-expert keys."""
+def _float_expert_keys(model, modules, layers: list[Layer], names, family) -> bool:
+    """Float experts go into a plain checkpoint under the architecture's own per-expert keys. False (nothing set)
+    where the architecture's checkpoint stores them fused, a whole layer per tensor (gpt-oss)."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    keys = {}
     for lay in layers:
         module = modules[lay.path]
         meta = {f"{lay.path}.{n}": p for n, p in module.named_parameters(recurse=False)}
-        lay.float_keys = {p: [""] * module.num_experts for p in PROJECTIONS}
+        keys[lay.layer] = {p: [""] * module.num_experts for p in PROJECTIONS}
         for key in revert_weight_conversion(model, meta):
             match = re.search(r"\.experts\.(\d+)\.", key)
-            if match is None:
-                raise WeightstreamError(f"{key}: fused expert tensors on disk are not supported for float experts")
+            if match is None or lay.biases:
+                return False
             source = family.gguf_name(names, key[: match.start()] + ".experts." + key[match.end() :])
             proj = next(p for p, t in lay.tensors.items() if t.name == source)
-            lay.float_keys[proj][int(match.group(1))] = key
+            keys[lay.layer][proj][int(match.group(1))] = key
+    for lay in layers:
+        lay.float_keys = keys[lay.layer]
+    return True
 
 
 def _target(gf: GgufFile, t: GgufTensor, requantize: str) -> str:
@@ -210,22 +242,22 @@ def _target(gf: GgufFile, t: GgufTensor, requantize: str) -> str:
 
 def scheme(layers: list[Layer]) -> str:
     kinds = {k for lay in layers for k in lay.targets.values()}
-    for name in ("q8_0", "q4_1", "q4_k"):
+    for name in ("q8_0", "q4_1", "q4_k", "bf16"):
         if kinds <= set(GGML_SCHEMES[name]):
             return name
     raise AssertionError(kinds)
 
 
 def tables(layers: list[Layer], scheme: str, act: str, source: dict) -> QuantFormat:
-    """Each layer's blob table; the manifest's default table is the commonest one, the others per layer."""
+    """Each layer's blob table; the manifest's default table is the commonest one, the others per layer. Biases
+    follow their projection in the activation dtype, as `weightstream quantize` lays out a gpt-oss expert."""
     for lay in layers:
         inter, hidden = lay.tensors["gate"].shape[1], lay.tensors["gate"].shape[2]
-        lay.table, lay.blob_bytes = blob_layout(
-            [
-                ("gate_up_proj.qweight", lay.targets["gate"], (2 * inter, hidden)),
-                ("down_proj.qweight", lay.targets["down"], (hidden, inter)),
-            ]
-        )
+        entries = [("gate_up_proj.qweight", lay.targets["gate"], (2 * inter, hidden))]
+        entries += [("gate_up_proj_bias", act, (2 * inter,))] if lay.biases else []
+        entries += [("down_proj.qweight", lay.targets["down"], (hidden, inter))]
+        entries += [("down_proj_bias", act, (hidden,))] if lay.biases else []
+        lay.table, lay.blob_bytes = blob_layout(entries)
     counts = Counter((lay.table, lay.blob_bytes) for lay in layers)
     base = counts.most_common(1)[0][0]  # every kept type has an encoder, so the load-time check runs on it
     own = {lay.layer: (lay.table, lay.blob_bytes) for lay in layers if (lay.table, lay.blob_bytes) != base}

@@ -54,6 +54,9 @@ class Family:
     norm_topk: bool | None = None  # llama.cpp's default for `{arch}.expert_weights_norm` (None: no such field)
     float32_keys: tuple[str, ...] = ()  # checkpoint keys (suffixes) stored in float32 whatever the activation dtype
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint key suffix -> the one llama.cpp's converter names it by
+    # the model's fused gate_up rows alternate gate and up (gpt-oss), where llama.cpp's ffn_gate_exps and
+    # ffn_up_exps hold them apart: the blob interleaves their rows (and biases) instead of putting gate's first
+    gate_up_interleaved = False
 
     # ------------------------------------------------------------------------------------------------- config
 
