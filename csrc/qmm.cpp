@@ -265,7 +265,9 @@ struct Q8_0 {  // w = d q
 #endif
 };
 
-// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m): element j < 16 the low nibble of byte j, j + 16 its high nibble.
+// The legacy 32-element types: element j < 16 the low nibble of byte j, j + 16 its high nibble, and for Q5_0 and
+// Q5_1 a fifth bit, bit j of the 32-bit word qh. w = d (q - 8) (Q4_0), d (q - 16) (Q5_0), d q + m (Q4_1, Q5_1):
+// integer sums of the unsigned codes, the offset as d dx times the block's sum of qx.
 struct BlockQ4_0 {
   uint8_t d[2];
   uint8_t qs[16];
@@ -274,17 +276,35 @@ struct BlockQ4_1 {
   uint8_t d[2], m[2];
   uint8_t qs[16];
 };
-template <typename B, bool WithMin>
-struct Q4_01 {
+struct BlockQ5_0 {
+  uint8_t d[2];
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+struct BlockQ5_1 {
+  uint8_t d[2], m[2];
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+template <typename B, bool WithMin, bool Fifth>
+struct Legacy32 {
   using Block = B;
   static float offset(const Block& x, float d) {
     if constexpr (WithMin) return fp16(x.m);
-    return -8.f * d;
+    return (Fifth ? -16.f : -8.f) * d;
+  }
+  static void codes(const Block& x, uint8_t* u) {
+    nibbles32(x.qs, u);
+    if constexpr (Fifth) {
+      uint32_t qh;
+      std::memcpy(&qh, x.qh, 4);
+      for (int i = 0; i < 32; i++) u[i] |= ((qh >> i) & 1) << 4;
+    }
   }
   static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
     int32_t lanes[8];
     uint8_t u[32];
-    nibbles32(x.qs, u);
+    codes(x, u);
     lane_sums(u, a.q + b * 32, lanes);
     const float d = fp16(x.d), dx = a.d[b];
     lanes_fma(acc, b, d * dx, lanes);
@@ -292,29 +312,52 @@ struct Q4_01 {
   }
   static void dequantize(const Block& x, float* o) {
     uint8_t u[32];
-    nibbles32(x.qs, u);
+    codes(x, u);
     const float d = fp16(x.d);
     for (int i = 0; i < 32; i++) {
       if constexpr (WithMin) o[i] = d * (float)u[i] + fp16(x.m);
-      else o[i] = d * (float)(u[i] - 8);
+      else o[i] = d * (float)(u[i] - (Fifth ? 16 : 8));
     }
   }
 #ifdef WS_X86
+  WS_AVX2_INLINE static __m256i codes_avx2(const Block& x) {
+    const __m256i low = nibbles32_avx2(x.qs);
+    if constexpr (!Fifth) {
+      return low;
+    } else {  // byte i of the word's bits: broadcast, byte i / 8 to byte i, bit i % 8 tested, 0x10 where set
+      uint32_t qh;
+      std::memcpy(&qh, x.qh, 4);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32((int)qh),
+          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+      const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+  }
   WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
-    const __m256i lanes = lanes_u8_s8(nibbles32_avx2(x.qs), load256(a.q + b * 32));
+    const __m256i lanes = lanes_u8_s8(codes_avx2(x), load256(a.q + b * 32));
     const float d = fp16_hw(x.d), dx = a.d[b];
     acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes), acc);
     rest = std::fma(offset(x, d) * dx, (float)a.s[b], rest);
   }
 #endif
 };
-struct Q4_0 : Q4_01<BlockQ4_0, false> {
+struct Q4_0 : Legacy32<BlockQ4_0, false, false> {
   static constexpr int64_t id = 2, elements = 32, act = 32;
   static constexpr const char* name = "Q4_0";
 };
-struct Q4_1 : Q4_01<BlockQ4_1, true> {
+struct Q4_1 : Legacy32<BlockQ4_1, true, false> {
   static constexpr int64_t id = 3, elements = 32, act = 32;
   static constexpr const char* name = "Q4_1";
+};
+struct Q5_0 : Legacy32<BlockQ5_0, false, true> {
+  static constexpr int64_t id = 6, elements = 32, act = 32;
+  static constexpr const char* name = "Q5_0";
+};
+struct Q5_1 : Legacy32<BlockQ5_1, true, true> {
+  static constexpr int64_t id = 7, elements = 32, act = 32;
+  static constexpr const char* name = "Q5_1";
 };
 
 // Q2_K: per 16 a 4-bit scale and a 4-bit min, codes 0..3; w = d sc q - dmin m. Sub-block s of 32 (half n = s / 4,
@@ -713,7 +756,7 @@ struct BF16 {
 
 // Every type, once: GGML's byte sizes checked here at compile time.
 #define WS_TYPES(X) \
-  X(Q8_0, 34) X(Q4_0, 18) X(Q4_1, 20) X(Q2_K, 84) X(Q3_K, 110) X(Q4_K, 144) X(Q5_K, 176) X(Q6_K, 210) \
+  X(Q8_0, 34) X(Q4_0, 18) X(Q4_1, 20) X(Q5_0, 22) X(Q5_1, 24) X(Q2_K, 84) X(Q3_K, 110) X(Q4_K, 144) X(Q5_K, 176) X(Q6_K, 210) \
   X(MXFP4, 17) X(BF16, 64)
 #define WS_CHECK_SIZE(T, bytes) static_assert(sizeof(T::Block) == (bytes) && alignof(T::Block) == 1, #T);
 WS_TYPES(WS_CHECK_SIZE)

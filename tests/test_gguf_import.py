@@ -50,18 +50,16 @@ def _encode(w: torch.Tensor, kind: str, seed: int) -> np.ndarray:
     (IQ4_NL) random blocks with sane fp16 scales (the values then are the blocks', not `w`'s)."""
     if kind in ENCODERS:
         return ENCODERS[kind](w.float()).numpy()
-    if kind in ("Q4_0", "Q5_0", "MXFP4"):
-        return quants.quantize(w.float().numpy(), GGMLQuantizationType[kind])
-    if kind == "BF16":
-        return quants.quantize(w.float().numpy(), GGMLQuantizationType.BF16)
     if kind == "F32":
         return w.float().numpy()
-    assert kind in ("Q6_K", "IQ4_NL")
+    if kind == "F16":
+        return w.half().numpy()
+    assert kind == "IQ4_NL"
     n, k = w.shape
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    at = 208 if kind == "Q6_K" else 0  # the fp16 scale
+    at = 0  # the fp16 scale
     raw[..., at : at + 2] = rng.uniform(1e-5, 3e-5, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
@@ -258,7 +256,7 @@ DENSE_TYPES = {
         "attn_output": "Q4_1",
         "ffn_gate_shexp": "Q4_K",
         "ffn_up_shexp": "Q4_0",
-        "ffn_down_shexp": "Q5_0",
+        "ffn_down_shexp": "IQ4_NL",
         "output": "Q4_K",
     },
     "olmoe-lowbit-dense": {
@@ -446,7 +444,7 @@ def _stored(out: str, key: str) -> torch.Tensor:
 def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(imported, source, recipe):
     """Every dense linear weight of a type the kernels run (attention, shared expert, head) is the file's blocks
     byte for byte (Mixtral's q/k: the file's rows of bytes moved back whole), listed in the manifest's dense table,
-    and loads as NativeLinear. The quantized embedding (a lookup) and the Q5_0 weight (a type the kernels do not
+    and loads as NativeLinear. The quantized embedding (a lookup) and the IQ4_NL weight (a type the kernels do not
     run) are dequantized as before, each said with its reason; the router and norms stay float."""
     from weightstream.engine.kernels import NativeLinear, StoredEmbedding
 
@@ -472,8 +470,8 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     dequantized = {
         "mixtral-dense-blocks": "1 Q8_0 tensor(s) dequantized to bfloat16 (token_embd.weight): the token embedding "
         "is a row lookup",
-        "qwen2-dense-blocks": "3 Q5_0 tensor(s) dequantized to bfloat16 (blk.0.ffn_down_shexp.weight, "
-        "blk.1.ffn_down_shexp.weight, blk.2.ffn_down_shexp.weight): the native kernels do not run Q5_0",
+        "qwen2-dense-blocks": "3 IQ4_NL tensor(s) dequantized to bfloat16 (blk.0.ffn_down_shexp.weight, "
+        "blk.1.ffn_down_shexp.weight, blk.2.ffn_down_shexp.weight): the native kernels do not run IQ4_NL",
     }.get(recipe)
     if dequantized is None:  # every quantized dense weight kept as blocks
         assert not any("dequantized" in line for line in result.notes), result.notes
@@ -629,10 +627,10 @@ def test_float_experts_make_a_plain_checkpoint_equal_to_the_source(source, tmp_p
 
 
 def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source, tmp_path):
-    """Q5_0 (5.5 bits a weight) -> Q8_0, IQ4_NL (4.5) -> Q4_K: the bytes are the encoders' of gguf's decoded
-    values, and the error against those values is measured and said."""
+    """F16 inside a quantized file (16 bits a weight) -> Q8_0, IQ4_NL (4.5) -> Q4_K: the bytes are the encoders' of
+    gguf's decoded values, and the error against those values is measured and said."""
     path = gguf_from(
-        source("qwen3_moe"), tmp_path / "q5.gguf", lambda layer, proj: "IQ4_NL" if proj == "down" else "Q5_0"
+        source("qwen3_moe"), tmp_path / "q5.gguf", lambda layer, proj: "IQ4_NL" if proj == "down" else "F16"
     )
     notes = []
     result = import_gguf(path, str(tmp_path / "out"), log=notes.append)
@@ -641,9 +639,9 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     by_type = {r["from"]: r for r in result.requantized}
     assert {(r["from"], r["to"], r["tensors"]) for r in result.requantized} == {
         ("IQ4_NL", "Q4_K", 3),
-        ("Q5_0", "Q8_0", 6),
+        ("F16", "Q8_0", 6),
     }
-    sse = {"Q5_0": 0.0, "IQ4_NL": 0.0}
+    sse = {"F16": 0.0, "IQ4_NL": 0.0}
     ssr = dict.fromkeys(sse, 0.0)
     for layer in range(3):
         for e in range(8):
@@ -660,12 +658,12 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     for kind in sse:
         assert by_type[kind]["rel_rms"] == pytest.approx((sse[kind] / ssr[kind]) ** 0.5, rel=1e-6)
         assert any(f"{kind} tensor(s) requantized to {by_type[kind]['to']}" in line for line in notes), notes
-    assert 0.001 < by_type["Q5_0"]["rel_rms"] < 0.01 and 0.02 < by_type["IQ4_NL"]["rel_rms"] < 0.15
+    assert 0.001 < by_type["F16"]["rel_rms"] < 0.01 and 0.02 < by_type["IQ4_NL"]["rel_rms"] < 0.15
     tokens, _, runtime = _logits(str(tmp_path / "out"), max_new_tokens=2, expert_cache="1x")
     assert len(tokens) == PROMPT.shape[1] + 2 and runtime.kernels == {"Qwen3MoeExperts": "q4_k-native"}
     result = import_gguf(path, str(tmp_path / "q8"), requantize="q8_0", log=lambda line: None)
     assert [t.dtype for t in read_manifest(str(tmp_path / "q8")).tensors] == ["Q8_0", "Q8_0"]
-    assert {r["from"]: r["to"] for r in result.requantized} == {"IQ4_NL": "Q8_0", "Q5_0": "Q8_0"}
+    assert {r["from"]: r["to"] for r in result.requantized} == {"IQ4_NL": "Q8_0", "F16": "Q8_0"}
 
 
 def test_a_split_gguf_imports_as_the_single_file_does(imported, source, tmp_path):
@@ -845,16 +843,18 @@ def _cli_on_a_terminal(*args, timeout=300) -> tuple[int, str, str]:
 
 
 def test_the_command_imports_says_what_is_lossy_and_shows_progress(source, tmp_path):
-    path = gguf_from(source("olmoe"), tmp_path / "olmoe.gguf", lambda layer, proj: "Q5_0" if proj == "down" else "Q4_K")
+    path = gguf_from(
+        source("olmoe"), tmp_path / "olmoe.gguf", lambda layer, proj: "IQ4_NL" if proj == "down" else "Q4_K"
+    )
     out = tmp_path / "olmoe"
     rc, stdout, stderr = _cli_on_a_terminal("import", path, "--out", str(out), "--json")
     assert rc == 0, stderr
     summary = json.loads(stdout)
     assert summary["scheme"] == "q4_k" and summary["model_type"] == "olmoe" and summary["experts"] == 24
-    assert summary["expert_types"] == {"Q4_K": 6, "Q8_0": 3} and summary["requantized"][0]["from"] == "Q5_0"
+    assert summary["expert_types"] == {"Q4_K": 9} and summary["requantized"][0]["from"] == "IQ4_NL"
     assert f"importing {path}" in stderr  # the progress display
     assert (
-        "weightstream import: experts: 3 Q5_0 tensor(s) requantized to Q8_0 (the native kernels do not run Q5_0)"
+        "weightstream import: experts: 3 IQ4_NL tensor(s) requantized to Q4_K (the native kernels do not run IQ4_NL)"
         in (stderr.replace("\r\n", "\n"))
     )
     run = _cli("generate", str(out), "--prompt", "The cache", "--max-new-tokens", "2", "--expert-cache", "1x")

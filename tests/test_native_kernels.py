@@ -23,7 +23,7 @@ def _blocks(wtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     with sane fp16 scales (every code and scale pattern the decoder must read)."""
     rng = np.random.default_rng(seed)
     kind = getattr(GGMLQuantizationType, wtype)
-    if wtype in ("Q8_0", "Q4_0", "Q4_1", "BF16"):
+    if wtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
         return quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
     block, size = quants.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
@@ -137,7 +137,18 @@ def test_our_encoders_write_what_gguf_decodes(wtype):
     raw = ENCODERS[wtype](w)
     back = quants.dequantize(raw.numpy(), getattr(GGMLQuantizationType, wtype)).reshape(32, 512)
     rms = float(np.sqrt(((back - w.numpy()) ** 2).mean() / (w.numpy() ** 2).mean()))
-    bound = {"Q8_0": 0.01, "Q4_0": 0.1, "Q4_1": 0.1, "Q2_K": 0.4, "Q3_K": 0.2, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03}
+    bound = {
+        "Q8_0": 0.01,
+        "Q4_0": 0.1,
+        "Q4_1": 0.1,
+        "Q5_0": 0.05,
+        "Q5_1": 0.05,
+        "Q2_K": 0.4,
+        "Q3_K": 0.2,
+        "Q4_K": 0.1,
+        "Q5_K": 0.05,
+        "Q6_K": 0.03,
+    }
     assert rms < {**bound, "MXFP4": 0.15, "BF16": 0.003}[wtype], rms
     assert np.array_equal(native.dequantize(raw.reshape(-1), wtype, 32, 512).numpy(), back)
 

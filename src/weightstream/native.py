@@ -37,6 +37,8 @@ BLOCK_TYPES = {
     "Q8_0": BlockType(32, 34, 8, 32),
     "Q4_0": BlockType(32, 18, 2, 32),
     "Q4_1": BlockType(32, 20, 3, 32),
+    "Q5_0": BlockType(32, 22, 6, 32),
+    "Q5_1": BlockType(32, 24, 7, 32),
     "Q2_K": BlockType(256, 84, 10, 256),
     "Q3_K": BlockType(256, 110, 11, 256),
     "Q4_K": BlockType(256, 144, 12, 256),

@@ -130,13 +130,26 @@ def quantize_q3_k(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([hmask, _two_bit_planes(q & 3), scales, _fp16_bytes(d)], dim=-1).reshape(n, -1)
 
 
-def quantize_mxfp4(w: torch.Tensor) -> torch.Tensor:
-    """Per 32: a power-of-two scale and the nearest E2M1 value of each weight (the `gguf` package's encoder, as
-    llama.cpp's converter writes gpt-oss's experts)."""
-    from gguf import GGMLQuantizationType, quants
+def _gguf_encoder(kind: str):
+    """The `gguf` package's own encoder of a type (numpy, round to nearest as llama.cpp's reference)."""
 
-    out = quants.quantize(w.float().numpy(), GGMLQuantizationType.MXFP4)
-    return torch.from_numpy(out).reshape(w.shape[0], -1)
+    def encode(w: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        out = quants.quantize(w.float().numpy(), GGMLQuantizationType[kind])
+        return torch.from_numpy(out).reshape(w.shape[0], -1)
+
+    encode.__name__ = f"quantize_{kind.lower()}"
+    encode.__doc__ = f"{kind} blocks by the gguf package's encoder."
+    return encode
+
+
+# MXFP4: per 32 a power-of-two scale and the nearest E2M1 value of each weight, as llama.cpp's converter writes
+# gpt-oss's experts; Q5_0/Q5_1: what llama-quantize falls back to in K-quant files where rows are not whole
+# super-blocks of 256 (DeepSeek-V2-Lite's expert down projections)
+quantize_mxfp4 = _gguf_encoder("MXFP4")
+quantize_q5_0 = _gguf_encoder("Q5_0")
+quantize_q5_1 = _gguf_encoder("Q5_1")
 
 
 def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
@@ -182,6 +195,8 @@ ENCODERS = {
     "Q8_0": quantize_q8_0,
     "Q4_0": quantize_q4_0,
     "Q4_1": quantize_q4_1,
+    "Q5_0": quantize_q5_0,
+    "Q5_1": quantize_q5_1,
     "Q2_K": quantize_q2_k,
     "Q3_K": quantize_q3_k,
     "Q4_K": quantize_q4_k,
