@@ -34,7 +34,7 @@ TORCH_SCHEMES = ("int8", "int4")
 GGML_SCHEMES = {
     "q8_0": ("Q8_0",),
     "q4_1": ("Q4_1", "Q4_0", "Q8_0"),
-    "q4_k": ("Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "MXFP4"),
+    "q4_k": ("Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"),
     "bf16": ("BF16",),  # not quantized: bf16 weights on the native kernels (float32 activations)
 }
 SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
