@@ -79,10 +79,11 @@ def register(sub) -> None:
 def run(args) -> int:
     from weightstream.bench.runner import BenchConfig, run_bench
     from weightstream.engine.prompts import long_prompt, tokenized_prompts
+    from weightstream.store.published import runnable_dir
     from weightstream.units import parse_size
 
     config = BenchConfig(
-        model_dir=args.model,
+        model_dir=runnable_dir(args.model),  # a published FP8 / MXFP4 checkpoint: the copy it runs through
         memory_limit=parse_size(args.memory_limit, what="--memory-limit"),
         expert_caches=[s.strip() for s in args.expert_cache.split(",") if s.strip()],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()],

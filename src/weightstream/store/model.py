@@ -13,6 +13,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
 from weightstream.store.dtypes import FLOATS, SAFETENSORS
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
+from weightstream.store.published import Published, converted_dir, read_published
 from weightstream.store.quant_format import QuantFormat, read_manifest
 
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
@@ -21,26 +22,38 @@ _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "to
 @dataclass(slots=True)
 class MappedModel:
     """A checkpoint directory opened: its index, config, quantization (None: experts as transformers stores
-    them), the meta-device model and where every expert's bytes are."""
+    them), the meta-device model and where every expert's bytes are; for a published FP8 / MXFP4 checkpoint mapped
+    as it is (`convert=False`), `published` reads its tensors and `ckpt` is its logical view (store/published.py)."""
 
     ckpt: Checkpoint
     config: object
     quant: QuantFormat | None
     model: torch.nn.Module
     layout: ModelLayout
+    published: Published | None = None
 
 
-def map_model(model_dir: str, experts_implementation: str = "eager") -> MappedModel:
-    """Index `model_dir` and build its model on the meta device, experts mapped to byte ranges."""
+def map_model(model_dir: str, experts_implementation: str = "eager", convert: bool = True) -> MappedModel:
+    """Index `model_dir` and build its model on the meta device, experts mapped to byte ranges. A published FP8 /
+    MXFP4 checkpoint maps to the converted copy it runs through (`published.converted_dir`), or with `convert=False`
+    to its own logical view (what `quantize` reads)."""
     ckpt = open_checkpoint(model_dir)
+    published = read_published(ckpt)
+    if published is not None and convert:
+        return map_model(converted_dir(published), experts_implementation)
+    if published is not None:
+        ckpt = published.checkpoint
     config = load_config(model_dir)
     quant = read_manifest(model_dir)
-    dtype = quant.compute_dtype if quant is not None else checkpoint_dtype(ckpt)
+    if published is not None:
+        dtype = published.dtype
+    else:
+        dtype = quant.compute_dtype if quant is not None else checkpoint_dtype(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
     streamable_modules(model, model_dir)
     layout = build_layout(model, ckpt, top_k_of(config, model_dir), quant)
-    return MappedModel(ckpt, config, quant, model, layout)
+    return MappedModel(ckpt, config, quant, model, layout, published)
 
 
 def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:

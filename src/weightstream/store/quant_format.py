@@ -36,6 +36,7 @@ GGML_SCHEMES = {
     "q4_1": ("Q4_1", "Q4_0", "Q8_0"),
     "q4_k": ("Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"),
     "bf16": ("BF16",),  # not quantized: bf16 weights on the native kernels (float32 activations)
+    "mxfp4": ("MXFP4",),  # a published MXFP4 checkpoint's experts, their blocks kept (store/published.py)
 }
 SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
 BLOB_ALIGN = 64

@@ -27,6 +27,7 @@ from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.outdir import built_in_place, refuse_existing
+from weightstream.store.published import strip_quantization_config
 from weightstream.store.quant import (
     INT4_GROUPS,
     quantize_int4,
@@ -248,7 +249,7 @@ def quantize_checkpoint(
     if bits == 8 and group_size is not None:
         raise WeightstreamError("--group-size is for --bits 4; int8 experts have one scale per output channel")
     refuse_existing(out, force, sources=[src])
-    mapped = map_model(src)
+    mapped = map_model(src, convert=False)  # a published FP8 / MXFP4 source is read as published, expert by expert
     if mapped.quant is not None:
         raise WeightstreamError(f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint")
     modules = experts_modules(mapped.model)
@@ -256,6 +257,13 @@ def quantize_checkpoint(
     first = layout.experts[next(iter(layout.experts))]
     transposed = next(iter(modules.values())).is_transposed
     params = {p.name: (p.shape, p.dtype) for p in first.params}
+    published = mapped.published
+    if (
+        scheme is None
+        and published is not None
+        and all(published.holds_mxfp4(p) for p in first.params if len(p.shape) > 1)
+    ):
+        scheme = "mxfp4"  # native 4-bit from MXFP4 experts: their own blocks, kept (re-quantizing rounds twice)
     if scheme is None:  # native 4-bit: Q4_K where every input size is whole super-blocks of 256, else Q4_1
         inputs = [_out_in(shape, transposed)[1] for shape, _ in params.values() if len(shape) > 1]
         scheme = "q4_k" if all(k % 256 == 0 for k in inputs) else "q4_1"
@@ -264,19 +272,23 @@ def quantize_checkpoint(
         "dtype": str(mapped.model.dtype).removeprefix("torch."),
         "expert_bytes": first.nbytes,
     }
+    if published is not None:
+        source["published"] = published.stamp()  # what a converted copy was made from (published.converted_dir)
     quant = blob_format(params, transposed, scheme, group, mapped.model.dtype, source)
     if dense != "keep":
         quant = dataclasses.replace(quant, dense=dense_plan(mapped, dense))
     with built_in_place(out, "quantize") as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)
+        if published is not None:
+            strip_quantization_config(os.path.join(tmp, "config.json"))
         write_manifest(tmp, quant)  # last: without it the directory is not a quantized checkpoint
     return QuantizeResult(
         out,
         scheme,
         quant.group_size,
         len(layout.experts),
-        first.nbytes,
+        published.stored_nbytes(first) if published is not None else first.nbytes,
         quant.blob_bytes,
         total,
         time.perf_counter() - start,
@@ -285,7 +297,12 @@ def quantize_checkpoint(
 
 def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, progress) -> int:
     """Shards by decoder layer: its dense tensors and its experts' blobs. Returns bytes written."""
-    layout = mapped.layout
+    layout, published = mapped.layout, mapped.published
+    read_tensor = published.read_tensor if published is not None else _read_tensor
+    # what an encoder takes: float32, a published FP8 weight dequantized straight into it (not through bf16)
+    read_float = (
+        (lambda t: published.read_tensor(t, torch.float32)) if published else (lambda t: _read_tensor(t).float())
+    )
     path_of = {layer: path for path, layer in layout.module_layers.items()}
     dense = {info.name: info for info in layout.dense.values()}
     shards: dict[int, dict] = {}
@@ -301,12 +318,11 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
         with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
             for key, item in shards[layer].items():
                 if isinstance(item, TensorInfo) and key in (quant.dense or {}):
-                    writer.write(key, ENCODERS[quant.dense[key][0]](_read_tensor(item).float()))
+                    writer.write(key, ENCODERS[quant.dense[key][0]](read_float(item)))
                 elif isinstance(item, TensorInfo):
-                    writer.write(key, _read_tensor(item))
+                    writer.write(key, read_tensor(item))
                 else:
-                    params = {p.name: _read_param(p) for p in item.params}
-                    writer.write(key, expert_blob(quantize_expert(params, transposed, quant), quant))
+                    writer.write(key, expert_blob(_expert_tensors(item, transposed, quant, published), quant))
                 done += item.nbytes
                 if progress:
                     progress(done, todo)
@@ -315,6 +331,18 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     with open(os.path.join(out, INDEX_NAME), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return total
+
+
+def _expert_tensors(expert, transposed: bool, quant: QuantFormat, published) -> dict[str, torch.Tensor]:
+    """One expert's blob tensors by name: its parameters read (a published source's dequantized, float32) and
+    quantized, but MXFP4 blocks kept as they are where the blob stores MXFP4."""
+    if published is None:
+        return quantize_expert({p.name: _read_param(p) for p in expert.params}, transposed, quant)
+    kept = {}
+    if quant.scheme == "mxfp4":
+        kept = {f"{p.name}.qweight": published.mxfp4_rows(p) for p in expert.params if published.holds_mxfp4(p)}
+    params = {p.name: published.read_param(p) for p in expert.params if f"{p.name}.qweight" not in kept}
+    return {**quantize_expert(params, transposed, quant), **kept}
 
 
 def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
