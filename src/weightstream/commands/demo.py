@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def _ensure_model(out: str, layers: int) -> None:
-    from weightstream.commands.progress import byte_progress
+    from weightstream.progress import byte_progress
     from weightstream.store.outdir import read_owner
     from weightstream.store.presets import preset_config
     from weightstream.store.synth import synthesize

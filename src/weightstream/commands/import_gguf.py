@@ -46,7 +46,7 @@ def run(args) -> int:
 
     refuse_existing(args.out, args.force, sources=[args.gguf])  # before torch and transformers (seconds to import)
 
-    from weightstream.commands.progress import byte_progress
+    from weightstream.progress import byte_progress
     from weightstream.store.gguf_import import import_gguf
 
     notes: list[str] = []

@@ -63,7 +63,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from weightstream.commands.progress import byte_progress
+    from weightstream.progress import byte_progress
     from weightstream.store.quantize import quantize_checkpoint
 
     target = "bf16 blocks" if args.bits == 16 else f"int{args.bits}"

@@ -30,7 +30,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from weightstream.commands.progress import byte_progress
+    from weightstream.progress import byte_progress
     from weightstream.store.presets import preset_config
     from weightstream.store.synth import synthesize
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from weightstream.cache.expert_cache import ExpertSource
 from weightstream import native
+from weightstream.cache.expert_cache import ExpertSource
 from weightstream.engine.kernels import Kernel
 
 IMPLEMENTATION = "weightstream"

@@ -398,7 +398,7 @@ def converted_dir(published: Published) -> str:
                 )
             _check_space(published, out)
             _say(f"{model_dir} is {published.describe()}: converting it once into {out} ({kept}); reused next time")
-            from weightstream.commands.progress import byte_progress  # a bar on a terminal, else silent
+            from weightstream.progress import byte_progress  # a bar on a terminal, else silent
             from weightstream.store.quantize import quantize_checkpoint
 
             bits = 4 if published.kind == "mxfp4" else 16

@@ -1,4 +1,5 @@
-"""Progress display on stderr for long work (silent when stderr is not a terminal)."""
+"""Progress display on stderr for long work at any layer (silent when stderr is not a terminal): the commands
+show it, and so does the conversion of a published checkpoint that a load starts (store/published.py)."""
 
 from __future__ import annotations
 
