@@ -1,0 +1,97 @@
+"""Every block type's product on the native kernels: GB/s of weights read and weights a second, one row of
+activations against an N x K matrix of random blocks (sane scales, every code pattern), median of --calls calls.
+
+With --against DIR (the `src` folder of another checkout whose extension is built, e.g. a `git worktree` of an
+earlier commit), each round times that build and this one in separate processes, alternating, so the two are
+compared back to back; the types that build lacks are left out of its rows.
+
+    .venv/bin/python benchmarks/block_types.py [--threads 1] [--rounds 2] [--against /path/to/old/src]
+        [--out benchmarks/results/block-types.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import default, save  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+_CHILD = """
+import json, statistics, sys, time
+sys.path.insert(0, {src!r})
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+try:
+    from weightstream import native
+except ImportError:  # builds from before native.py moved below the packages
+    from weightstream.engine import native
+torch.set_num_threads({threads})
+assert native.available(), native.why_not()
+scales = {{"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,),
+          "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}}
+rng, out = np.random.default_rng(0), {{}}
+for wtype in [t for t in {types!r} if t in native.TYPE_IDS and t != "BF16"]:
+    block, size = quants.GGML_QUANT_SIZES[getattr(GGMLQuantizationType, wtype)]
+    raw = rng.integers(0, 256, size=({n}, {k} // block, size), dtype=np.uint8)
+    if wtype == "MXFP4":
+        raw[..., 0] = rng.integers(118, 134, size=raw.shape[:2], dtype=np.uint8)
+    for at in scales.get(wtype, ()):
+        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    w, x = torch.from_numpy(raw.reshape(-1).copy()), torch.randn(1, {k})
+    for _ in range(5):
+        native.qmm(x, w, wtype, {n}, {k})
+    times = []
+    for _ in range({calls}):
+        start = time.perf_counter()
+        native.qmm(x, w, wtype, {n}, {k})
+        times.append(time.perf_counter() - start)
+    t = statistics.median(times)
+    out[wtype] = {{"gb_per_s": w.numel() / t / 1e9, "g_weights_per_s": {n} * {k} / t / 1e9}}
+print(json.dumps(out))
+"""
+TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "MXFP4")
+
+
+def run(src: str, args) -> dict:
+    code = _CHILD.format(src=src, threads=args.threads, types=TYPES, n=args.n, k=args.k, calls=args.calls)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{src}: {done.stderr[-1500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--n", type=int, default=4096, help="output rows (default 4096)")
+    ap.add_argument("--k", type=int, default=4096, help="inputs, a multiple of 256 (default 4096)")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--against", help="the src folder of another checkout with its extension built")
+    ap.add_argument("--out", default=default("block-types.json"))
+    args = ap.parse_args()
+    rounds = []
+    for r in range(args.rounds):
+        builds = {"this": SRC} | ({"against": args.against} if args.against else {})
+        order = list(builds) if r % 2 == 0 else list(reversed(builds))
+        rounds.append({name: run(builds[name], args) for name in order})
+        print(f"[block-types] round {r + 1}: {json.dumps(rounds[-1])}", file=sys.stderr, flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads": args.threads,
+        "shape": [args.n, args.k],
+        "rounds": rounds,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    save(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
