@@ -1,9 +1,10 @@
 """GGUF import against llama.cpp on the same files: held-out perplexity and greedy tokens.
 
 The small qwen3_moe trained here on the Python standard library (common/quant_quality.py, the quality model of the
-quantized experts) is converted by llama.cpp's own converter (bf16 GGUF, the pre-tokenizer named "gpt-2", which
-is how llama.cpp knows our GPT-2 style ByteLevel BPE) and quantized by llama-quantize to each of --types. Each
-GGUF is then
+quantized experts; `--arch` takes another of its architectures, e.g. deepseek_v3 or gpt_oss, trained the same way)
+is converted by llama.cpp's own converter (bf16 GGUF, the pre-tokenizer named "gpt-2", which is how llama.cpp
+knows our GPT-2 style ByteLevel BPE) and quantized by llama-quantize to each of --types (gpt_oss also MXFP4_MOE,
+the type its release's experts come in). Each GGUF is then
 
 1. scored by `llama-perplexity -m X.gguf -f held.txt -c 256 -b 256 -t 2 --chunks N --no-escape` (without
    --no-escape llama.cpp turns the text's backslash sequences, \\n, \\', ..., into the characters they name before
@@ -19,12 +20,15 @@ GGUF is then
    DIR --prompt-ids ...`: tokens equal before the first difference, per prompt.
 
 The bf16 GGUF is scored the same way beside our bf16 checkpoint (the sanity row: llama.cpp's converter and
-graph against ours). Files go to $WEIGHTSTREAM_CACHE/small-moe/gguf (default ~/.cache/weightstream); the
-conversion, quantization and imports are redone on every run (seconds for this model), so a run after a change
-to the importer measures the new one.
+graph against ours). Files go to $WEIGHTSTREAM_CACHE/small-moe/gguf (default ~/.cache/weightstream; small-moe-ARCH
+for another --arch); the conversion, quantization and imports are redone on every run (seconds for this model), so
+a run after a change to the importer measures the new one.
 
     .venv/bin/python benchmarks/quant_bench.py quality --minutes 8    # trains the model once
     .venv/bin/python benchmarks/gguf_quality.py    # -> benchmarks/results/gguf-quality-small-moe.json
+    .venv/bin/python benchmarks/quant_bench.py quality --arch deepseek_v3 --steps 500 --threads 1 --groups ""
+    .venv/bin/python benchmarks/gguf_quality.py --arch deepseek_v3 --types Q8_0,Q4_K_M,Q2_K
+        # -> benchmarks/results/gguf-quality-small-deepseek_v3.json
 """
 
 from __future__ import annotations
@@ -44,12 +48,21 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llamacpp  # noqa: E402
-from common.quant_quality import CACHE, corpus, perplexity  # noqa: E402
+from common.quant_quality import CONFIGS, cache_dir, corpus, perplexity  # noqa: E402
 from common.results import default, save  # noqa: E402
 
 _CLI = os.path.join(os.path.dirname(sys.executable), "weightstream")  # the venv's console script
 WEIGHTSTREAM = [_CLI] if os.path.exists(_CLI) else [sys.executable, "-m", "weightstream.cli"]
 N_CTX = 256
+# llama-quantize types each architecture also gets: gpt-oss's own expert type (its release stores experts in MXFP4;
+# MXFP4_MOE quantizes the experts so and the rest as Q8_0)
+EXTRA_TYPES = {"gpt_oss": ("MXFP4_MOE",)}
+# architectures whose quantized files llama.cpp runs only without its CPU "extra" buffer types (--no-repack: the
+# repacked and AMX weight layouts). On a CPU with AMX (llama.cpp built with GGML_NATIVE puts Q8_0, Q4_K, MXFP4, ...
+# weights in its AMX buffer first), a deepseek2 file of Q8_0, Q4_K_M or Q2_K aborts while building its graph
+# (ggml-backend.cpp: GGML_ASSERT(*cur_backend_id != -1), from llama_context's graph_reserve), a gpt-oss Q8_0 file
+# segfaults and its MXFP4_MOE file dies of SIGILL; bf16 files run either way, and with --no-repack every one runs
+NO_REPACK = {"deepseek_v3", "gpt_oss"}
 
 
 def say(msg: str) -> None:
@@ -103,12 +116,14 @@ def llama_tokens(gguf: str, text_file: str) -> list[int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llama_perplexity(gguf: str, text_file: str, chunks: int, threads: int, tries: int = 8) -> dict:
+def llama_perplexity(
+    gguf: str, text_file: str, chunks: int, threads: int, tries: int = 8, extra: tuple[str, ...] = ()
+) -> dict:
     """llama-perplexity's final estimate. llama.cpp logs through a thread its programs do not wait for at exit
     (common/log.cpp: the logger is leaked on purpose, "logs may be lost"): on a loaded machine the last lines, the
     final estimate among them, are lost now and then, so a run that printed none is run again."""
     argv = [str(llamacpp.tool("llama-perplexity")), "-m", gguf, "-f", text_file, "-c", str(N_CTX), "-b", str(N_CTX)]
-    argv += ["-t", str(threads), "--chunks", str(chunks), "--no-escape"]  # no-escape: see the module's docstring
+    argv += ["-t", str(threads), "--chunks", str(chunks), "--no-escape", *extra]  # no-escape: the docstring
     runs = 0
     while True:
         start = time.perf_counter()
@@ -168,12 +183,12 @@ def dense_storage(model_dir: str) -> dict:
 class LlamaServer:
     """llama-server on a free local port, for greedy completions from token ids."""
 
-    def __init__(self, gguf: str, threads: int):
+    def __init__(self, gguf: str, threads: int, extra: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         argv = [str(llamacpp.tool("llama-server")), "-m", gguf, "-c", "512", "-t", str(threads), "-np", "1"]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while True:
@@ -244,42 +259,73 @@ def agreement(ours: list[int], theirs: tuple[list[int], list[list]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q8_0,Q4_K_M", help="llama-quantize types (default Q8_0,Q4_K_M)")
+    ap.add_argument(
+        "--arch",
+        choices=sorted(CONFIGS),
+        default="qwen3_moe",
+        help="which trained model (quant_bench.py quality --arch ARCH; default qwen3_moe)",
+    )
+    ap.add_argument(
+        "--types", default="Q8_0,Q4_K_M", help="llama-quantize types (default Q8_0,Q4_K_M; gpt_oss also MXFP4_MOE)"
+    )
     ap.add_argument("--chunks", type=int, default=64, help="windows of 256 tokens scored (default 64)")
     ap.add_argument("--prompts", type=int, default=8, help="greedy prompts: openings of held-out files (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=48, help="tokens of each prompt (default 48)")
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
-    ap.add_argument("--out", default=default("gguf-quality-small-moe.json"), help="result file (%(default)s)")
+    ap.add_argument(
+        "--repack",
+        choices=("on", "off"),
+        help="llama.cpp's weight repacking (its CPU extra buffer types; off: --no-repack to llama-perplexity and "
+        f"llama-server). Default on, off for {', '.join(sorted(NO_REPACK))} (NO_REPACK says why)",
+    )
+    ap.add_argument(
+        "--out",
+        help="result file (default: benchmarks/results/gguf-quality-small-moe.json for qwen3_moe, "
+        "gguf-quality-small-ARCH.json otherwise)",
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    bf16 = CACHE / "bf16"
+    cache = cache_dir(args.arch)
+    stem = cache.name  # small-moe, small-moe-ARCH: the GGUFs' names
+    out = args.out or default(
+        "gguf-quality-small-moe.json" if args.arch == "qwen3_moe" else f"gguf-quality-small-{args.arch}.json"
+    )
+    types = args.types.split(",")
+    types += [t for t in EXTRA_TYPES.get(args.arch, ()) if t not in types]
+    repack = args.repack == "on" if args.repack else args.arch not in NO_REPACK
+    llama_extra = () if repack else ("--no-repack",)
+    flags = "".join(" " + a for a in llama_extra)
+    bf16 = cache / "bf16"
     if not (bf16 / "config.json").exists():
-        raise SystemExit(f"{bf16}: no model; train it first: .venv/bin/python benchmarks/quant_bench.py quality")
+        train = "quality" if args.arch == "qwen3_moe" else f"quality --arch {args.arch}"
+        raise SystemExit(f"{bf16}: no model; train it first: .venv/bin/python benchmarks/quant_bench.py {train}")
     if llamacpp.build() is None:
         raise SystemExit("llama.cpp is not built here (no compiler or cmake)")
-    work = CACHE / "gguf"
+    work = cache / "gguf"
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(bf16)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "arch": args.arch,
         "model": str(bf16).replace(str(Path.home()), "~", 1),
-        "training": json.loads((CACHE / "training.json").read_text()),
+        "training": json.loads((cache / "training.json").read_text()),
         "llama_cpp": llamacpp.source_tree().parents[1].name,
-        "protocol": f"llama-perplexity -c {N_CTX} -b {N_CTX} --chunks {args.chunks}: windows of {N_CTX} tokens, "
+        "llama_cpp_repack": repack,
+        "protocol": f"llama-perplexity -c {N_CTX} -b {N_CTX} --chunks {args.chunks}{flags}: windows of {N_CTX} tokens, "
         f"positions {N_CTX // 2}..{N_CTX - 2} scored ({N_CTX - 1 - N_CTX // 2} per window), BOS first per window "
         "where the GGUF adds BOS; weightstream the same on llama-tokenize's ids",
     }
 
     # GGUFs: converted anew (the pre-tokenizer name decides llama.cpp's tokens), then quantized
-    ggufs = {"BF16": str(work / "small-moe.BF16.gguf")}
-    for path in [ggufs["BF16"]] + [str(work / f"small-moe.{t}.gguf") for t in args.types.split(",")]:
+    ggufs = {"BF16": str(work / f"{stem}.BF16.gguf")}
+    for path in [ggufs["BF16"]] + [str(work / f"{stem}.{t}.gguf") for t in types]:
         if os.path.exists(path):
             os.remove(path)
     llamacpp.convert(str(bf16), ggufs["BF16"], "bf16", pre="gpt-2")
-    for qtype in args.types.split(","):
-        ggufs[qtype] = llamacpp.quantize(ggufs["BF16"], str(work / f"small-moe.{qtype}.gguf"), qtype, args.threads)
+    for qtype in types:
+        ggufs[qtype] = llamacpp.quantize(ggufs["BF16"], str(work / f"{stem}.{qtype}.gguf"), qtype, args.threads)
     facts = {name: gguf_facts(path) for name, path in ggufs.items()}
 
     # one held-out text, its token ids by both tokenizers
@@ -320,7 +366,7 @@ def main() -> None:
     rows = {}
     for name, path in ggufs.items():
         say(f"perplexity of {name}")
-        llama = llama_perplexity(path, str(text_file), args.chunks, args.threads)
+        llama = llama_perplexity(path, str(text_file), args.chunks, args.threads, extra=llama_extra)
         ws = perplexity(dirs[name], wins, first=N_CTX // 2)
         rows[name] = {
             "llama_perplexity": llama["perplexity"],
@@ -342,7 +388,7 @@ def main() -> None:
     greedy = {}
     for name, path in ggufs.items():
         say(f"greedy tokens of {name}")
-        server = LlamaServer(path, args.threads)
+        server = LlamaServer(path, args.threads, llama_extra)
         try:
             theirs_g = [server.greedy(p, args.new_tokens) for p in prompts]
         finally:
@@ -370,11 +416,11 @@ def main() -> None:
     }
     report["gguf"] = facts
     report["import"] = imports
-    first = ("date", "model", "llama_cpp", "training", "protocol", "tokens", "summary")
+    first = ("date", "arch", "model", "llama_cpp", "training", "protocol", "tokens", "summary")
     report = {k: report[k] for k in first} | {k: v for k, v in report.items() if k not in first}
     text_out = json.dumps(report, indent=1)
     print(text_out)
-    save(text_out, args.out)
+    save(text_out, out)
 
 
 if __name__ == "__main__":

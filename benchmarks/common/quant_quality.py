@@ -3,11 +3,12 @@ held-out perplexity of bf16 and its quantized variants, all run through weightst
 
 Random weights say nothing about quantization error, and no model can be downloaded here, so this trains one:
 a small MoE (4 layers, 8 experts, top-2, hidden 256, experts' intermediate 256, about 9M parameters) of one of
-two architectures (`--arch`: qwen3_moe, the default, or olmoe) on the Python standard library's own sources
-(real code, comments and docstrings, shipped with every Python), with a byte-level BPE tokenizer trained on them,
-for a few minutes of CPU. Files are split by a hash of their name: one in ten is held out. Checkpoints go outside
-the repository, one directory per architecture ($WEIGHTSTREAM_CACHE or ~/.cache/weightstream, then small-moe for
-qwen3_moe, small-moe-olmoe for olmoe). Every weight shape is whole super-blocks of 256, so K-quants fit.
+four architectures (`--arch`: qwen3_moe, the default, olmoe, deepseek_v3 or gpt_oss; CONFIGS says how each is
+shaped) on the Python standard library's own sources (real code, comments and docstrings, shipped with every
+Python), with a byte-level BPE tokenizer trained on them, for a few minutes of CPU. Files are split by a hash of
+their name: one in ten is held out. Checkpoints go outside the repository, one directory per architecture
+($WEIGHTSTREAM_CACHE or ~/.cache/weightstream, then small-moe for qwen3_moe, small-moe-ARCH for the others). Every
+weight shape is whole super-blocks of 256, so K-quants fit.
 
 Variants (`weightstream quantize` of the bf16 checkpoint): experts only, `int8` (--bits 8: Q8_0) and `int4`
 (--bits 4: Q4_K); experts and dense weights (attention, output head; router, norms and embeddings kept),
@@ -44,18 +45,21 @@ from common.results import default, save
 
 ROOT = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream")
 CACHE = ROOT / "small-moe"  # the qwen3_moe model's (benchmarks/gguf_quality.py uses it too)
-_COMMON = dict(
+_SHAPE = dict(
     hidden_size=256,
     num_hidden_layers=4,
     num_attention_heads=4,
+    vocab_size=4096,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+_COMMON = dict(
+    **_SHAPE,
     head_dim=64,
     num_experts=8,
     num_experts_per_tok=2,
-    vocab_size=4096,
-    max_position_embeddings=1024,
     router_aux_loss_coef=0.01,
     output_router_logits=True,
-    tie_word_embeddings=False,
 )
 CONFIGS = {
     "qwen3_moe": dict(
@@ -68,6 +72,58 @@ CONFIGS = {
     ),
     # OLMoE: q/k norms over the whole projection, no renormalized top-k, full multi-head attention (as OLMoE-1B-7B)
     "olmoe": dict(model_type="olmoe", **_COMMON, intermediate_size=256, num_key_value_heads=4, norm_topk_prob=False),
+    # DeepSeek-V3 in small: multi-head latent attention with q_lora, the first layer dense, one shared expert, sigmoid
+    # routing in 2 groups (1 chosen) with its correction bias (trained as V3's is, see `balance`), top-k renormalized
+    # and scaled by 2.5, YaRN as V3 has it (mscale = mscale_all_dim = 1). Every projection's input is 256 wide (the
+    # LoRA ranks too) so K-quants fit. `scoring_func` is not DeepseekV3Config's: llama.cpp's converter reads it to
+    # write expert_gating_func (sigmoid), which the import needs to pick DeepseekV3.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        **_SHAPE,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=256,
+        intermediate_size=512,
+        first_k_dense_replace=1,
+        q_lora_rank=256,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        head_dim=32,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        scoring_func="sigmoid",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    # gpt-oss in small: 4 heads of 64 over 2 key/value heads, attention biases and sinks, sliding-window layers (64
+    # tokens, so in 256-token windows the alternation matters) between full ones, expert biases and the clamped
+    # SwiGLU, rope as gpt-oss's (transformers' default: YaRN x32 of 4096, theta 150000)
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        **(_SHAPE | {"max_position_embeddings": 131072}),  # 32 x 4096, as YaRN's factor says (transformers warns else)
+        head_dim=64,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=256,
+        sliding_window=64,
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+    ),
 }
 CONFIG = CONFIGS["qwen3_moe"]
 # name -> quantize_checkpoint keywords; the torch int4 group sizes of --groups are added to these
@@ -144,6 +200,7 @@ def train(args, out: Path, config_fields: dict = CONFIG) -> dict:
         **fields,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, experts_implementation="eager")
+    loads = balance(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     start = time.monotonic()
@@ -160,6 +217,8 @@ def train(args, out: Path, config_fields: dict = CONFIG) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if loads is not None:
+            loads.update()
         losses.append(loss.item())
         steps += 1
     model.eval()
@@ -176,6 +235,36 @@ def train(args, out: Path, config_fields: dict = CONFIG) -> dict:
         "held_out_files": len(held_texts),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+class balance:
+    """DeepSeek-V3's auxiliary-loss-free balancing (its paper, section 2.1.2): after each step, each layer's routing
+    bias (`e_score_correction_bias`, added to the sigmoid scores only to choose experts) rises by `speed` for each
+    expert chosen less than the mean and falls by it for each chosen more. transformers trains no bias (it has no
+    balancing for DeepseekV3), and a bias left at zero would leave the import's handling of it untested. A model
+    without such biases is left alone (the call returns None)."""
+
+    def __new__(cls, model, speed: float = 1e-3):
+        routers = [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+        if not routers:
+            return None
+        self = super().__new__(cls)
+        self.speed, self.counts = speed, {}
+        for router in routers:
+            router.register_forward_hook(self._count)
+        return self
+
+    def _count(self, router, _inputs, output) -> None:
+        chosen = output[-1].reshape(-1)  # (router_logits, weights, indices)
+        n = router.e_score_correction_bias.numel()
+        self.counts[router] = self.counts.get(router, 0) + torch.bincount(chosen, minlength=n)
+
+    def update(self) -> None:
+        with torch.no_grad():
+            for router, load in self.counts.items():
+                load = load.float()
+                router.e_score_correction_bias += self.speed * torch.sign(load.mean() - load)
+        self.counts = {}
 
 
 def perplexity(model_dir: str, windows: torch.Tensor, first: int = 0) -> float:
