@@ -7,7 +7,10 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from weightstream.errors import WeightstreamError
+from weightstream.store.dtypes import SAFETENSORS
 from weightstream.store.model_dir import gguf_hint
 from weightstream.store.safetensors_index import TensorInfo, read_safetensors_header
 
@@ -83,3 +86,19 @@ def _read_json(path: str, what: str) -> dict:
     if not isinstance(data, dict):
         raise WeightstreamError(f"{path}: {what} is not a JSON object")
     return data
+
+
+def read_bytes(path: str, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of `path` from `offset`, as uint8, by a positioned read (no memory map: what is read once does
+    not stay in the process's resident set)."""
+    buf = bytearray(nbytes)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        if f.readinto(buf) != nbytes:
+            raise WeightstreamError(f"{path}: short read at byte {offset} ({nbytes} bytes expected); the file changed")
+    return torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One tensor of a safetensors file, read as `read_bytes` does, in its dtype and shape."""
+    return read_bytes(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from weightstream.errors import WeightstreamError
-from weightstream.store.checkpoint import Checkpoint, open_checkpoint
+from weightstream.store.checkpoint import Checkpoint, open_checkpoint, read_bytes, read_tensor
 from weightstream.store.dtypes import FLOATS, SAFETENSORS, SAFETENSORS_NAMES
 from weightstream.store.safetensors_index import TensorInfo
 
@@ -111,7 +111,7 @@ class Published:
         other as stored."""
         q, _ = self._at(info.offset)
         if q is None:
-            return _pread(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
+            return read_bytes(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
         return self._dequantize(q, None, dtype or self.dtype)
 
     def read_param(self, param) -> torch.Tensor:
@@ -120,7 +120,7 @@ class Published:
         for piece in param.pieces:
             q, rel = self._at(piece.offset)
             if q is None:
-                raw = _pread(piece.path, piece.offset, piece.nbytes).view(param.dtype)
+                raw = read_bytes(piece.path, piece.offset, piece.nbytes).view(param.dtype)
                 parts.append(raw.float().reshape(-1))
             elif piece.nbytes == q.logical.nbytes:  # the whole tensor: one expert's own (per-expert keys)
                 parts.append(self._dequantize(q, None, torch.float32).reshape(-1))
@@ -151,7 +151,7 @@ class Published:
 
     def _dequantize(self, q: QuantizedTensor, expert: int | None, dtype: torch.dtype) -> torch.Tensor:
         if q.kind == "fp8":
-            return dequantize_fp8(self._fp8_values(q.weight), _read(q.scale), self.block, dtype)
+            return dequantize_fp8(self._fp8_values(q.weight), read_tensor(q.scale), self.block, dtype)
         if expert is not None:
             return dequantize_mxfp4(*self._mxfp4_expert(q, expert)).t().to(dtype)  # (in, out) as the model keeps it
         experts = [dequantize_mxfp4(*self._mxfp4_expert(q, e)).t().to(dtype) for e in range(q.weight.shape[0])]
@@ -159,15 +159,15 @@ class Published:
 
     @staticmethod
     def _fp8_values(info: TensorInfo) -> torch.Tensor:
-        return _pread(info.path, info.offset, info.nbytes).view(FP8_DTYPES[info.dtype]).reshape(info.shape)
+        return read_bytes(info.path, info.offset, info.nbytes).view(FP8_DTYPES[info.dtype]).reshape(info.shape)
 
     @staticmethod
     def _mxfp4_expert(q: QuantizedTensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's blocks (rows, groups, 16) and scales (rows, groups), read from the published tensors."""
         experts = q.weight.shape[0]
         b, s = q.weight.nbytes // experts, q.scale.nbytes // experts
-        blocks = _pread(q.weight.path, q.weight.offset + e * b, b).reshape(q.weight.shape[1:])
-        scales = _pread(q.scale.path, q.scale.offset + e * s, s).reshape(q.scale.shape[1:])
+        blocks = read_bytes(q.weight.path, q.weight.offset + e * b, b).reshape(q.weight.shape[1:])
+        scales = read_bytes(q.scale.path, q.scale.offset + e * s, s).reshape(q.scale.shape[1:])
         return blocks, scales
 
 
@@ -454,19 +454,6 @@ def _say(line: str) -> None:
 def _identity(path: str) -> list[int]:
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
-
-
-def _read(info: TensorInfo) -> torch.Tensor:
-    return _pread(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
-
-
-def _pread(path: str, offset: int, nbytes: int) -> torch.Tensor:
-    buf = bytearray(nbytes)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        if f.readinto(buf) != nbytes:
-            raise WeightstreamError(f"{path}: short read at byte {offset} ({nbytes} bytes expected); the file changed")
-    return torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def strip_quantization_config(config_path: str) -> None:

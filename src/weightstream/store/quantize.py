@@ -9,7 +9,6 @@ manifest written last: an interrupted run leaves nothing that loads as a quantiz
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ import torch
 
 from weightstream import native
 from weightstream.errors import WeightstreamError
-from weightstream.store.checkpoint import INDEX_NAME
+from weightstream.store.checkpoint import INDEX_NAME, read_bytes, read_tensor
 from weightstream.store.dtypes import SAFETENSORS, torch_name
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.layout import experts_modules
@@ -45,7 +44,7 @@ from weightstream.store.quant_format import (
     write_manifest,
 )
 from weightstream.store.safetensors_index import TensorInfo
-from weightstream.store.safetensors_writer import SafetensorsWriter
+from weightstream.store.safetensors_writer import write_shards
 
 DEFAULT_GROUP = 128  # torch int4: see docs/quantization.md for the measured choice
 KERNELS = ("auto", "native", "torch")
@@ -298,10 +297,10 @@ def quantize_checkpoint(
 def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, progress) -> int:
     """Shards by decoder layer: its dense tensors and its experts' blobs. Returns bytes written."""
     layout, published = mapped.layout, mapped.published
-    read_tensor = published.read_tensor if published is not None else _read_tensor
+    read_stored = published.read_tensor if published is not None else read_tensor
     # what an encoder takes: float32, a published FP8 weight dequantized straight into it (not through bf16)
     read_float = (
-        (lambda t: published.read_tensor(t, torch.float32)) if published else (lambda t: _read_tensor(t).float())
+        (lambda t: published.read_tensor(t, torch.float32)) if published else (lambda t: read_stored(t).float())
     )
     path_of = {layer: path for path, layer in layout.module_layers.items()}
     dense = {info.name: info for info in layout.dense.values()}
@@ -311,26 +310,23 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     for (layer, expert), ex in layout.experts.items():
         shards.setdefault(layer, {})[blob_key(path_of[layer], expert)] = ex
     todo = sum(i.nbytes for i in dense.values()) + sum(e.nbytes for e in layout.experts.values())
-    done, weight_map, total = 0, {}, 0
-    for i, layer in enumerate(sorted(shards)):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        specs = {k: _spec(k, v, quant) for k, v in shards[layer].items()}
-        with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
-            for key, item in shards[layer].items():
-                if isinstance(item, TensorInfo) and key in (quant.dense or {}):
-                    writer.write(key, ENCODERS[quant.dense[key][0]](read_float(item)))
-                elif isinstance(item, TensorInfo):
-                    writer.write(key, read_tensor(item))
-                else:
-                    writer.write(key, expert_blob(_expert_tensors(item, transposed, quant, published), quant))
-                done += item.nbytes
-                if progress:
-                    progress(done, todo)
-            total += writer.total_bytes
-        weight_map |= {k: file for k in shards[layer]}
-    with open(os.path.join(out, INDEX_NAME), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    return total
+    done = 0
+
+    def write_item(writer, entry) -> None:
+        nonlocal done
+        key, item = entry
+        if isinstance(item, TensorInfo) and key in (quant.dense or {}):
+            writer.write(key, ENCODERS[quant.dense[key][0]](read_float(item)))
+        elif isinstance(item, TensorInfo):
+            writer.write(key, read_stored(item))
+        else:
+            writer.write(key, expert_blob(_expert_tensors(item, transposed, quant, published), quant))
+        done += item.nbytes
+        if progress:
+            progress(done, todo)
+
+    entries = {layer: list(items.items()) for layer, items in shards.items()}
+    return write_shards(out, entries, lambda entry: {entry[0]: _spec(entry[0], entry[1], quant)}, write_item)
 
 
 def _expert_tensors(expert, transposed: bool, quant: QuantFormat, published) -> dict[str, torch.Tensor]:
@@ -359,22 +355,9 @@ def _layer_of(name: str) -> int:
     return int(match.group(1)) if match else -1  # -1: embeddings, final norm, head: the first shard
 
 
-def _read_tensor(info: TensorInfo) -> torch.Tensor:
-    return _pread(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
-
-
 def _read_param(param) -> torch.Tensor:
-    raw = torch.cat([_pread(p.path, p.offset, p.nbytes) for p in param.pieces])
+    raw = torch.cat([read_bytes(p.path, p.offset, p.nbytes) for p in param.pieces])
     return raw.view(param.dtype).reshape(param.shape)
-
-
-def _pread(path: str, offset: int, nbytes: int) -> torch.Tensor:
-    buf = bytearray(nbytes)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        if f.readinto(buf) != nbytes:
-            raise WeightstreamError(f"{path}: short read at byte {offset} ({nbytes} bytes expected); the file changed")
-    return torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def _copy_side_files(src: str, out: str) -> None:

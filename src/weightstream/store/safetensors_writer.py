@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -93,3 +94,31 @@ def save_aligned(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     with SafetensorsWriter(path, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata) as w:
         for name, tensor in tensors.items():
             w.write(name, tensor)
+
+
+def write_shards(
+    out: str,
+    shards: dict[int, list],
+    specs_of: Callable[[object], dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+    write_item: Callable[[SafetensorsWriter, object], None],
+) -> int:
+    """A sharded checkpoint in `out`: one safetensors file per key of `shards` (a decoder layer; -1, the embeddings,
+    final norm and head, sorts first), each holding its items' tensors (`specs_of(item)`: name -> (dtype, shape),
+    written by `write_item(writer, item)`), and the index naming each tensor's file. `weightstream quantize` and
+    `weightstream import` both write their output this way. Returns the bytes of tensor data written."""
+    from weightstream.store.checkpoint import INDEX_NAME
+
+    weight_map, total = {}, 0
+    for i, layer in enumerate(sorted(shards)):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        specs = {}
+        for item in shards[layer]:
+            specs |= specs_of(item)
+        with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
+            for item in shards[layer]:
+                write_item(writer, item)
+            total += writer.total_bytes
+        weight_map |= dict.fromkeys(specs, file)
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return total

@@ -5,7 +5,6 @@ into place when complete (store/outdir.py), the manifest written last. Every los
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -18,7 +17,6 @@ import numpy as np
 import torch
 
 from weightstream.errors import WeightstreamError
-from weightstream.store.checkpoint import INDEX_NAME
 from weightstream.store.dtypes import torch_name
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.gguf.config import gguf_config
@@ -27,7 +25,7 @@ from weightstream.store.gguf.reader import FLOATS, GgufTensor, decode, ggml_kind
 from weightstream.store.gguf.tokenizer import gguf_tokenizer
 from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.quant_format import DTYPES, blob_key, row_bytes, write_manifest
-from weightstream.store.safetensors_writer import SafetensorsWriter
+from weightstream.store.safetensors_writer import write_shards
 
 REQUANTIZE = ("auto", "q8_0", "q4_k")
 _CHUNK = 16 * 2**20  # bytes of a dense tensor converted at a time
@@ -182,39 +180,33 @@ def _write(gf, dense: list[Dense], layers: list[Layer], dtype, out: str, progres
         shards.setdefault(lay.layer, []).append(lay)
     todo = sum(d.nbytes for d in dense) + sum(lay.nbytes for lay in layers)
     fds = {p: os.open(p, os.O_RDONLY) for p in gf.parts}
-    done, weight_map, total = 0, {}, 0
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, todo)
+
+    def write_item(writer, item) -> None:
+        if isinstance(item, Dense):
+            if item.block:
+                writer.write(item.key, _dense_blocks(item, fds))
+            else:
+                writer.write(item.key, _dense_tensor(item, item.dtype or dtype, fds, losses))
+            advance(item.nbytes)
+            return
+        for e in range(item.tensors["gate"].shape[0]):
+            for key, tensor in _expert(item, e, dtype, fds, losses):
+                writer.write(key, tensor)
+            advance(item.nbytes // item.tensors["gate"].shape[0])
+        _close_expert_losses(item, losses)
+
     try:
-        for i, layer in enumerate(sorted(shards)):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            specs = {}
-            for item in shards[layer]:
-                specs |= _specs(item, dtype)
-            with SafetensorsWriter(os.path.join(out, file), specs, metadata={"format": "pt"}) as writer:
-                for item in shards[layer]:
-                    if isinstance(item, Dense):
-                        if item.block:
-                            writer.write(item.key, _dense_blocks(item, fds))
-                        else:
-                            writer.write(item.key, _dense_tensor(item, item.dtype or dtype, fds, losses))
-                        done += item.nbytes
-                        if progress:
-                            progress(done, todo)
-                        continue
-                    for e in range(item.tensors["gate"].shape[0]):
-                        for key, tensor in _expert(item, e, dtype, fds, losses):
-                            writer.write(key, tensor)
-                        done += item.nbytes // item.tensors["gate"].shape[0]
-                        if progress:
-                            progress(done, todo)
-                    _close_expert_losses(item, losses)
-                total += writer.total_bytes
-            weight_map |= {k: file for k in specs}
+        return write_shards(out, shards, lambda item: _specs(item, dtype), write_item)
     finally:
         for fd in fds.values():
             os.close(fd)
-    with open(os.path.join(out, INDEX_NAME), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    return total
 
 
 def _specs(item, dtype) -> dict:
