@@ -53,16 +53,10 @@ def ours(model_dir: str, threads: int) -> dict:
 
 
 def llama(gguf: str, threads: int, repack: bool = True) -> dict:
-    bin_dir = llamacpp.build()
-    argv = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", str(PROMPT_TOKENS), "-n", str(NEW_TOKENS)]
-    argv += ["-t", str(threads), "-r", "1", "-o", "json"] + ([] if repack else ["--repack", "0"])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"llama-bench failed: {done.stderr[-2000:]}")
-    rows = json.loads(done.stdout)
-    pp = next(r for r in rows if r.get("n_prompt") and not r.get("n_gen"))
-    tg = next(r for r in rows if r.get("n_gen") and not r.get("n_prompt"))
-    return {"prompt_tokens_per_s": pp["avg_ts"], "decode_tokens_per_s": tg["avg_ts"]}
+    got = llamacpp.bench(gguf, threads, NEW_TOKENS, repeats=1, timeout=3600, repack=repack, prompt_tokens=PROMPT_TOKENS)
+    if "decode_tokens_per_s" not in got:
+        raise SystemExit(f"llama-bench: {got.get('error') or got.get('skipped')}")
+    return {key: got[key] for key in ("prompt_tokens_per_s", "decode_tokens_per_s")}
 
 
 def summary(runs: list[dict]) -> dict:

@@ -160,8 +160,10 @@ def bench(
     memory_limit: int | None = None,
     timeout: float = 900.0,
     repack: bool = True,
+    prompt_tokens: int = 0,
 ) -> dict:
-    """Decode tokens/s of llama-bench (tg, after its own warm-up); under `memory_limit` in a fresh memory cgroup
+    """Decode tokens/s of llama-bench (tg, after its own warm-up), and with `prompt_tokens` the tokens/s of a prompt
+    of that many (pp); under `memory_limit` in a fresh memory cgroup
     from a cold page cache (mmap, as llama.cpp users run it). A run past `timeout` is reported as such.
 
     `repack=False` passes `--repack 0`: by default llama.cpp copies Q4_K weights into an interleaved layout in
@@ -174,7 +176,7 @@ def bench(
         "-m",
         gguf,
         "-p",
-        "0",
+        str(prompt_tokens),
         "-n",
         str(tokens),
         "-t",
@@ -223,7 +225,9 @@ def bench(
         return {"error": f"llama-bench exit {proc.returncode}: {err.strip()[-500:]}", "repack": repack}
     rows = json.loads(out)
     tg = [r for r in rows if r.get("n_gen")]
+    pp = [r for r in rows if r.get("n_prompt") and not r.get("n_gen")]
     return {
+        **({"prompt_tokens_per_s": pp[0]["avg_ts"], "prompt_tokens": prompt_tokens} if pp else {}),
         "decode_tokens_per_s": tg[0]["avg_ts"],
         "decode_tokens_per_s_stdev": tg[0].get("stddev_ts"),
         "threads": threads,
