@@ -1,5 +1,7 @@
 """The page-cache path's bytes read: the kernel's count of this process's reads, cold files read, cached not."""
 
+import pytest
+
 from weightstream.engine.loader import read_layout
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.io.pagecache import evict_file, process_read_bytes
@@ -13,7 +15,8 @@ def test_a_cold_expert_is_counted_once_and_a_cached_one_not(tmp_path):
     _, layout = read_layout(out)
     for path in sorted({p.path for e in layout.experts.values() for p in e.pieces}):
         evict_file(path)
-    assert process_read_bytes() is not None
+    if process_read_bytes() is None:
+        pytest.skip("this kernel keeps no per-process I/O count (/proc/self/io, task I/O accounting): nothing to count")
     source = PageCacheSource(layout)
     assert source.reads_counted and source.bytes_read == 0
     key = next(iter(layout.experts))
