@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= .work/demo-model
 
-.PHONY: venv demo test test-slow lint format clean
+.PHONY: venv demo test lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,9 +24,6 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
-
-test-slow: venv
-	WEIGHTSTREAM_SLOW=1 $(PY) -m pytest -q tests
 
 # ruff: the formatter and linter configured in pyproject.toml; `make format` applies what `make lint` checks.
 lint: venv

@@ -1,11 +1,7 @@
-import os
-
 import pytest
 
 from weightstream.store.presets import preset_config
 from weightstream.store.synth import synthesize
-
-SLOW = os.environ.get("WEIGHTSTREAM_SLOW") == "1"
 
 
 @pytest.fixture(scope="session")
