@@ -50,7 +50,8 @@ with open("/proc/self/smaps") as f:
             current = os.path.realpath(head[5]) if len(head) >= 6 else None
         elif head and head[0] == "Rss:" and current in files:
             mapped += int(head[1]) * 1024
-from weightstream.sim.budget import lazy_dense_bytes, ties_embeddings
+from weightstream.sim.budget import lazy_dense_bytes
+from weightstream.store.facts import ties_embeddings
 dense_sizes = {name: t.nbytes for name, t in layout.dense.items()}
 dense = sum(dense_sizes.values())
 lazy = lazy_dense_bytes(dense_sizes, ties_embeddings(model.config))

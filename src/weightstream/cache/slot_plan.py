@@ -11,7 +11,7 @@ the model's contiguous layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ from weightstream.io.aligned import aligned_bytes, region_bytes
 from weightstream.store.layout import MEMORY_ALIGN, ExpertLayout, Piece
 
 P = TypeVar("P")
+PAGE = 4096  # pieces less than a page apart are one span to the page cache (`expert_spans`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,13 @@ def file_runs(pieces: Iterable[P], gap: int = 0, where=lambda p: p) -> list[tupl
 def merge_spans(pieces: Iterable[tuple[int, int, int]], gap: int = 0) -> list[tuple[int, int, int]]:
     """Pieces (file id, offset, nbytes) merged into contiguous spans (file id, first byte, end byte) (`file_runs`)."""
     return [(file, start, end) for file, start, end, _ in file_runs(pieces, gap)]
+
+
+def expert_spans(expert: ExpertLayout, file_ids: Mapping[str, int]) -> list[tuple[int, int, int]]:
+    """Where one expert lies as the page cache sees it: its pieces merged into spans (file id, first byte, end
+    byte), those less than a page apart joined (`merge_spans` at PAGE); `file_ids` numbers the files. The one
+    merge of an expert's spans: the page-cache model's (`sim.tune.model_facts`) and calibration's readahead probe."""
+    return merge_spans(((file_ids[p.path], p.offset, p.nbytes) for p in expert.pieces), PAGE)
 
 
 def _piece_where(piece: Piece) -> tuple[str, int, int]:

@@ -7,15 +7,13 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from weightstream.bench.calibration_store import HISTORY, calibration_key, load_saved, save, store_path
-from weightstream.cache.slot_plan import merge_spans
+from weightstream.bench.machine import read_ahead_bytes
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import checkpoint_budget, is_lazy_dense, ties_embeddings
+from weightstream.sim.budget import checkpoint_budget
 from weightstream.sim.cost_model import CostModel
-from weightstream.sim.tune import ModelFacts
-from weightstream.store.layout import ModelLayout
+from weightstream.sim.tune import model_facts
+from weightstream.store.facts import ties_embeddings
 from weightstream.store.model import map_model
 
 BUILTIN_NOTE = (
@@ -27,58 +25,6 @@ def say(msg: str) -> None:
     print(f"[tune] {msg}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout to one object
 
 
-def model_facts(layout: ModelLayout, tied: bool = False) -> ModelFacts:
-    """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans; `tied`:
-    the output head is the input embedding (so every step reads all of it)."""
-    from weightstream.bench.machine import read_ahead_bytes
-    from weightstream.cache.slot_plan import plan_slot
-
-    file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
-    file_sizes.update({t.path: os.path.getsize(t.path) for t in layout.dense.values()})
-    firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
-    file_ids = {path: i for i, path in enumerate(sorted(file_sizes))}
-    n_experts = min(layout.num_experts.values())
-    spans = tuple(
-        tuple(
-            tuple(
-                merge_spans(((file_ids[p.path], p.offset, p.nbytes) for p in layout.experts[(layer, e)].pieces), 4096)
-            )
-            for e in range(n_experts)
-        )
-        for layer in layout.layers
-    )
-    return ModelFacts(
-        layers=len(layout.layers),
-        n_experts=n_experts,
-        top_k=layout.top_k,
-        expert_nbytes=max(e.nbytes for e in layout.experts.values()),
-        slot_bytes=layout.slot_bytes,
-        read_bytes=max(plan_slot(e, file_sizes).aligned_bytes for e in firsts),
-        working_set_bytes=layout.working_set_bytes,
-        spans=spans,
-        file_bytes=tuple(file_sizes[path] for path in file_ids),
-        dense_spans=dense_spans(layout, file_ids, tied),
-        readahead_window=read_ahead_bytes(next(iter(file_sizes))),
-    )
-
-
-def dense_spans(layout: ModelLayout, file_ids: dict[str, int], tied: bool) -> tuple:
-    """Where each step's dense weights lie: for each routed layer the spans of the dense tensors a forward step reads
-    before that layer's experts (its attention, norms and router, and those of any dense layer before it), then the
-    spans read after the last one (the output head, the final norm). An untied input embedding is left out: a step
-    reads one row of it per token (`sim.budget.lazy_dense_bytes`)."""
-    from weightstream.store.layout import layer_index
-
-    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(len(layout.layers) + 1)]
-    for name, t in layout.dense.items():
-        if is_lazy_dense(name, tied):
-            continue
-        layer = layer_index(name, max(layout.layers) + 1)
-        pos = int(np.searchsorted(layout.layers, layer))  # the first routed layer at or after it
-        groups[pos].append((file_ids[t.path], t.offset, t.nbytes))
-    return tuple(tuple(merge_spans(g, 4096)) for g in groups)
-
-
 class TuneSession:
     """One model, one memory limit; loads the engine only when routing must be recorded or the machine measured."""
 
@@ -88,7 +34,8 @@ class TuneSession:
         self.model_dir, self.io_threads = model_dir, io_threads
         mapped = map_model(model_dir)
         self.config, self.layout, self.ckpt = mapped.config, mapped.layout, mapped.ckpt
-        self.facts = model_facts(self.layout, ties_embeddings(self.config))
+        first_file = next(iter(self.layout.experts.values())).pieces[0].path
+        self.facts = model_facts(self.layout, ties_embeddings(self.config), read_ahead_bytes(first_file))
         self.budget = checkpoint_budget(mapped, memory_bytes, context)
         self.store = store_path(model_dir)
         self.model = None

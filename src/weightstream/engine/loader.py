@@ -20,7 +20,7 @@ from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import StreamingRuntime
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import is_lazy_dense, ties_embeddings
+from weightstream.store.facts import is_lazy_dense, ties_embeddings
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.quant_format import QuantFormat

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.facts import is_lazy_dense, ties_embeddings
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
@@ -82,17 +83,6 @@ def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     (docs/benchmarks.md): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
     1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's bytes to 3%."""
     return sum(n for name, n in dense_nbytes.items() if is_lazy_dense(name, tied))
-
-
-def is_lazy_dense(name: str, tied: bool) -> bool:
-    """Whether dense parameter `name` is one that decode hardly touches (`lazy_dense_bytes`): an untied input
-    embedding."""
-    return not tied and name.endswith("embed_tokens.weight")
-
-
-def ties_embeddings(config) -> bool:
-    """Whether a transformers config ties the output head to the input embedding (for `lazy_dense_bytes`)."""
-    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:

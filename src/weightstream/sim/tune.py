@@ -8,7 +8,9 @@ steps after each request's first step; prefill is each request's first step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,8 +27,12 @@ from weightstream.sim.page_cache_model import PageCacheModel, Readahead
 from weightstream.sim.page_cache_model import replay as replay_page_cache
 from weightstream.sim.replay import Options, access_hits
 from weightstream.sim.workload import Workload
+from weightstream.store.facts import is_lazy_dense
 from weightstream.trace import Trace
 from weightstream.units import MIB
+
+if TYPE_CHECKING:
+    from weightstream.store.layout import ModelLayout
 
 TUNE_POLICIES = POLICY_NAMES  # lru, slru, lfu, pinned, adaptive; belady is the bound
 MULTIPLES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 24, 32)
@@ -45,17 +51,65 @@ class ModelFacts:
     read_bytes: int  # what the reader fetches for one miss (4 KiB-aligned spans)
     working_set_bytes: int  # one token's working set as the runtime counts it (its 1x)
     # where each expert lies in the checkpoint: spans[layer position][expert] = ((file id, start, end), ...), the
-    # files' sizes and the kernel's readahead window; the page-cache row needs them (`commands.tune_steps`)
+    # files' sizes and the kernel's readahead window; the page-cache row needs them (`model_facts`)
     spans: tuple | None = None
     file_bytes: tuple[int, ...] | None = None
     readahead_window: int | None = None
     # dense weights each forward step reads, which share the page cache's lists with the experts: spans before each
-    # routed layer's experts, then those after the last (`commands.tune_steps.dense_spans`); None: left out
+    # routed layer's experts, then those after the last (`dense_spans`); None: left out
     dense_spans: tuple | None = None
 
     @property
     def total_experts(self) -> int:
         return self.layers * self.n_experts
+
+
+def model_facts(layout: ModelLayout, tied: bool = False, readahead_window: int | None = None) -> ModelFacts:
+    """The checkpoint facts the search needs, with the reader's aligned bytes per miss from the slot plans; `tied`:
+    the output head is the input embedding (so every step reads all of it, `store.facts.ties_embeddings`);
+    `readahead_window`: the kernel's on the device the checkpoint is on (`bench.machine.read_ahead_bytes`)."""
+    from weightstream.cache.slot_plan import expert_spans, plan_slot
+
+    file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+    file_sizes.update({t.path: os.path.getsize(t.path) for t in layout.dense.values()})
+    firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
+    file_ids = {path: i for i, path in enumerate(sorted(file_sizes))}
+    n_experts = min(layout.num_experts.values())
+    spans = tuple(
+        tuple(tuple(expert_spans(layout.experts[(layer, e)], file_ids)) for e in range(n_experts))
+        for layer in layout.layers
+    )
+    return ModelFacts(
+        layers=len(layout.layers),
+        n_experts=n_experts,
+        top_k=layout.top_k,
+        expert_nbytes=max(e.nbytes for e in layout.experts.values()),
+        slot_bytes=layout.slot_bytes,
+        read_bytes=max(plan_slot(e, file_sizes).aligned_bytes for e in firsts),
+        working_set_bytes=layout.working_set_bytes,
+        spans=spans,
+        file_bytes=tuple(file_sizes[path] for path in file_ids),
+        dense_spans=dense_spans(layout, file_ids, tied),
+        readahead_window=readahead_window,
+    )
+
+
+def dense_spans(layout: ModelLayout, file_ids: dict[str, int], tied: bool) -> tuple:
+    """Where each step's dense weights lie: for each routed layer the spans of the dense tensors a forward step reads
+    before that layer's experts (its attention, norms and router, and those of any dense layer before it), then the
+    spans read after the last one (the output head, the final norm). An untied input embedding is left out: a step
+    reads one row of it per token (`sim.budget.lazy_dense_bytes`)."""
+    from weightstream.cache.slot_plan import PAGE, merge_spans
+    from weightstream.store.layout import layer_index
+
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(len(layout.layers) + 1)]
+    for name, t in layout.dense.items():
+        if is_lazy_dense(name, tied):
+            continue
+        layer = layer_index(name, max(layout.layers) + 1)
+        pos = int(np.searchsorted(layout.layers, layer))  # the first routed layer at or after it
+        groups[pos].append((file_ids[t.path], t.offset, t.nbytes))
+    return tuple(tuple(merge_spans(g, PAGE)) for g in groups)
 
 
 @dataclass(slots=True)

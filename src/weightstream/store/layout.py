@@ -207,7 +207,8 @@ def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) 
 
 
 def layer_index(path: str, fallback: int) -> int:
-    """The N of `.layers.N.` in a module or parameter name, else `fallback`."""
+    """The N of `.layers.N.` in a module or parameter name, else `fallback`: the one reading of a layer number from
+    a name (layouts, shards, the GGUF importer's plans, the page-cache model's dense spans)."""
     match = re.search(r"\.layers\.(\d+)\.", f".{path}.")
     return int(match.group(1)) if match else fallback
 

@@ -12,11 +12,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
 from weightstream.store.dtypes import FLOATS, SAFETENSORS
+from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
 from weightstream.store.published import Published, converted_dir, read_published
 from weightstream.store.quant_format import QuantFormat, read_manifest
-
-_TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_top_k")
 
 
 @dataclass(slots=True)
@@ -72,12 +71,11 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
 
 
 def top_k_of(config, model_dir: str) -> int:
-    for name in _TOP_K_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    value = top_k(config)
+    if value is not None:
+        return value
     raise WeightstreamError(
-        f"{model_dir}/config.json: no experts-per-token field ({', '.join(_TOP_K_FIELDS)}); "
+        f"{model_dir}/config.json: no experts-per-token field ({', '.join(TOP_K_FIELDS)}); "
         "is this a Mixture-of-Experts model?"
     )
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -22,8 +21,9 @@ from weightstream import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME, read_bytes, read_tensor
 from weightstream.store.dtypes import SAFETENSORS, torch_name
+from weightstream.store.facts import ties_embeddings
 from weightstream.store.ggml_quant import ENCODERS
-from weightstream.store.layout import experts_modules
+from weightstream.store.layout import experts_modules, layer_index
 from weightstream.store.model import map_model
 from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.published import strip_quantization_config
@@ -59,9 +59,7 @@ def dense_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     routed experts, not a router (KEEP_DENSE), not an output head tied to the embedding. `quantize --dense`
     encodes these; `weightstream import` keeps a GGUF's blocks for them."""
     experts = set(experts_modules(model))
-    # as sim.budget.ties_embeddings says it; not imported from there: importing weightstream.sim loads the
-    # simulator, whose memory quantize's bounded peak RSS would pay for
-    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    tied = ties_embeddings(model.config)
     out = {}
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or any(path.startswith(e + ".") for e in experts):
@@ -306,7 +304,7 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     dense = {info.name: info for info in layout.dense.values()}
     shards: dict[int, dict] = {}
     for name, info in dense.items():
-        shards.setdefault(_layer_of(name), {})[name] = info
+        shards.setdefault(layer_index(name, -1), {})[name] = info  # -1: embeddings, final norm, head: the first shard
     for (layer, expert), ex in layout.experts.items():
         shards.setdefault(layer, {})[blob_key(path_of[layer], expert)] = ex
     todo = sum(i.nbytes for i in dense.values()) + sum(e.nbytes for e in layout.experts.values())
@@ -348,11 +346,6 @@ def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, .
     if isinstance(item, TensorInfo):
         return SAFETENSORS[item.dtype], tuple(item.shape)
     return torch.uint8, (quant.blob_bytes,)
-
-
-def _layer_of(name: str) -> int:
-    match = re.search(r"\.layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else -1  # -1: embeddings, final norm, head: the first shard
 
 
 def _read_param(param) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.layout import layer_index
 from weightstream.store.outdir import built_in_place, refuse_existing
 from weightstream.store.safetensors_writer import save_aligned
 from weightstream.store.tokenizer import build_tokenizer
@@ -67,8 +67,8 @@ def _groups(model) -> list[list[str]]:
     by_layer: dict[int, list[str]] = {}
     rest = []
     for name in model.state_dict(keep_vars=True):
-        match = re.search(r"\.layers\.(\d+)\.", name)
-        (by_layer.setdefault(int(match.group(1)), []) if match else rest).append(name)
+        layer = layer_index(name, -1)
+        (by_layer.setdefault(layer, []) if layer >= 0 else rest).append(name)
     return [rest] + [by_layer[k] for k in sorted(by_layer)]
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.presets import REAL
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -87,13 +88,17 @@ def shape_from_config(cfg: dict, name: str, source: str = "config", dtype_bytes:
     hidden = _first(cfg, ("hidden_size",), "hidden size", source)
     inter = _first(cfg, ("moe_intermediate_size", "intermediate_size"), "expert intermediate size", source)
     experts = _first(cfg, ("n_routed_experts", "num_local_experts", "num_experts"), "expert count", source)
-    top_k = _first(cfg, ("num_experts_per_tok", "experts_per_token", "moe_topk"), "top-k", source)
+    k = top_k(cfg)
+    if k is None:
+        raise WeightstreamError(
+            f"{source}: no top-k field ({' / '.join(TOP_K_FIELDS)}); is this a MoE model's config.json?"
+        )
     width = dtype_bytes or DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
     params = 3 * hidden * inter
     if cfg.get("model_type") == "gpt_oss":  # gate_up bias (2 x inter) and down bias (hidden) per expert
         params += 2 * inter + hidden
     layers = _moe_layers(cfg)
-    return ModelShape(name, layers, experts, top_k, [params * width] * len(layers))
+    return ModelShape(name, layers, experts, k, [params * width] * len(layers))
 
 
 def resolve_shape(spec: str, expert_bytes: int | None = None) -> ModelShape:

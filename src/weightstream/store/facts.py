@@ -1,0 +1,40 @@
+"""What a model's config says that several layers need: its experts per token, whether its output head is its input
+embedding, and which dense weights decode hardly touches.
+
+The engine (what it loads and counts), the budget and the page-cache model of `tune` (sim), quantize and routing
+traces' shapes all take these facts from here, so that each is decided once. Imports nothing heavy: a transformers
+config or config.json's fields as a dict will do.
+"""
+
+from __future__ import annotations
+
+# the config fields that name a MoE model's experts per token, in the order they are looked for
+TOP_K_FIELDS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "experts_per_token",
+    "moe_topk",
+    "top_k",
+    "moe_top_k",
+)
+
+
+def top_k(config) -> int | None:
+    """Experts per token: the first of TOP_K_FIELDS that is a positive integer, in a transformers config
+    (attributes) or config.json's fields (a dict); None where none is."""
+    for name in TOP_K_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def ties_embeddings(config) -> bool:
+    """Whether a transformers config ties the output head to the input embedding (so every step reads all of it)."""
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def is_lazy_dense(name: str, tied: bool) -> bool:
+    """Whether dense parameter `name` is one that decode hardly touches: an untied input embedding, read one row per
+    token (`sim.budget.lazy_dense_bytes`)."""
+    return not tied and name.endswith("embed_tokens.weight")
