@@ -1,11 +1,8 @@
 """The kernel's page cache under mmap'd experts, simulated over the checkpoint's real byte ranges.
 
-`tune` used to model the page cache as LRU over whole experts whose capacity shrank by the measured readahead
-(bytes cached per expert byte touched, 1.7 on this VM's 8 MiB `read_ahead_kb`). That model missed both ways in the
-proof (docs/benchmarks.md, issue 14): it charged readahead for the room it takes although the kernel evicts
-readahead pages that nobody touched first, and it could not see readahead that brings in an expert about to be
-used (experts stored next to each other: a replayed Mixtral routing uses experts 0-7 of every layer). This model
-follows what the kernel does, at the granularity of `chunk` bytes of each file:
+It follows what the kernel does with mapped file pages, at the granularity of `chunk` bytes of each file, so it
+sees both what readahead costs (room, until the kernel evicts the readahead pages nobody touched) and what it
+brings (a neighbouring expert about to be used); docs/tune.md section 4 has its measurements against the kernel:
 
 - A touched chunk that is not cached faults: the expert's contiguous span is read with the readahead around it
   (`before` bytes ahead of the span, `after` bytes past it: the read-around window centred on the first fault and
@@ -14,24 +11,20 @@ follows what the kernel does, at the granularity of `chunk` bytes of each file:
   reclaim: a touch only sets the chunk's young bit (the hardware's accessed bit), it moves nothing. New chunks
   enter the inactive list (the faulting span's young, its readahead not). Reclaim takes the inactive list's oldest
   chunk: young, it is activated (`folio_check_references`: a large folio with more than one young PTE is activated
-  at its first scan, and on ext4 since 6.16 readahead fills large folios: 2048 of the 3072 pages of a 12 MiB expert
-  touched here were in compound folios); else it is evicted, leaving a shadow entry.
+  at its first scan, and on ext4 since 6.16 readahead fills large folios); else it is evicted, leaving a shadow
+  entry.
 - The active list is FIFO: reclaim deactivates its oldest chunk whatever its young bit (`shrink_active_list` keeps
   only executable mappings), into the inactive list with its young bit cleared, so a touch before its next scan
   activates it again. It deactivates when the inactive list is below 1 / `inactive_ratio` of the cache
   (`inactive_is_low`, ratio sqrt(10 x GiB)) or when refaults were activated since the last reclaim
   (`may_deactivate`), and then scans both lists by the same share of their length (`shrink_lruvec`'s targets,
-  size >> priority), at most `ratio` active chunks per inactive one. The other reading of `shrink_lruvec`, a batch
-  of each list per round (1:1), read 863 MiB per token on gpt-oss's 4-layer shape at 4 GiB where the kernel read
-  577; this rule 772.
+  size >> priority), at most `ratio` active chunks per inactive one.
 - A refault whose shadow is younger than the active list (evictions and refault activations since its eviction, at
   most the active list's length: `workingset_refault`) enters the active list directly.
 
-The model used to activate a chunk touched twice while inactive and keep the active list in LRU order (as for
-pages read with read(2)); with mapped pages the kernel does neither, and that model kept a hot set the kernel does
-not: at 3 GiB on the 16-layer OLMoE shape it counted 1596 MiB read per token and 36% of experts fault-free, where
-the kernel read 3933 MiB; this one, with the dense weights in the same lists (`sim.tune`) and the readahead measured
-around a lone expert's fault (`bench.calibrate`), 3830 (the fifth tune proof, in the git history of docs/benchmarks.md).
+A chunk touched twice while inactive is not activated, and the active list is not kept in LRU order: that is how
+the kernel treats pages read with read(2), not mapped ones. The dense weights share the lists (`sim.tune`), and
+the readahead is the one measured around a lone expert's fault (`bench.calibrate`).
 """
 
 from __future__ import annotations
@@ -65,8 +58,8 @@ class Readahead:
     def per_span(cls, amplification: float, spans: Sequence[Span], window_bytes: int | None) -> tuple[Readahead, ...]:
         """One expert's calibrated extra bytes (amplification - 1 of its bytes) shared among its spans by length,
         each share split by `_split`. The kernel reads around every faulting span, but an expert whose bytes lie in
-        several tensors (gate_up, down and their biases on gpt-oss) was calibrated as a whole: giving each span the
-        whole expert's extra read 1.8x the kernel's bytes there (docs/benchmarks.md)."""
+        several tensors (gate_up, down and their biases on gpt-oss) was calibrated as a whole, so its extra bytes
+        are shared, not given whole to each span (docs/tune.md)."""
         lengths = [b - a for _, a, b in spans]
         total = sum(lengths) or 1
         extra = max(amplification - 1.0, 0.0) * total
