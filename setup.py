@@ -32,7 +32,7 @@ else:
             ["csrc/qmm.cpp", "csrc/layers.cpp"],
             # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every path rounds the same way;
             # -fopenmp: at::parallel_for is a header template that runs on torch's OpenMP pool only when the
-            # extension itself is compiled with OpenMP (without it, every product ran on one thread)
+            # extension itself is compiled with OpenMP (without it, every product runs on one thread)
             extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
