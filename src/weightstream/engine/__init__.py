@@ -1,10 +1,17 @@
 """transformers integration: a model whose experts stream from disk, its generation loop and its measurements.
 
-loader: builds the transformers model (experts on the meta device, dense weights loaded) around an expert
-source; experts: the experts implementation registered with transformers; runtime: per-model state (the
-source, routing hooks, counters); page_cache_source: experts through mmap (the baseline); generate: greedy
-generation with stats; routing: record and replay routing traces; predict: next-layer read-ahead guesses;
-prompts: prompt files and built-in prompts; serve/: `weightstream serve` (HTTP API, scheduler, batched decode).
+- loader: builds the transformers model (experts on the meta device, dense weights loaded) around an expert source;
+- experts: the experts implementation registered with transformers, and the per-layer step it runs;
+- kernels: expert kernels (one class per form of the expert's weights) and NativeLinear for dense GGML blocks;
+- fused: one native call where transformers runs a chain of small ops (RMSNorm, rotary embedding) in float32;
+- runtime: per-model state (the source, routing hooks, counters);
+- page_cache_source: experts through mmap (the baseline);
+- kv_cache: the KV cache the engine generates with, its buffers sized for the whole generation;
+- generate: greedy generation with stats;
+- routing: record and replay routing traces;
+- predict: next-layer read-ahead guesses;
+- prompts: prompt files and built-in prompts;
+- serve/: `weightstream serve` (HTTP API, scheduler, batched decode).
 """
 
 EXPERT_SOURCES = ("expert-cache", "page-cache")  # weightstream's own O_DIRECT cache, or mmap and the page cache

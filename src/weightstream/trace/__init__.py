@@ -1,8 +1,10 @@
 """Routing traces: which experts each token chose in each MoE layer.
 
-format: the Trace arrays, validation and TraceWriter (what engines append to); npz: the file format; shapes:
-the model shape a trace belongs to (named real models or a config.json); importers: third-party dumps; remap: a
-trace replayed on another model's shape, as the engine replays it.
+- format: the Trace arrays, validation and TraceWriter (what engines append to);
+- npz: the file format;
+- shapes: the model shape a trace belongs to (named real models or a config.json);
+- importers: third-party dumps;
+- remap: a trace replayed on another model's shape, as the engine replays it.
 """
 
 from weightstream.trace.format import PHASES, Trace, TraceWriter

@@ -1,7 +1,7 @@
 """`weightstream import`: a GGUF file (llama.cpp's format) as a model directory every command takes.
 
 Routed experts keep their GGML blocks byte for byte when they are a type weightstream's native kernels run
-(`quant_format.BLOCK_TYPES`; docs/kernels.md): one blob per expert in the quantized-experts format
+(`weightstream.native.BLOCK_TYPES`; docs/kernels.md): one blob per expert in the quantized-experts format
 (store/quant_format.py), gate rows then up rows (gpt-oss: alternating, as its model's gate takes them), then
 down, and gpt-oss's expert biases after their projection; a layer whose types differ from the others' (Q4_K_M
 stores some down projections as Q6_K) gets its own table in the manifest. Other block types are dequantized and
