@@ -13,8 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+from weightstream.cgroup import CgroupMemory
 from weightstream.errors import WeightstreamError
-from weightstream.prefetch.memory import CgroupMemory
 
 
 class MemoryCgroup:

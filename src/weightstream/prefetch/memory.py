@@ -1,81 +1,10 @@
-"""Memory headroom for prefetch: the system's and the memory cgroup's a process runs in (read only).
-
-Both cgroup v2 (memory.max, memory.current) and v1 (memory.limit_in_bytes, memory.usage_in_bytes) are read.
-Page cache counts against a cgroup's limit, so prefetched pages are charged to the wrapper's cgroup.
+"""Memory headroom for prefetch: the system's and the memory cgroup's a process runs in (`weightstream.cgroup`
+reads it). Page cache counts against a cgroup's limit, so prefetched pages are charged to the wrapper's cgroup.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_UNLIMITED = 1 << 60
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return _UNLIMITED if text == "max" else int(text)
-
-
-def _stat_field(path: Path, names: tuple[str, ...]) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[0] in names:
-                return int(parts[1])
-    except OSError:
-        pass
-    return 0
-
-
-@dataclass(frozen=True, slots=True)
-class CgroupMemory:
-    """The memory cgroup a process is in: its directory and whether it is v1 or v2."""
-
-    path: Path
-    v2: bool
-
-    @classmethod
-    def of(cls, pid: int | str = "self", root: Path = CGROUP_ROOT) -> CgroupMemory | None:
-        """The process's memory cgroup, or None when there is no memory controller."""
-        v2_controllers = (
-            (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").exists() else []
-        )
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            _, controllers, rel = line.split(":", 2)
-            if controllers == "" and "memory" in v2_controllers:
-                return cls(root / rel.lstrip("/"), True)
-            if "memory" in controllers.split(","):
-                return cls(root / "memory" / rel.lstrip("/"), False)
-        return None
-
-    @property
-    def limit(self) -> int:
-        """The byte limit (very large when unlimited)."""
-        return _read_int(self.path / ("memory.max" if self.v2 else "memory.limit_in_bytes")) or _UNLIMITED
-
-    @property
-    def usage(self) -> int:
-        """Bytes charged now, page cache included."""
-        return _read_int(self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes")) or 0
-
-    @property
-    def inactive_file(self) -> int:
-        """Page cache the kernel will reclaim first."""
-        return _stat_field(self.path / "memory.stat", ("inactive_file", "total_inactive_file"))
-
-    @property
-    def limited(self) -> bool:
-        """Whether a limit below the machine's memory applies."""
-        return self.limit < _mem_total()
-
-
-def _mem_total() -> int:
-    return _stat_field(Path("/proc/meminfo"), ("MemTotal:",)) * 1024
+from weightstream.cgroup import CgroupMemory, meminfo_bytes
 
 
 def under_pressure(cgroup: CgroupMemory | None, floor: int) -> bool:
@@ -86,7 +15,7 @@ def under_pressure(cgroup: CgroupMemory | None, floor: int) -> bool:
     to its limit, and filling it further means the kernel evicts something (often what we just prefetched,
     and always in the loader's own allocations' path). Burn-after-reading is what makes room again.
     """
-    if _stat_field(Path("/proc/meminfo"), ("MemAvailable:",)) * 1024 < floor:
+    if meminfo_bytes("MemAvailable") < floor:
         return True
     if cgroup is not None and cgroup.limited:
         return cgroup.limit - cgroup.usage < min(floor, cgroup.limit // 20)

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from weightstream.cgroup import CgroupMemory
 from weightstream.prefetch import tracefs
-from weightstream.prefetch.memory import CgroupMemory
 from weightstream.prefetch.plan import Plan
 from weightstream.prefetch.prefetcher import Prefetcher
 from weightstream.prefetch.procs import GatedCommand

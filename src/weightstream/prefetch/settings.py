@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from weightstream.prefetch.memory import CgroupMemory
+from weightstream.cgroup import CgroupMemory
 from weightstream.prefetch.numa import Placement
 
 
