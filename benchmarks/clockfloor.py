@@ -22,15 +22,21 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake sysfs tree and helpers
+from common.results import default, save
 
-from common.results import default, save  # noqa: E402
-
-from weightstream.clock.activity import AnnounceListener, Announcer  # noqa: E402
-from weightstream.clock.procscan import YOUNG_S, FlagMatcher, ProcessPoller, read_argv  # noqa: E402
-from weightstream.clock.uprobe import unavailable_reason  # noqa: E402
-
-from clockfakes import DaemonProcess, burner, make_devfreq_tree, read_hz, spawn, wait_for, write_config  # noqa: E402
+from weightstream.clock.activity import AnnounceListener, Announcer
+from weightstream.clock.fakes import (
+    DaemonProcess,
+    burner,
+    make_devfreq_tree,
+    read_hz,
+    reap_spawned,
+    spawn,
+    wait_for,
+    write_config,
+)
+from weightstream.clock.procscan import YOUNG_S, FlagMatcher, ProcessPoller, read_argv
+from weightstream.clock.uprobe import unavailable_reason
 
 FLAGS = ("--cpu-moe", "-cmoe", "--n-cpu-moe", "-ncmoe")
 
@@ -218,12 +224,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         results["daemon_idle_cpu"] = idle_cpu(Path(directory), args.idle_seconds)
     results["reaction"] = {}
-    for method in ("poll", "announce", "uprobe"):
-        reason = unavailable_reason() if method == "uprobe" else None
-        with tempfile.TemporaryDirectory() as directory:
-            results["reaction"][method] = (
-                {"skipped": reason} if reason else reaction(Path(directory), method, args.rounds)
-            )
+    try:
+        for method in ("poll", "announce", "uprobe"):
+            reason = unavailable_reason() if method == "uprobe" else None
+            with tempfile.TemporaryDirectory() as directory:
+                results["reaction"][method] = (
+                    {"skipped": reason} if reason else reaction(Path(directory), method, args.rounds)
+                )
+    finally:
+        reap_spawned()  # a daemon or child a failed round left running
     text = json.dumps(results, indent=2)
     print(text)
     save(text, args.out)

@@ -9,5 +9,6 @@
 - state: the crash-repair record;
 - daemon: the control loop;
 - check: the read-only report;
-- config: settings.
+- config: settings;
+- fakes: a fake devfreq tree, a fake NVML and real child processes, for the tests and benchmarks/clockfloor.py.
 """
