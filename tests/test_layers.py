@@ -1,5 +1,6 @@
 """Layers point one way: no module imports a package above its own (docs/architecture.md), lazily inside a
-function or not, and neither the package nor the benchmarks take anything from tests/. Walks the source, so a new upward import fails here."""
+function or not, and neither the package nor the benchmarks take anything from tests/. Walks the source, so a new
+upward import fails here."""
 
 import ast
 from pathlib import Path
