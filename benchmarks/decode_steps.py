@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from weightstream.bench.child import warm_every_expert  # noqa: E402
-from weightstream.engine.fused import NativeRMSNorm, NativeRotary  # noqa: E402
+from weightstream.engine.fused import use_native_ops  # noqa: E402
 from weightstream.engine.kv_cache import engine_cache  # noqa: E402
 from weightstream.engine.loader import load_streaming_model  # noqa: E402
 
@@ -53,35 +53,20 @@ def _summary(times: dict, diffs: list[float]) -> dict:
 
 def fused_pair(model, prompt, tokens: int) -> dict:
     """Native norms and rotary against transformers', switched before each token of one generation."""
-    swaps, rotaries = [], {}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, NativeRMSNorm):
-            parent, _, attr = name.rpartition(".")
-            swaps.append((model.get_submodule(parent), attr, module, module.replaced[0]))
-    for modeling in {sys.modules[type(m).__module__] for m in model.modules()}:
-        if isinstance(getattr(modeling, "apply_rotary_pos_emb", None), NativeRotary):
-            rotaries[modeling] = modeling.apply_rotary_pos_emb
-    if not swaps:
+    if not use_native_ops(model, True):
         raise SystemExit("the model has no fused ops: give a checkpoint whose dense weights are GGML blocks")
-
-    def use(native: bool) -> None:
-        for parent, attr, ours, theirs in swaps:
-            setattr(parent, attr, ours if native else theirs)
-        for modeling, ours in rotaries.items():
-            modeling.apply_rotary_pos_emb = ours if native else ours.original
-
     times, diffs = {"native": [], "transformers": []}, []
     try:
         cache = engine_cache(model, prompt.shape[1] + tokens + 1)
         token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         for i in range(tokens):
             native = i % 2 == 0
-            use(native)
+            use_native_ops(model, native)
             token, dt = _step(model, token, cache, prompt.shape[1] + i)
             times["native" if native else "transformers"].append(dt)
         diffs = [b - a for a, b in zip(times["native"], times["transformers"], strict=False)]
     finally:
-        use(True)
+        use_native_ops(model, True)
     return _summary(times, diffs)
 
 

@@ -11,21 +11,34 @@ share of its time that the arithmetic does not explain. `fuse_dense_ops` puts on
   another order than torch's) on random rows; Gemma-style `(1 + weight)` norms and other forms fail and stay;
 - a modeling module's `apply_rotary_pos_emb` is replaced, in that module, by `NativeRotary` when the native op
   equals it bitwise on random inputs; for any call the op does not cover (other dtypes, `unsqueeze_dim`, shapes)
-  it calls the original. Being bitwise equal, the replacement changes no result of any model in the process.
+  it calls the original.
+
+The rotary replacement holds for the whole process, not for the one model: transformers' attention looks
+`apply_rotary_pos_emb` up in its modeling module's globals at every call, so the only ways to scope it to a model
+would be a copy of each architecture's attention forward, or a flag set and cleared around every forward of the
+fused model (and left wrong by a forward that raises). Neither is needed: the replacement is proven bitwise equal
+to the function it replaces and hands every call it does not cover to that function, so every other model in the
+process, a bf16 one or one loaded with `fuse=False`, computes the same bits as before; only its speed can differ.
+`use_native_ops(model, False)` puts transformers' function back (for every model, likewise).
 
 A streamed run and the same model with every expert resident both run these ops, so they stay bitwise equal.
-bf16 checkpoints are left as they are (their eager-exact path).
+bf16 checkpoints are left as they are (their eager-exact path). `use_native_ops` switches a fused model's ops off
+and on again, to time them against transformers' own in one process (benchmarks/decode_steps.py).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
 from weightstream import native
 
 NORM_TOLERANCE = 1e-5  # relative to the output's largest magnitude: a few float32 ulps of the scale
+# model -> what `fuse_dense_ops` put in it: ([(parent module, attribute, NativeRMSNorm)], [(modeling module,
+# NativeRotary)]), for `use_native_ops`
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class NativeRMSNorm(torch.nn.Module):
@@ -75,11 +88,13 @@ def fuse_dense_ops(model: torch.nn.Module) -> list[str]:
     if not native.available():
         return []
     fused: set[str] = set()
+    norms, rotaries = [], []
     for name, module in list(model.named_modules()):
         eps = _norm_eps(module)
         if eps is not None and _norm_proves(module, eps):
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, NativeRMSNorm(module, eps))
+            norms.append((model.get_submodule(parent), attr, NativeRMSNorm(module, eps)))
+            setattr(*norms[-1])
             fused.add(type(module).__name__)
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         modeling = sys.modules.get(module_name)
@@ -88,8 +103,22 @@ def fuse_dense_ops(model: torch.nn.Module) -> list[str]:
             if not (callable(original) and _rope_proves(original)):
                 continue
             modeling.apply_rotary_pos_emb = NativeRotary(original)
+        rotaries.append((modeling, modeling.apply_rotary_pos_emb))
         fused.add(f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
+    _FUSED[model] = (norms, rotaries)
     return sorted(fused)
+
+
+def use_native_ops(model: torch.nn.Module, on: bool) -> int:
+    """Switch the ops `fuse_dense_ops` put in `model` off (transformers' own RMSNorm modules back in their places
+    and its rotary function back in its modeling modules, for every model in the process) or on again; the number
+    of norm modules switched (0: none of `model`'s were fused)."""
+    norms, rotaries = _FUSED.get(model, ((), ()))
+    for parent, attr, norm in norms:
+        setattr(parent, attr, norm if on else norm.replaced[0])
+    for modeling, rotary in rotaries:
+        modeling.apply_rotary_pos_emb = rotary if on else rotary.original
+    return len(norms)
 
 
 def _norm_eps(module: torch.nn.Module) -> float | None:
