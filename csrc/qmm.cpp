@@ -992,9 +992,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, in
 
 // ---- one call per MoE layer ----
 //
-// A layer's routed experts, SiLU-gated: for each (token t, choice c) routed to an expert of `experts`,
-// contrib[t, c] = (silu(x_t G^T) * (x_t U^T)) D^T * w[t, c], with gate_up the expert's (2I, D) blocks [G; U] and
-// down its (D, I) blocks; then out[t] = the sum of contrib[t, c] over c in ascending expert order, in float32.
+// A layer's routed experts: for each (token t, choice c) routed to an expert of `experts`,
+// contrib[t, c] = (gate(x_t GU^T + b_gu)) D^T + b_d) * w[t, c], with gate_up the expert's (2I, D) blocks, down its
+// (D, I) blocks and the biases optional (float, one per expert); then out[t] = the sum of contrib[t, c] over c in
+// ascending expert order, in float32. The gate is one of Gate's kinds: SiLU on [G; U] stacked (most families), or
+// gpt-oss's clamped SwiGLU on G and U interleaved (row 2j gate j, row 2j + 1 up j).
 // `moe_contribute` fills the contributions of some experts (any grouping: an expert's contribution depends on its
 // own weights and rows only), `moe_sum` adds them up, `moe_layer` is both in one call for a layer whose experts are
 // all at hand. So a layer computed piecewise (resident experts first, each missing one once its bytes are in)
@@ -1003,6 +1005,49 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, in
 struct Pair {
   int64_t token, choice;
 };
+
+// The gate between an expert's two products, and its biases.
+struct Gate {
+  enum Kind : int64_t { kSiluStacked = 0, kClampedSwigluInterleaved = 1 };
+  int64_t kind = kSiluStacked;
+  float alpha = 0.f, limit = 0.f;           // the clamped SwiGLU's: glu = g * sigmoid(alpha g), g <= limit, |u| <= limit
+  std::vector<at::Tensor> gate_up_bias, down_bias;  // float32, one (2I) and one (D) an expert, or none
+
+  // h[j] of one row from its 2I gate/up outputs g
+  void apply(const float* g, float* h, int64_t inter) const {
+    if (kind == kSiluStacked) {
+      for (int64_t j = 0; j < inter; j++) h[j] = g[j] / (1.f + std::exp(-g[j])) * g[inter + j];
+      return;
+    }
+    for (int64_t j = 0; j < inter; j++) {
+      const float gate = std::min(g[2 * j], limit), up = std::min(std::max(g[2 * j + 1], -limit), limit);
+      h[j] = (up + 1.f) * (gate / (1.f + std::exp(-gate * alpha)));
+    }
+  }
+};
+
+std::vector<at::Tensor> float_biases(at::TensorList biases, int64_t experts, int64_t size, const char* what) {
+  TORCH_CHECK(biases.empty() || (int64_t)biases.size() == experts, "weightstream moe: ", what,
+              " biases must be none or one per expert");
+  std::vector<at::Tensor> out;
+  for (const auto& b : biases) {
+    TORCH_CHECK(b.numel() == size, "weightstream moe: a ", what, " bias must have ", size, " values, not ", b.numel());
+    out.push_back(b.to(at::kFloat).contiguous());
+  }
+  return out;
+}
+
+Gate gate_of(at::TensorList gate_up_bias, at::TensorList down_bias, int64_t kind, double alpha, double limit) {
+  TORCH_CHECK(kind == Gate::kSiluStacked || kind == Gate::kClampedSwigluInterleaved,
+              "weightstream moe: unknown gate kind ", kind);
+  Gate gate;
+  gate.kind = kind;
+  gate.alpha = (float)alpha;
+  gate.limit = (float)limit;
+  gate.gate_up_bias = gate_up_bias.vec();
+  gate.down_bias = down_bias.vec();
+  return gate;
+}
 
 // Pairs (t, c) routed to each of `experts` (ascending t within an expert).
 std::vector<std::vector<Pair>> pairs_of(const at::Tensor& index, const std::vector<int64_t>& experts) {
@@ -1028,7 +1073,8 @@ void check_routing(const at::Tensor& x, const at::Tensor& index, const at::Tenso
 
 void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Tensor& weights_in,
                 const std::vector<int64_t>& experts, const std::vector<at::Tensor>& gate_up, int64_t gu_type,
-                const std::vector<at::Tensor>& down, int64_t down_type, int64_t path, float* contrib) {
+                const std::vector<at::Tensor>& down, int64_t down_type, const Gate& gate_in, int64_t path,
+                float* contrib) {
   const int64_t ne = (int64_t)experts.size(), hidden = x_in.size(1), top_k = index_in.size(1);
   TORCH_CHECK((int64_t)gate_up.size() == ne && (int64_t)down.size() == ne,
               "weightstream moe: one gate_up and one down tensor per expert");
@@ -1039,6 +1085,9 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     check_weights(gate_up[i], gu_type, 2 * inter, hidden);
     check_weights(down[i], down_type, hidden, inter);
   }
+  Gate gate = gate_in;
+  gate.gate_up_bias = float_biases(gate_in.gate_up_bias, ne, 2 * inter, "gate_up");
+  gate.down_bias = float_biases(gate_in.down_bias, ne, hidden, "down");
   path = resolve_path(path);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const at::Tensor index = index_in.contiguous();
@@ -1061,28 +1110,30 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   const int64_t down_bytes = row_bytes_of(down_type, inter);
   const DotFn gu_dot = dot_fn(path, gu_type), down_dot = dot_fn(path, down_type);
   std::vector<float> g(np * gu_rows), h(np * inter);
+  const bool gu_biased = !gate.gate_up_bias.empty(), down_biased = !gate.down_bias.empty();
   auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1) {  // expert i's gate/up outputs j0..j1, its rows
+    const float* bias = gu_biased ? gate.gate_up_bias[i].data_ptr<float>() : nullptr;
     for (int64_t j = j0; j < j1; j++) {
       const uint8_t* row = gu_ptr[i] + j * gu_bytes;
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
-        g[(first[i] + p) * gu_rows + j] = gu_dot(row, ax.row(pairs[i][p].token), hidden);
+        const float y = gu_dot(row, ax.row(pairs[i][p].token), hidden);
+        g[(first[i] + p) * gu_rows + j] = bias ? y + bias[j] : y;
       }
     }
   };
-  auto gated = [&](int64_t p0, int64_t p1) {  // silu(gate) * up of rows p0..p1
-    for (int64_t p = p0; p < p1; p++) {
-      const float* gp = g.data() + p * gu_rows;
-      for (int64_t j = 0; j < inter; j++) h[p * inter + j] = gp[j] / (1.f + std::exp(-gp[j])) * gp[inter + j];
-    }
+  auto gated = [&](int64_t p0, int64_t p1) {  // the gate of rows p0..p1
+    for (int64_t p = p0; p < p1; p++) gate.apply(g.data() + p * gu_rows, h.data() + p * inter, inter);
   };
   // expert i's down outputs j0..j1 for its rows, their quantized h in ah from row first[i] - row0
   auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, int64_t row0) {
+    const float* bias = down_biased ? gate.down_bias[i].data_ptr<float>() : nullptr;
     for (int64_t j = j0; j < j1; j++) {
       const uint8_t* row = down_ptr[i] + j * down_bytes;
       for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
         const Pair& pr = pairs[i][p];
         const int64_t slot = pr.token * top_k + pr.choice;
-        contrib[slot * hidden + j] = down_dot(row, ah.row(first[i] - row0 + p), inter) * wp[slot];
+        const float y = down_dot(row, ah.row(first[i] - row0 + p), inter);
+        contrib[slot * hidden + j] = (bias ? y + bias[j] : y) * wp[slot];
       }
     }
   };
@@ -1151,11 +1202,12 @@ void check_contributions(const at::Tensor& contrib, const at::Tensor& index, int
 
 void moe_contribute(at::Tensor contrib, const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                     at::IntArrayRef experts, at::TensorList gate_up, int64_t gu_type, at::TensorList down,
-                    int64_t down_type, int64_t path) {
+                    int64_t down_type, at::TensorList gate_up_bias, at::TensorList down_bias, int64_t gate,
+                    double alpha, double limit, int64_t path) {
   check_routing(x, index, weights);
   check_contributions(contrib, index, x.size(1));
-  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type, path,
-             contrib.data_ptr<float>());
+  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type,
+             gate_of(gate_up_bias, down_bias, gate, alpha, limit), path, contrib.data_ptr<float>());
 }
 
 at::Tensor moe_sum(const at::Tensor& contrib, const at::Tensor& index, const at::Tensor& like) {
@@ -1164,10 +1216,13 @@ at::Tensor moe_sum(const at::Tensor& contrib, const at::Tensor& index, const at:
 }
 
 at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights, at::IntArrayRef experts,
-                     at::TensorList gate_up, int64_t gu_type, at::TensorList down, int64_t down_type, int64_t path) {
+                     at::TensorList gate_up, int64_t gu_type, at::TensorList down, int64_t down_type,
+                     at::TensorList gate_up_bias, at::TensorList down_bias, int64_t gate, double alpha, double limit,
+                     int64_t path) {
   check_routing(x, index, weights);
   std::vector<float> contrib(index.size(0) * index.size(1) * x.size(1), 0.f);
-  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type, path, contrib.data());
+  contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type,
+             gate_of(gate_up_bias, down_bias, gate, alpha, limit), path, contrib.data());
   return sum_contributions(contrib.data(), index, x.size(1), x.scalar_type());
 }
 
@@ -1209,9 +1264,11 @@ TORCH_LIBRARY(weightstream, m) {
   m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
   m.def("linear(Tensor x, Tensor w, int wtype, int n, int k, Tensor? bias=None) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, Tensor[] gate_up, int gu_type, "
-        "Tensor[] down, int down_type, int path=0) -> Tensor");
+        "Tensor[] down, int down_type, Tensor[] gate_up_bias, Tensor[] down_bias, int gate, float alpha, float limit, "
+        "int path=0) -> Tensor");
   m.def("moe_contribute(Tensor(a!) contrib, Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, "
-        "Tensor[] gate_up, int gu_type, Tensor[] down, int down_type, int path=0) -> ()");
+        "Tensor[] gate_up, int gu_type, Tensor[] down, int down_type, Tensor[] gate_up_bias, Tensor[] down_bias, "
+        "int gate, float alpha, float limit, int path=0) -> ()");
   m.def("moe_sum(Tensor contrib, Tensor top_k_index, Tensor like) -> Tensor");
 }
 

@@ -65,8 +65,9 @@ def published(tiny_model, tmp_path_factory):
     return make
 
 
-def _reference(model_dir: str):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager")
+def _reference(model_dir: str, dtype: torch.dtype | None = None):
+    """Greedy tokens and logits of transformers' own model of `model_dir`, in `dtype` (default: the config's)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, experts_implementation="eager", dtype=dtype)
     with torch.inference_mode():
         out = model.generate(
             PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
@@ -126,7 +127,10 @@ def test_published_checkpoints_run_as_the_dequantized_model(published, kind, cap
     tokens, logits, runtime = greedy_run(model_dir, PROMPT, expert_cache="1x", io_threads=2)
     assert "converting it once into" in capfd.readouterr().err
     assert set(runtime.kernels.values()) == {"mxfp4-native" if kind == "mxfp4" else "bf16-native"}
-    want_tokens, want_logits = _reference(reference_dir)
+    # gpt-oss's experts run as one native call, float32 between the products and with the biases, so the reference
+    # is transformers' model in float32: in bf16 it is 24% of the largest logit away from its own float32 self on
+    # this random-bias model's prompt, and the engine 0.3% (measured)
+    want_tokens, want_logits = _reference(reference_dir, torch.float32 if kind == "mxfp4" else None)
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits, strict=True):
         # measured 0.4-0.8%: bf16 products summed in float32 (FP8) and 8-bit activations (MXFP4's kernel)

@@ -127,6 +127,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return torch.ops.weightstream.rope(q, k, cos, sin)
 
 
+GATES = ("silu", "clamped-swiglu")  # the gates moe_layer runs, in the extension's numbering
+
+
 def moe_layer(
     x: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -137,15 +140,24 @@ def moe_layer(
     down: list[torch.Tensor],
     down_type: str,
     into: torch.Tensor | None = None,
+    gate_up_bias: list[torch.Tensor] | None = None,
+    down_bias: list[torch.Tensor] | None = None,
+    gate: str = "silu",
+    alpha: float = 0.0,
+    limit: float = 0.0,
 ) -> torch.Tensor | None:
-    """One MoE layer's SiLU-gated experts in one call: for each token, the sum over its routed experts (ascending
-    expert order, float32) of (silu(x G^T) * (x U^T)) D^T times the router weight; `experts` the routed experts,
-    `gate_up[i]` / `down[i]` expert i's (2I, D) and (D, I) blocks. (tokens, hidden) in x's dtype.
+    """One MoE layer's experts in one call: for each token, the sum over its routed experts (ascending expert
+    order, float32) of (gate(x GU^T + b_gu) D^T + b_d) times the router weight; `experts` the routed experts,
+    `gate_up[i]` / `down[i]` expert i's (2I, D) and (D, I) blocks, the biases (one per expert) optional.
+    (tokens, hidden) in x's dtype. The gate: "silu", silu(G) * U with GU = [G; U] stacked; "clamped-swiglu",
+    gpt-oss's: G and U interleaved (row 2j, 2j + 1), g = min(G, limit), u = clamp(U, -limit, limit),
+    (u + 1) * g * sigmoid(alpha g).
 
     With `into` (float32 (tokens, top_k, hidden)), only these experts' (token, choice) rows of the contributions are
     filled, and nothing is summed: `moe_sum` then adds the rows as the single call does, so a layer computed in
     groups (resident experts first, each missing one as it arrives) gives the same bits."""
-    args = (experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], 0)
+    args = (experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], gate_up_bias or [], down_bias or [])
+    args += (GATES.index(gate), alpha, limit, 0)
     if into is None:
         return torch.ops.weightstream.moe_layer(x, top_k_index, top_k_weights, *args)
     torch.ops.weightstream.moe_contribute(into, x, top_k_index, top_k_weights, *args)

@@ -95,16 +95,10 @@ class QuantizedExperts:
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
         self.dequant_rows = NATIVE_DEQUANT_ROWS if quant.native else DEQUANT_ROWS[quant.scheme]
-        # one native call per layer (every routed expert's gate_up, SiLU gate, down, router weight, and their sum)
-        # where the module's gate is the default chunked SiLU one; others (gpt-oss's clamped gate, biases) run
-        # expert by expert, projection by projection
-        self.fused = (
-            quant.native
-            and module.has_gate
-            and not module.has_bias
-            and getattr(type(module), "_apply_gate", None) is _default_apply_gate
-            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-        )
+        # one native call per layer (every routed expert's gate_up, gate, down, biases, router weight, and their
+        # sum) where the module's gate is one the extension runs; any other runs expert by expert
+        self.gate_kind = fused_gate(module) if quant.native and module.has_gate else None
+        self.fused = self.gate_kind is not None
 
     def _blocks(self, table) -> dict:
         return {t.name: (t.dtype, *t.shape) for t in table if self.quant.native and len(t.shape) == 2}
@@ -123,16 +117,27 @@ class QuantizedExperts:
 
     def layer(self, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> torch.Tensor:
         """The layer's combined expert output in one native call, every routed expert at hand."""
-        return native.moe_layer(x, top_k_index, top_k_weights, experts, *self._layer_blocks(params))
+        return native.moe_layer(x, top_k_index, top_k_weights, experts, **self._layer_args(params))
 
     def contribute(self, contrib, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> None:
         """`layer` for some of the experts, into contrib (float32 (tokens, top_k, hidden)); `native.moe_sum` adds."""
-        native.moe_layer(x, top_k_index, top_k_weights, experts, *self._layer_blocks(params), into=contrib)
+        native.moe_layer(x, top_k_index, top_k_weights, experts, **self._layer_args(params), into=contrib)
 
-    def _layer_blocks(self, params: list[Params]) -> tuple:
-        gate_up = [p["gate_up_proj.qweight"] for p in params]
-        down = [p["down_proj.qweight"] for p in params]
-        return gate_up, self.blocks["gate_up_proj.qweight"][0], down, self.blocks["down_proj.qweight"][0]
+    def _layer_args(self, params: list[Params]) -> dict:
+        gate, alpha, limit = self.gate_kind
+        args = {
+            "gate_up": [p["gate_up_proj.qweight"] for p in params],
+            "gate_up_type": self.blocks["gate_up_proj.qweight"][0],
+            "down": [p["down_proj.qweight"] for p in params],
+            "down_type": self.blocks["down_proj.qweight"][0],
+            "gate": gate,
+            "alpha": alpha,
+            "limit": limit,
+        }
+        if self.bias:
+            args["gate_up_bias"] = [p["gate_up_proj_bias"] for p in params]
+            args["down_bias"] = [p["down_proj_bias"] for p in params]
+        return args
 
     def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
         hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
@@ -158,6 +163,25 @@ class QuantizedExperts:
         if self.scheme == "int8":
             return dequantize_int8(q, scales)
         return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
+
+
+def fused_gate(module: torch.nn.Module) -> tuple[str, float, float] | None:
+    """The gate `native.moe_layer` runs for this experts module, as (gate, alpha, limit): SiLU on stacked gate/up
+    rows (transformers' default gate), or gpt-oss's clamped SwiGLU on interleaved rows, its own `_apply_gate` shown
+    to be that function on values across its clamps; None for any other gate (the experts then run one by one)."""
+    act = type(getattr(module, "act_fn", None)).__name__
+    if getattr(type(module), "_apply_gate", None) is _default_apply_gate and act in ("SiLU", "SiLUActivation"):
+        return ("silu", 0.0, 0.0)
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not (isinstance(alpha, float) and isinstance(limit, float) and hasattr(module, "_apply_gate")):
+        return None
+    probe = torch.linspace(-2 * limit, 2 * limit, 64).reshape(2, 32)  # (rows, 2I): both sides of both clamps
+    g, u = probe[..., ::2].clamp(max=limit), probe[..., 1::2].clamp(-limit, limit)
+    try:
+        shown = torch.allclose(module._apply_gate(probe), (u + 1) * g * torch.sigmoid(alpha * g))
+    except (RuntimeError, TypeError):
+        return None
+    return ("clamped-swiglu", alpha, limit) if shown else None
 
 
 class NativeLinear(torch.nn.Module):
