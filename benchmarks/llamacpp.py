@@ -122,6 +122,35 @@ def tool(name: str) -> Path | None:
     return bin_dir / name
 
 
+def product_tool() -> Path | None:
+    """benchmarks/ggml_product.c linked against the ggml libraries `build()` made: llama.cpp's own product of one
+    block type (`ggml_product TYPE N K THREADS CALLS`); rebuilt when the source is newer; None without a compiler."""
+    bin_dir = build()
+    if bin_dir is None:
+        return None
+    source, out = Path(__file__).with_name("ggml_product.c"), CACHE / "ggml_product"
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        libs = CACHE / "build" / "ggml" / "src"
+        subprocess.run(
+            [
+                "cc",
+                "-O2",
+                f"-I{source_tree() / 'ggml' / 'include'}",
+                str(source),
+                "-o",
+                str(out),
+                str(libs / "libggml-cpu.a"),
+                str(libs / "libggml-base.a"),
+                "-lstdc++",
+                "-lgomp",
+                "-lpthread",
+                "-lm",
+            ],
+            check=True,
+        )
+    return out
+
+
 def convert(model_dir: str, out: str, outtype: str = "bf16", pre: str = "default") -> str:
     """GGUF of a Hugging Face checkpoint directory by llama.cpp's own converter (kept if already there), its
     tokenizer's pre-tokenizer named `pre` (llama.cpp's name: "default", "gpt-2", ...)."""
