@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.engine.loader import load_streaming_model, load_tokenizer
 from weightstream.engine.serve.batch import DecodeBatch
 from weightstream.engine.serve.sampling import Sampler, SamplingParams
@@ -297,13 +298,13 @@ def test_leaving_rows_take_their_padding_with_them(tiny_model):
     try:
         for prompt in (PROMPTS[-1], PROMPTS[1], PROMPTS[4]):  # 11, 3 and 1 tokens
             cache = DynamicCache(config=model.config)
-            with torch.inference_mode():
-                model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+            with torch.inference_mode(), quiet_cache_kwarg():
+                model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
             seq = Sequence(prompt, SamplingParams(8, 0.0), None, frozenset(), lambda e: None)
             seq.generated = [7]
             batch.join(seq, cache)
         for _ in range(2):
-            with torch.inference_mode():
+            with torch.inference_mode(), quiet_cache_kwarg():
                 model(**batch.step_inputs(), use_cache=True)
         assert batch.length == 13 and batch.mask.sum(dim=1).tolist() == [13, 5, 3]
         batch.leave({batch.seqs[0].id})
@@ -503,6 +504,6 @@ def _kv_bytes_per_token(model) -> int:
     from transformers.cache_utils import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([[1]]), cache=cache, use_cache=True)
+    with torch.inference_mode(), quiet_cache_kwarg():
+        model(input_ids=torch.tensor([[1]]), past_key_values=cache, use_cache=True)
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

@@ -20,6 +20,7 @@ import torch
 
 from weightstream.clock.activity import AnnounceListener
 from weightstream.engine.generate import generate
+from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.engine.loader import load_streaming_model, load_tokenizer
 
 from serve_support import ServerProcess, metric
@@ -318,9 +319,9 @@ def reference_greedy(engine, ids, n, bias=None, presence=0.0, frequency=0.0):
     model, tokenizer = engine
     cache, counts, out = DynamicCache(config=model.config), {}, []
     inputs = torch.tensor([ids])
-    with torch.inference_mode():
+    with torch.inference_mode(), quiet_cache_kwarg():
         for _ in range(n):
-            logits = model(input_ids=inputs, cache=cache, use_cache=True).logits[0, -1].float().tolist()
+            logits = model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].float().tolist()
             for token, b in (bias or {}).items():
                 logits[token] += b
             for token, c in counts.items():

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.errors import WeightstreamError
 from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of, kv_cache_bytes
 from weightstream.store.layout import experts_modules
@@ -59,9 +60,9 @@ def test_kv_bytes_equal_what_transformers_caches_after_a_decode_step(arch):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     prompt = 13
-    with torch.inference_mode():
+    with torch.inference_mode(), quiet_cache_kwarg():
         out = model(torch.arange(1, 1 + prompt).unsqueeze(0), use_cache=True)
-        out = model(torch.tensor([[5]]), cache=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
     expected = kv_cache_bytes(config.get_text_config(), prompt + 1, 4)
     assert _cache_storage_bytes(out.past_key_values) == expected
 

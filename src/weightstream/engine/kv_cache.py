@@ -80,7 +80,7 @@ def takes_dynamic_cache(model) -> bool:
 def engine_cache(model, tokens: int) -> DynamicCache | None:
     """A DynamicCache for one generation of `tokens` positions in all (prompt and new tokens), its full-attention
     layers GrowingLayer; None for a model that builds a cache of its own (`takes_dynamic_cache`), which `generate`
-    then lets it build, as it ran before this cache existed."""
+    then lets it build."""
     if not takes_dynamic_cache(model):
         return None
     cache = DynamicCache(config=model.config)
@@ -90,8 +90,9 @@ def engine_cache(model, tokens: int) -> DynamicCache | None:
 
 @contextlib.contextmanager
 def quiet_cache_kwarg():
-    """Around a `generate(..., past_key_values=...)`: newer transformers 5.x call that keyword `cache` and warn for
-    the old name on every call, older ones know only `past_key_values` (pyproject allows both)."""
+    """Around a call given `past_key_values=` (`generate`, or a model's forward as serve makes it): later transformers
+    5.x name that keyword `cache` and warn for the old name on every call, earlier ones know only `past_key_values`,
+    and 5.40 drops it (pyproject stays below), so the engine passes `past_key_values` everywhere."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         yield

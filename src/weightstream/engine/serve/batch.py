@@ -74,7 +74,7 @@ class DecodeBatch:
             "input_ids": torch.tensor([[s.generated[-1]] for s in self.seqs]),
             "attention_mask": self.mask,
             "position_ids": positions,
-            "cache": self.cache,
+            "past_key_values": self.cache,
         }
 
     def kv_bytes(self) -> int:

@@ -13,8 +13,8 @@ fits: one whose own prompt + max_tokens exceeds the budget is refused before it 
 
 With an expert cache smaller than the model, a third bound (`ExpertCacheFit`): a row joins only while the batch's
 expected distinct experts per step fit the cache's slots. A step that needs more evicts, within the step, what the
-next step needs again, and every step rereads most of its experts: on the 16-layer OLMoE shape with a 1.5x cache,
-4 rows read 3.3 GB per step against 24 MB for one row alone, and served 2.3x fewer tokens per second.
+next step needs again, and every step rereads most of its experts (docs/serving.md, "The batch and the expert
+cache", has what that costs).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections import deque
 import torch
 from transformers.cache_utils import DynamicCache
 
+from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.engine.serve.batch import DecodeBatch
 from weightstream.engine.serve.logprobs import TokenLogprob, score
 from weightstream.engine.serve.sequence import Sequence
@@ -288,7 +289,7 @@ class Scheduler:
         for hook in self.hooks:
             hook.begin_step(seq_ids, tokens, phase)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), quiet_cache_kwarg():
             out = self.model(**inputs, use_cache=True, logits_to_keep=0 if all_positions else 1)
         for hook in self.hooks:
             hook.end_step(time.perf_counter() - start)
@@ -334,5 +335,5 @@ def _inputs(ids: list[int], begin: int, cache: DynamicCache) -> dict:
         "input_ids": torch.tensor([ids]),
         "attention_mask": torch.ones(1, end, dtype=torch.long),
         "position_ids": torch.arange(begin, end).unsqueeze(0),
-        "cache": cache,
+        "past_key_values": cache,
     }

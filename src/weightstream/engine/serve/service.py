@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import DynamicCache
 
-from weightstream.engine.kv_cache import takes_dynamic_cache
+from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
 from weightstream.engine.serve.batch import batchable
 from weightstream.engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
@@ -191,8 +191,8 @@ class ModelService:
         """Run one position through the model (it proves the model runs); KV bytes that position took."""
         cache = DynamicCache(config=self.model.config)
         token = self.tokenizer.bos_token_id or 0
-        with torch.inference_mode():
-            self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1)
+        with torch.inference_mode(), quiet_cache_kwarg():
+            self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
     def _replay(self):
