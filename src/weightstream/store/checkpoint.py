@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightstream.errors import WeightstreamError
-from weightstream.store.dtypes import SAFETENSORS
+from weightstream.store.dtypes import torch_dtype
 from weightstream.store.model_dir import gguf_hint
 from weightstream.store.safetensors_index import TensorInfo, read_safetensors_header
 
@@ -101,4 +101,4 @@ def read_bytes(path: str, offset: int, nbytes: int) -> torch.Tensor:
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:
     """One tensor of a safetensors file, read as `read_bytes` does, in its dtype and shape."""
-    return read_bytes(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
+    return read_bytes(info.path, info.offset, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)

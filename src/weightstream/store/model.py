@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint
-from weightstream.store.dtypes import FLOATS, SAFETENSORS
+from weightstream.store.dtypes import FLOATS, torch_dtype, weights_dtype
 from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
 from weightstream.store.published import Published, converted_dir, read_published
@@ -56,18 +55,16 @@ def map_model(model_dir: str, experts_implementation: str = "eager", convert: bo
 
 
 def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
-    """The dtype most of the checkpoint's bytes are in; the model is built in it so bytes are used as they are."""
-    counts = Counter()
-    for t in ckpt.tensors.values():
-        counts[t.dtype] += t.nbytes
-    dtype = counts.most_common(1)[0][0]
+    """The dtype most of the checkpoint's bytes are in (`dtypes.weights_dtype`); the model is built in it so bytes
+    are used as they are."""
+    dtype = weights_dtype(ckpt.tensors.values())
     if dtype not in FLOATS:
         raise WeightstreamError(
             f"{ckpt.model_dir}: weights are mostly {dtype} and there is no weightstream quantization manifest; "
             f"weightstream streams {', '.join(FLOATS)} checkpoints and its own int8/int4 format "
             "(`weightstream quantize`)"
         )
-    return SAFETENSORS[dtype]
+    return torch_dtype(dtype)
 
 
 def top_k_of(config, model_dir: str) -> int:

@@ -44,7 +44,6 @@ import math
 import os
 import shutil
 import sys
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,10 +51,10 @@ import torch
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import Checkpoint, open_checkpoint, read_bytes, read_tensor
-from weightstream.store.dtypes import FLOATS, SAFETENSORS, SAFETENSORS_NAMES
+from weightstream.store.dtypes import FLOATS, TABLE, safetensors_name, torch_dtype, weights_dtype
 from weightstream.store.safetensors_index import TensorInfo
 
-FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+FP8_DTYPES = {name: getattr(torch, TABLE[name][0]) for name in ("F8_E4M3", "F8_E5M2")}  # store.dtypes' names
 FP8_FORMATS = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
 SCALE_DTYPES = ("F32", "BF16", "F16")
 SCALE_SUFFIX = "_scale_inv"
@@ -111,7 +110,7 @@ class Published:
         other as stored."""
         q, _ = self._at(info.offset)
         if q is None:
-            return read_bytes(info.path, info.offset, info.nbytes).view(SAFETENSORS[info.dtype]).reshape(info.shape)
+            return read_bytes(info.path, info.offset, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)
         return self._dequantize(q, None, dtype or self.dtype)
 
     def read_param(self, param) -> torch.Tensor:
@@ -348,18 +347,15 @@ def _read_mxfp4(ckpt: Checkpoint, config_path: str) -> Published:
 
 def _published(ckpt: Checkpoint, kind: str, block, quantized: list, scales: set[str]) -> Published:
     stored = {q[1].name for q in quantized} | scales
-    counts = Counter()
-    for name, t in ckpt.tensors.items():
-        if name not in stored and t.dtype in FLOATS:
-            counts[t.dtype] += t.nbytes
-    dtype = SAFETENSORS[counts.most_common(1)[0][0]] if counts else torch.bfloat16
+    floats = weights_dtype(t for name, t in ckpt.tensors.items() if name not in stored and t.dtype in FLOATS)
+    dtype = torch_dtype(floats) if floats else torch.bfloat16
     itemsize = torch.empty((), dtype=dtype).element_size()
     logical = {n: t for n, t in ckpt.tensors.items() if n not in stored}
     by_offset = {}
     for i, (q_kind, weight, scale, shape) in enumerate(quantized):
         name = weight.name.removesuffix(BLOCKS) if q_kind == "mxfp4" else weight.name
         offset = SYNTHETIC * (i + 1)
-        info = TensorInfo(name, weight.path, offset, math.prod(shape) * itemsize, SAFETENSORS_NAMES[dtype], shape)
+        info = TensorInfo(name, weight.path, offset, math.prod(shape) * itemsize, safetensors_name(dtype), shape)
         logical[name] = info
         by_offset[offset] = QuantizedTensor(q_kind, weight, scale, info)
     view = Checkpoint(ckpt.model_dir, ckpt.config, logical)

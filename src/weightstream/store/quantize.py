@@ -20,7 +20,7 @@ import torch
 from weightstream import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import INDEX_NAME, read_bytes, read_tensor
-from weightstream.store.dtypes import SAFETENSORS, torch_name
+from weightstream.store.dtypes import torch_dtype, torch_name
 from weightstream.store.facts import ties_embeddings
 from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.layout import experts_modules, layer_index
@@ -344,7 +344,7 @@ def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, .
         wtype, (n, k) = quant.dense[key]
         return torch.uint8, (n, row_bytes(wtype, k))
     if isinstance(item, TensorInfo):
-        return SAFETENSORS[item.dtype], tuple(item.shape)
+        return torch_dtype(item.dtype), tuple(item.shape)
     return torch.uint8, (quant.blob_bytes,)
 
 

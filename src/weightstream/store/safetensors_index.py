@@ -9,27 +9,9 @@ import struct
 from dataclasses import dataclass
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.dtypes import ELEMENT_BYTES
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
-
-DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +68,9 @@ def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> Ten
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise WeightstreamError(f"{path}: tensor {name!r} lacks dtype, shape or data_offsets; the file is corrupt")
     dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-    if dtype not in DTYPE_BYTES:
+    if dtype not in ELEMENT_BYTES:
         raise WeightstreamError(
-            f"{path}: tensor {name!r} has unknown dtype {dtype!r}; supported: {', '.join(sorted(DTYPE_BYTES))}"
+            f"{path}: tensor {name!r} has unknown dtype {dtype!r}; supported: {', '.join(sorted(ELEMENT_BYTES))}"
         )
     if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
         raise WeightstreamError(f"{path}: tensor {name!r} has invalid data_offsets {[begin, end]}")
@@ -97,7 +79,7 @@ def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> Ten
             f"{path}: tensor {name!r} ends at byte {data_start + end}, past the end of the "
             f"file ({size} bytes); the file is truncated"
         )
-    expected = math.prod(shape) * DTYPE_BYTES[dtype]
+    expected = math.prod(shape) * ELEMENT_BYTES[dtype]
     if end - begin != expected:
         raise WeightstreamError(
             f"{path}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} "

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightstream.store.dtypes import SAFETENSORS_NAMES
+from weightstream.store.dtypes import safetensors_name
 
 ALIGN = 64
 
@@ -35,7 +35,7 @@ class SafetensorsWriter:
         for name in order:
             dtype, shape = specs[name]
             header[name] = {
-                "dtype": SAFETENSORS_NAMES[dtype],
+                "dtype": safetensors_name(dtype),
                 "shape": list(shape),
                 "data_offsets": [offset, offset + sizes[name]],
             }

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightstream.errors import WeightstreamError
+from weightstream.store.dtypes import ELEMENT_BYTES, FLOATS, TORCH_NAME_BYTES, weights_dtype
 from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.presets import REAL
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from weightstream.store.safetensors_index import read_safetensors_header
 
 
 @dataclass(slots=True)
@@ -83,7 +83,8 @@ def _first(cfg: dict, keys: tuple[str, ...], what: str, source: str) -> int:
 
 
 def shape_from_config(cfg: dict, name: str, source: str = "config", dtype_bytes: int | None = None) -> ModelShape:
-    """Derive a shape from transformers config fields; expert bytes = 3 x hidden x intermediate x dtype (+ biases)."""
+    """Derive a shape from transformers config fields; expert bytes = 3 x hidden x intermediate x dtype (+ biases),
+    the dtype `dtype_bytes` wide, else as the config says (a named shape has no checkpoint to weigh)."""
     cfg = cfg.get("text_config", cfg)
     hidden = _first(cfg, ("hidden_size",), "hidden size", source)
     inter = _first(cfg, ("moe_intermediate_size", "intermediate_size"), "expert intermediate size", source)
@@ -93,7 +94,7 @@ def shape_from_config(cfg: dict, name: str, source: str = "config", dtype_bytes:
         raise WeightstreamError(
             f"{source}: no top-k field ({' / '.join(TOP_K_FIELDS)}); is this a MoE model's config.json?"
         )
-    width = dtype_bytes or DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
+    width = dtype_bytes or TORCH_NAME_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2)
     params = 3 * hidden * inter
     if cfg.get("model_type") == "gpt_oss":  # gate_up bias (2 x inter) and down bias (hidden) per expert
         params += 2 * inter + hidden
@@ -117,9 +118,18 @@ def resolve_shape(spec: str, expert_bytes: int | None = None) -> ModelShape:
             cfg = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise WeightstreamError(f"{path}: not valid JSON ({exc}); pass a transformers config.json") from None
-        shape = shape_from_config(cfg, str(cfg.get("_name_or_path") or path.parent.name), source=str(path))
+        name = str(cfg.get("_name_or_path") or path.parent.name)
+        shape = shape_from_config(cfg, name, source=str(path), dtype_bytes=stored_width(path.parent))
     if expert_bytes is not None:
         if expert_bytes < 1:
             raise WeightstreamError(f"--expert-bytes must be positive, got {expert_bytes}")
         shape.expert_bytes = [expert_bytes] * len(shape.layers)
     return shape
+
+
+def stored_width(directory: Path) -> int | None:
+    """Bytes per element of the float dtype a checkpoint's float tensors are mostly in (`store.dtypes.weights_dtype`,
+    the rule the engine builds its model by), None where `directory` holds no safetensors file (a config alone)."""
+    tensors = [t for f in sorted(directory.glob("*.safetensors")) for t in read_safetensors_header(str(f)).values()]
+    dtype = weights_dtype(t for t in tensors if t.dtype in FLOATS)
+    return ELEMENT_BYTES[dtype] if dtype else None
