@@ -62,8 +62,10 @@ class _Snapshot:
     predicted: tuple[int, int] = (0, 0)  # predicted, checked
 
 
-class _StepClock(StoppingCriteria):
-    """Called once after every forward step: the first call marks the end of prefill."""
+class StepClock(StoppingCriteria):
+    """Marks `snap()` once after every forward step of transformers' `generate` (the first mark ends prefill),
+    stopping nothing: the one way a forward step is timed here (`generate`, `timed_generate`; bench's calibration
+    can snap its expert seconds with the time)."""
 
     def __init__(self, snap):
         self.snap, self.marks = snap, []
@@ -79,7 +81,7 @@ def generate(
     """Greedy by default; returns (generated ids only, stats of this call)."""
     runtime = model.weightstream
     snap = lambda: _snapshot(runtime)  # noqa: E731
-    clock = _StepClock(snap)
+    clock = StepClock(snap)
     start = snap()
     if "past_key_values" not in kwargs:  # written in place, not concatenated every step (engine/kv_cache.py)
         kwargs["past_key_values"] = engine_cache(model, input_ids.shape[1] + max_new_tokens)  # None: its own
@@ -97,7 +99,7 @@ def generate(
 
 def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float, float, int]:
     """Greedy generation with any transformers model: (new ids, prefill s, decode s, decode steps)."""
-    clock = _StepClock(time.perf_counter)
+    clock = StepClock(time.perf_counter)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
