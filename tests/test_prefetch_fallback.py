@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from weightstream.bench.cgroup import MemoryCgroup
+from weightstream.cgroup import CgroupMemory
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import numa
-from weightstream.prefetch.memory import CgroupMemory
 
 from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
 
