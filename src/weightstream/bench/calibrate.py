@@ -23,14 +23,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from weightstream.bench.read_timing import ExpertReads, read_timing
 from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.cache.expert_cache import ExpertCache
+from weightstream.engine.generate import StepClock
 from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.io.pagecache import cached_bytes, evict_file, process_read_bytes, resident_pages
@@ -38,8 +40,7 @@ from weightstream.sim.overlap_model import Measurements
 from weightstream.units import MIB, PAGE
 
 ROUNDS = 2  # compute-only and all-miss runs alternate this many times
-DECODE_STEPS = 12  # compute-only decode steps timed per round (after the step that reads them in); 4 gave
-# calibrations 30 minutes apart that differed by 30% on this VM (156 vs 202 ms per token), and they are cheap
+DECODE_STEPS = 12  # compute-only decode steps timed per round (after the step that reads them in)
 MISS_STEPS = 3  # all-miss decode steps timed per round, expert cache
 PAGE_STEPS = 2  # all-miss decode steps timed, page cache (each reads a whole token's experts through faults)
 READAHEAD_PASSES = 3  # lone-expert steps whose readahead is measured (different experts each)
@@ -63,47 +64,21 @@ class FixedRouting:
         return chosen, weights
 
 
-class StepTimer(StoppingCriteria):
-    """Marks (time, seconds spent inside the experts so far) after every forward step of `generate`."""
-
-    def __init__(self, runtime):
-        self.runtime, self.expert_s, self.marks = runtime, 0.0, []
-        inner = runtime.experts_forward
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.expert_s += time.perf_counter() - start
-
-        runtime.experts_forward = timed  # an instance attribute: every experts module calls through it
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.marks.append((time.perf_counter(), self.expert_s))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    def close(self) -> None:
-        del self.runtime.experts_forward
-
-
 def timed_steps(model, prompt: list[int], steps: int) -> tuple[tuple[float, float], list[tuple[float, float]]]:
     """(prefill (seconds, expert seconds), [each decode step's (seconds, expert seconds)]) of `steps` forward steps."""
-    timer = StepTimer(model.weightstream)
-    try:
-        start = (time.perf_counter(), 0.0)
-        with torch.inference_mode(), quiet_cache_kwarg():
-            model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                do_sample=False,
-                stopping_criteria=StoppingCriteriaList([timer]),
-                past_key_values=engine_cache(model, len(prompt) + steps),  # as engine.generate runs
-            )
-    finally:
-        timer.close()
-    marks = [start, *timer.marks]
+    counters = model.weightstream.counters
+    clock = StepClock(lambda: (time.perf_counter(), counters.expert_s))  # the runtime's seconds inside the experts
+    start = clock.snap()
+    with torch.inference_mode(), quiet_cache_kwarg():
+        model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            past_key_values=engine_cache(model, len(prompt) + steps),  # as engine.generate runs
+        )
+    marks = [start, *clock.marks]
     spans = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
     return spans[0], spans[1:]
 
@@ -185,8 +160,28 @@ def miss_levels(top_k: int, n_experts: int) -> list[int]:
     return sorted({m for m in (1, max(top_k // 4, 2)) if m < top_k and m <= room})
 
 
+@dataclass
+class Calibration:
+    """What `Calibrator.run` measured: the terms `sim.overlap_model.fit_cost_params` fits, and what a saved
+    calibration keeps beside them (`extra`)."""
+
+    measurements: Measurements
+    reader: dict  # `read_timing`'s batches and seconds, first reads and repeats
+    primed: bool  # the disk served repeated reads faster: the timed steps' experts were read once beforehand
+    compute_threads: int
+    page_cache_at_limit: str | None = None  # why not, where the page cache was measured cold but not at its limit
+
+    def extra(self) -> dict:
+        """As `calibration_store.save` keeps it beside the measurements."""
+        extra = {"reader": self.reader, "primed": self.primed, "compute_threads": self.compute_threads}
+        if self.page_cache_at_limit is not None:
+            extra["page_cache_at_limit"] = self.page_cache_at_limit
+        return extra
+
+
 class Calibrator:
-    """Runs the four measurements on one loaded streaming model (its expert source is replaced as it goes)."""
+    """Runs the four measurements on one loaded streaming model, each serving its experts from a source of its own
+    (`StreamingRuntime.swap_cache`) with routing fixed by us (`StreamingRuntime.replaying`)."""
 
     def __init__(self, model, io_threads: int, chunk_bytes: int | None, progress=lambda msg: None):
         self.model, self.runtime = model, model.weightstream
@@ -197,12 +192,13 @@ class Calibrator:
         self.k = self.layout.top_k
         self.expert_nbytes = max(e.nbytes for e in self.layout.experts.values())
 
-    def run(self) -> tuple[Measurements, dict]:
+    def run(self) -> Calibration:
+        """The four measurements. The runtime's own expert source is closed on the way (its memory goes to the
+        measurements); the runtime serves afterwards from calibration's own expert cache (LRU, one token's working
+        set), and from its router's routing again."""
         # dense weights are mapped from the checkpoint: touch them all before the page cache is measured, so that
         # their first faults count neither as expert faults nor as expert pages brought in
-        self._route(fresh_sets(self.n_experts, self.k, len(self.layers), seed=0))
-        timed_steps(self.model, [1], 2)
-        self.runtime.cache.close()
+        self._steps(fresh_sets(self.n_experts, self.k, len(self.layers), seed=0), [1], 2)
         self.say("reader: batches of misses, O_DIRECT")
         reads = read_timing(self.layout, self.io_threads, self.chunk_bytes)
         self.prime = sum(reads["first_read_seconds"]) > REPEAT_FASTER * sum(reads["seconds"])
@@ -212,12 +208,14 @@ class Calibrator:
             pressured, pressure_note = (
                 self.page_cache_at_limit(page_amplification) if page is not None else (None, "not measured")
             )
-        self._use(ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes))
+        cache = ExpertCache(self.layout, self.layout.working_set_bytes, "lru", self.io_threads, self.chunk_bytes)
+        self._serve(cache)
         try:
             decode = self.compute_and_misses()
             prefill = self.prefill()
-        finally:
-            self.runtime.cache.close()
+        except BaseException:
+            cache.close()
+            raise
         nbytes = self.expert_nbytes
         m = Measurements(
             layers=len(self.layers),
@@ -233,16 +231,23 @@ class Calibrator:
             page_readahead=readahead,
             **(pressured or {}),
         )
-        extra = {"reader": reads, "primed": self.prime, "compute_threads": torch.get_num_threads()}
-        if pressured is None and page is not None:
-            extra["page_cache_at_limit"] = pressure_note
-        return m, extra
+        return Calibration(
+            m,
+            reader=reads,
+            primed=self.prime,
+            compute_threads=torch.get_num_threads(),
+            page_cache_at_limit=pressure_note if pressured is None and page is not None else None,
+        )
 
-    def _use(self, source) -> None:
-        self.runtime.cache = source
+    def _serve(self, source) -> None:
+        """The runtime serves from `source` from now on; the source it served from is spent and closed here (each
+        of calibration's own is closed already, at the end of the measurement that used it)."""
+        self.runtime.swap_cache(source).close()
 
-    def _route(self, choose) -> None:
-        self.runtime.routing_override = FixedRouting(self.layers, choose)
+    def _steps(self, choose, prompt: list[int], steps: int):
+        """`timed_steps` with every token of routed layer i choosing `choose(step, i)`."""
+        with self.runtime.replaying(FixedRouting(self.layers, choose)):
+            return timed_steps(self.model, prompt, steps)
 
     def _prime(self, choose, steps: range) -> None:
         """Where the disk serves repeated reads faster, read the experts of the timed steps once beforehand:
@@ -266,21 +271,21 @@ class Calibrator:
         self._prime(choose, range(1, steps))
         paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
         before = sum(evict_file(path) for path in paths)  # what stays: pages someone maps (dense weights)
-        self._use(PageCacheSource(self.layout))
-        self._route(choose)
+        source = PageCacheSource(self.layout)
+        self._serve(source)
         home = CgroupMemory.of() if cgroup is not None else None
         try:
             if cgroup is not None:
                 (cgroup.path / "cgroup.procs").write_text(str(os.getpid()))
             try:
                 first = process_read_bytes()
-                _, decode = timed_steps(self.model, [1], steps)
+                _, decode = self._steps(choose, [1], steps)
                 last = process_read_bytes()
             finally:
                 if home is not None:
                     (home.path / "cgroup.procs").write_text(str(os.getpid()))
         finally:
-            self.runtime.cache.close()
+            source.close()  # its mappings gone: the next eviction drops the pages it faulted
         return decode, paths, before, (last - first if first is not None and last is not None else None)
 
     def page_cache(self) -> tuple[float | None, float | None]:
@@ -298,10 +303,9 @@ class Calibrator:
     def page_readahead(self) -> list[list[int]] | None:
         """[bytes cached ahead of it, bytes cached past it] for each span of an expert faulted in alone through
         mmap (one expert per layer, so that nothing else touched is near): the read-around window and the
-        asynchronous readahead as the engine's own access order meets them (on the 16-layer OLMoE shape, gate first
-        in the middle of each 12 MiB expert). `READAHEAD_PASSES` passes on different experts, medians over every
-        pass and layer: one pass in the fifth proof saw 4 MiB past the OLMoE expert where the others here saw 16 and
-        decode read as 16 would. None where an expert's spans differ between layers."""
+        asynchronous readahead as the engine's own access order meets them. `READAHEAD_PASSES` passes on different
+        experts, medians over every pass and layer, as one pass alone may see less readahead than decode meets
+        (docs/tune.md). None where an expert's spans differ between layers."""
         self.say("page cache: one expert per layer through mmap, the readahead around it")
         samples = []  # per pass and layer: (ahead, past) of each span
         for i in range(READAHEAD_PASSES):
@@ -373,10 +377,9 @@ class Calibrator:
         missing = {m: ([], []) for m in [*levels, self.k]}  # misses per layer: (step spans, misses counted)
         for round_ in range(ROUNDS):
             self.say(f"compute only, some and every expert missing, round {round_ + 1} of {ROUNDS}")
-            self._route(lambda step, pos: fixed(0, pos))
-            resident += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
-            self._route(lambda step, pos: fixed(0, pos)[:1])  # resident: one of the experts just timed
-            one += timed_steps(self.model, [1], DECODE_STEPS + 1)[1]
+            resident += self._steps(lambda step, pos: fixed(0, pos), [1], DECODE_STEPS + 1)[1]
+            # resident: one of the experts just timed
+            one += self._steps(lambda step, pos: fixed(0, pos)[:1], [1], DECODE_STEPS + 1)[1]
             for m in levels:  # the rest of top-k stays resident: read in by the compute-only run just before
                 seed = 20 + 10 * round_ + m
                 self._misses(
@@ -399,20 +402,17 @@ class Calibrator:
         """Times `MISS_STEPS` decode steps routed by `choose` (their misses primed where the disk caches repeats):
         adds the steps' spans and the misses per layer per step counted by the cache."""
         self._prime(choose, range(1, MISS_STEPS + 1))
-        self._route(choose)
         before = self.runtime.cache.stats.misses
-        spans += timed_steps(self.model, [1], MISS_STEPS + 1)[1]
+        spans += self._steps(choose, [1], MISS_STEPS + 1)[1]
         counts.append((self.runtime.cache.stats.misses - before) / (MISS_STEPS + 1) / len(self.layers))
 
     def prefill(self) -> dict:
         """A prefill of `PREFILL_TOKENS` tokens on resident experts (every token choosing the same ones)."""
         self.say("compute only: a prefill")
         fixed = fresh_sets(self.n_experts, self.k, len(self.layers), seed=4)
-        self._route(lambda step, pos: fixed(0, pos))
-        timed_steps(self.model, [1], 1)  # reads them in
+        self._steps(lambda step, pos: fixed(0, pos), [1], 1)  # reads them in
         prefills = []
         for _ in range(3):
-            self._route(lambda step, pos: fixed(0, pos))
-            prefills.append(timed_steps(self.model, [1] * PREFILL_TOKENS, 1)[0])
+            prefills.append(self._steps(lambda step, pos: fixed(0, pos), [1] * PREFILL_TOKENS, 1)[0])
         prefill_s, prefill_expert_s = _median(prefills)
         return {"prefill_tokens": PREFILL_TOKENS, "prefill_step_s": prefill_s, "prefill_expert_s": prefill_expert_s}

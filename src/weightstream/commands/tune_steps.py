@@ -126,13 +126,14 @@ class TuneSession:
 
         say("calibrating this machine (once per model and setting; --calibrate measures again)")
         model = self.engine(self.layout.working_set_bytes)  # calibration brings its own caches
-        measurements, extra = Calibrator(model, self.io_threads, None, progress=say).run()
-        self.close()  # the calibration replaced the engine's cache: it is spent
+        calibration = Calibrator(model, self.io_threads, None, progress=say).run()
+        self.close()  # nothing after this runs the engine: its memory goes back before the search
+        measurements = calibration.measurements
         params = fit_cost_params(measurements)
         info = {"source": "measured now", "measured_params": params.to_dict(), "measurements": measurements.to_dict()}
         combined = None
         try:
-            save(self.store, key, params, measurements.to_dict(), extra, keep=keep)
+            save(self.store, key, params, measurements.to_dict(), calibration.extra(), keep=keep)
             info["saved_to"] = str(self.store)
             combined = load_saved(self.store, key)
         except OSError as exc:

@@ -22,7 +22,8 @@ IMPLEMENTATION = "weightstream"
 
 
 def weightstream_experts_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Drop-in for the experts forward: (hidden_states, top_k_index, top_k_weights) -> combined expert output."""
+    """Drop-in for the experts forward: (hidden_states, top_k_index, top_k_weights) -> combined expert output;
+    `self` is the experts module, which the loader gave its runtime (`_ws_runtime`)."""
     top_k_index, top_k_weights = (list(args) + list(kwargs.values()))[:2]
     return self._ws_runtime.experts_forward(self, hidden_states, top_k_index, top_k_weights)
 

@@ -18,7 +18,7 @@ from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.kernels import NativeLinear, StoredEmbedding, check_kernel_name, choose_kernel
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
-from weightstream.engine.runtime import StreamingRuntime
+from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.store.facts import is_lazy_dense, ties_embeddings
 from weightstream.store.layout import experts_modules
@@ -71,17 +71,21 @@ def load_streaming_model(
             policy_options=policy_options,
         )
     try:
-        runtime = StreamingRuntime(cache, layout)
-        if predict_next:
-            runtime.predictor = NextLayerPredictor(model, layout, cache.n_slots)
-        for path, module in experts_modules(model).items():
-            module._ws_runtime, module._ws_layer = runtime, layout.module_layers[path]
-            kernel = kernels[type(module)]
-            module._ws_kernel = kernel.for_layer(module._ws_layer) if hasattr(kernel, "for_layer") else kernel
-        runtime.kernels = {cls.__name__: k.name for cls, k in kernels.items()}
-        runtime.fused = fused
+        modules = experts_modules(model)
+        parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
         tied = ties_embeddings(model.config)
-        runtime.dense_bytes_touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
+        runtime = StreamingRuntime(
+            cache,
+            layout,
+            parts,
+            kernels={cls.__name__: k.name for cls, k in kernels.items()},
+            predictor=NextLayerPredictor(model, layout, cache.n_slots) if predict_next else None,
+            fused=fused,
+            dense_bytes_touched=sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied)),
+        )
+        for module in modules.values():
+            # transformers calls the registered experts forward with the module alone: this is its way to the runtime
+            module._ws_runtime = runtime
         model.weightstream = runtime
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -125,6 +129,11 @@ def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -
             "no slots of our own to read ahead into"
         )
     return expert_source
+
+
+def _part(kernel, layer: int) -> ExpertsPart:
+    """An experts module's layer and kernel (a copy for the layer where its block types are the layer's own)."""
+    return ExpertsPart(layer, kernel.for_layer(layer) if hasattr(kernel, "for_layer") else kernel)
 
 
 def _kernels(model, expert_kernel: str, quant: QuantFormat | None) -> dict[type, object]:

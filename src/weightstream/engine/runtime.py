@@ -1,9 +1,11 @@
-"""Per-model streaming state: the expert cache, routing hooks, and the counters behind `stats`."""
+"""Per-model streaming state: the expert source, routing hooks, and the counters behind `stats`."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -12,37 +14,95 @@ from weightstream.cache.expert_cache import ExpertSource
 from weightstream.cache.policy import split_waves
 from weightstream.clock.activity import Announcer
 from weightstream.engine.experts import LayerRouting, compute_layer, compute_layer_native
+from weightstream.engine.kernels import Kernel
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.store.layout import ModelLayout
+
+# (layer, top_k_index, top_k_weights) -> (index, weights): the routing to run instead of the router's
+RoutingOverride = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
 class EngineCounters:
     io_wait_s: float = 0.0
     expert_calls: int = 0
+    expert_s: float = 0.0  # seconds inside `experts_forward`, routing hooks included
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsPart:
+    """What one experts module of the model runs as: its MoE layer and the kernel it computes with."""
+
+    layer: int
+    kernel: Kernel
 
 
 class StreamingRuntime:
-    """Serves every experts module of one model from one expert source, each module through its kernel."""
+    """Serves every experts module of one model from one expert source, each module through its kernel.
 
-    def __init__(self, cache: ExpertSource, layout: ModelLayout):
-        self.cache, self.layout = cache, layout
+    Built whole by `engine.loader.load_streaming_model`. What changes afterwards goes through `swap_cache` (the
+    expert source) and `replaying` (routing for a block), or the two hooks `routing_override` and
+    `routing_observer`, which a caller sets for the runtime's life (a bench child, a server replaying a trace).
+    """
+
+    def __init__(
+        self,
+        cache: ExpertSource,
+        layout: ModelLayout,
+        parts: Mapping[torch.nn.Module, ExpertsPart],
+        kernels: Mapping[str, str],
+        predictor: NextLayerPredictor | None = None,
+        fused: Sequence[str] = (),
+        dense_bytes_touched: int = 0,
+    ):
+        """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
+        reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
+        that run as native ops (engine/fused.py); `dense_bytes_touched`: dense weight bytes one decode token
+        multiplies by."""
+        self._cache, self.layout = cache, layout
+        self._parts = dict(parts)
+        self.kernels = dict(kernels)
+        self.predictor = predictor
+        self.fused = list(fused)
+        self.dense_bytes_touched = dense_bytes_touched
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on
-        # (layer, top_k_index, top_k_weights) -> (index, weights): replays recorded routing instead of the router's
-        self.routing_override: Callable | None = None
+        self.routing_override: RoutingOverride | None = None
         # (layer, top_k_index, top_k_weights) -> None: records routing
         self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        # set by load_streaming_model(predict_next=True): read-aheads the next layer's guessed experts
-        self.predictor: NextLayerPredictor | None = None
-        self.kernels: dict[str, str] = {}  # experts class -> kernel name (set by load_streaming_model)
-        self.fused: list[str] = []  # norms and rotary functions run as native ops (engine/fused.py)
-        self.dense_bytes_touched = 0  # dense weight bytes one decode token multiplies by (set by the loader)
         self.mean_expert_bytes = sum(e.nbytes for e in layout.experts.values()) / max(1, len(layout.experts))
 
+    @property
+    def cache(self) -> ExpertSource:
+        """The expert source every experts module is served from (`swap_cache` replaces it)."""
+        return self._cache
+
+    def swap_cache(self, source: ExpertSource) -> ExpertSource:
+        """Serves from `source` from now on; returns the source served from until now, which the caller then owns
+        (to close, or to swap back in)."""
+        previous, self._cache = self._cache, source
+        return previous
+
+    @contextmanager
+    def replaying(self, routing: RoutingOverride) -> Iterator[None]:
+        """Within the block every experts module runs the routing `routing` returns instead of its router's; the
+        override before it (None: the router's own) is back after."""
+        previous, self.routing_override = self.routing_override, routing
+        try:
+            yield
+        finally:
+            self.routing_override = previous
+
     def experts_forward(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        layer = module._ws_layer
+        start = time.perf_counter()
+        try:
+            return self._experts_forward(self._parts[module], hidden_states, top_k_index, top_k_weights)
+        finally:
+            self.counters.expert_s += time.perf_counter() - start
+
+    def _experts_forward(self, part: ExpertsPart, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        layer = part.layer
         if layer == self.first_layer:
             self.announce.decode_step()
         if self.routing_override is not None:
@@ -53,13 +113,13 @@ class StreamingRuntime:
         if self.predictor is not None:
             self.predictor.score(layer, top_k_index)
         lookups = top_k_index.reshape(-1).tolist()  # token by token
-        waves = split_waves(lookups, self.cache.n_slots)
+        waves = split_waves(lookups, self._cache.n_slots)
         read_ahead = (lambda wave: self._read_ahead_next(layer, hidden_states, wave)) if self.predictor else None
-        kernel = module._ws_kernel
+        kernel = part.kernel
         if getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values())):
             return compute_layer_native(
                 kernel,
-                self.cache,
+                self._cache,
                 layer,
                 hidden_states,
                 top_k_index,
@@ -70,7 +130,7 @@ class StreamingRuntime:
             )
         return compute_layer(
             kernel,
-            self.cache,
+            self._cache,
             layer,
             hidden_states,
             LayerRouting(top_k_index, top_k_weights),
@@ -85,7 +145,7 @@ class StreamingRuntime:
     def _read_ahead_next(self, layer: int, hidden_states: torch.Tensor, wave: list[int]) -> None:
         guess = self.predictor.predict(layer, hidden_states)
         if guess is not None:
-            self.cache.read_ahead(guess[0], guess[1], running={(layer, e) for e in wave})
+            self._cache.read_ahead(guess[0], guess[1], running={(layer, e) for e in wave})
 
     def close(self) -> None:
-        self.cache.close()
+        self._cache.close()
