@@ -54,8 +54,9 @@ def test_bench_every_mode_under_a_limit_with_overlap_and_long_prefill(tiny_model
     page = runs[("page-cache", None)]
     if process_read_bytes() is None:  # no task I/O accounting in this kernel: the figure is left out, not guessed
         assert "decode_bytes_read_per_token" not in page
-    else:  # the kernel's count of the child's reads a decode step: 0 once the tiny model is in, at most its size
-        assert 0 <= page["decode_bytes_read_per_token"] <= report["model_bytes"], page
+    else:  # the kernel's count of all the child's reads a decode step: the model's pages it lacks, and code pages
+        # faulted back in after a cache drop (the bench's, or another process's on a shared machine)
+        assert 0 <= page["decode_bytes_read_per_token"] <= report["model_bytes"] + 64 * 2**20, page
     assert runs[("expert-cache", "1x")]["expert_hit_rate"] < runs[("expert-cache", "2x")]["expert_hit_rate"] <= 1
     overlap = report["overlap"]
     assert overlap["reader_bandwidth"]["mib_per_s"] > 0 and overlap["compute_only_misses"] == 0
