@@ -266,7 +266,7 @@ class Calibrator:
         the page cache at the start (inside `cgroup` where given: this process moves in for the steps and back out
         after): (decode spans, expert files, bytes that stayed cached on eviction, bytes the kernel read for this
         process during the steps, None where it does not count)."""
-        from weightstream.prefetch.memory import CgroupMemory
+        from weightstream.cgroup import CgroupMemory
 
         self._prime(choose, range(1, steps))
         paths = sorted({p.path for e in self.layout.experts.values() for p in e.pieces})
@@ -316,13 +316,13 @@ class Calibrator:
 
     def _readahead_pass(self, expert: int) -> list[list[tuple[int, int]]]:
         """One step with `expert` alone in every layer, from evicted files: (ahead, past) per span, per layer."""
-        from weightstream.cache.slot_plan import merge_spans
+        from weightstream.cache.slot_plan import expert_spans
 
         spans = []  # per layer: (path, start, end) of each span of the expert
         for layer in self.layers:
-            pieces = self.layout.experts[(layer, expert)].pieces
-            names = sorted({p.path for p in pieces})
-            merged = merge_spans(((names.index(p.path), p.offset, p.nbytes) for p in pieces), 4096)
+            where = self.layout.experts[(layer, expert)]
+            names = sorted({p.path for p in where.pieces})
+            merged = expert_spans(where, {name: i for i, name in enumerate(names)})
             spans.append([(names[f], a, b) for f, a, b in merged])
         for path in {path for layer in spans for path, _, _ in layer}:
             evict_file(path)  # what stays is mapped (dense weights): not the readahead's
@@ -340,8 +340,8 @@ class Calibrator:
         readahead where the kernel does not count), "measured"),
         or (None, why not) where no cgroup can be made (not root)."""
         from weightstream.bench.cgroup import MemoryCgroup
+        from weightstream.cgroup import CgroupMemory
         from weightstream.errors import WeightstreamError
-        from weightstream.prefetch.memory import CgroupMemory
 
         steps = min(PAGE_STEPS + 2, self.n_experts // self.k)
         if steps < 3 or CgroupMemory.of() is None or os.geteuid() != 0:
