@@ -130,7 +130,7 @@ def run(args) -> int:
         session.budget.check()
         trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)
         cost = session.cost(args.calibrate, args.linear, args.cost_model, forget=args.forget_calibrations)
-        report = session.answer(trace, routing, cost, args.policy_names, args)
+        report = session.answer(trace, routing, cost, args.policy_names, args.max_new_tokens, args.gpu_memory_bytes)
     finally:
         session.close()
     report["timings_s"]["total"] = time.perf_counter() - started

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from weightstream.commands.tune_steps import Cost
 from weightstream.sim.advice import llamacpp_advice, recommend, verdict
 from weightstream.sim.replay import pinned_set
 from weightstream.sim.tune import Config, Search
@@ -25,9 +26,18 @@ def generate_command(model_dir: str, rec: Config, io_threads: int, max_new_token
     return argv + ["--max-new-tokens", str(max_new_tokens), "--prompt", EXAMPLE_PROMPT]
 
 
-def build_report(session, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
-    """Search, recommend and advise; everything `--json` prints."""
-    search = Search(trace, session.facts, cost["params"], cost["linear"])
+def build_report(
+    session,
+    trace,
+    routing: dict,
+    cost: Cost,
+    policies: list[str],
+    max_new_tokens: int,
+    gpu_memory_bytes: int | None,
+) -> dict:
+    """Search, recommend and advise; everything `--json` prints. `gpu_memory_bytes` as `tune --gpu-memory` gave it
+    (parsed and checked with the other arguments, `commands.tune._check_args`)."""
+    search = Search(trace, session.facts, cost.params, cost.linear)
     configs = search.run(session.budget.expert_bytes, policies)
     rec, reason = recommend(configs)
     pinned = None
@@ -35,14 +45,13 @@ def build_report(session, trace, routing: dict, cost: dict, policies: list[str],
         pinned = session.write_pinned(pinned_set(search.w, rec.slots, search.options), rec.slots)
     who_wins = verdict(configs)
     page = next(c for c in configs if c.path == "page-cache")
-    gpu = args.gpu_memory_bytes  # parsed and checked with the other arguments (`commands.tune._check_args`)
-    command = generate_command(session.model_dir, rec, session.io_threads, args.max_new_tokens, pinned)
+    command = generate_command(session.model_dir, rec, session.io_threads, max_new_tokens, pinned)
     return {
         "model": session.model_dir,
         "budget": session.budget.to_dict(),
         "routing": routing,
-        "calibration": cost["info"],
-        "cost_model": "linear (bench)" if cost["linear"] is not None else "overlap",
+        "calibration": cost.info,
+        "cost_model": "linear (bench)" if cost.linear is not None else "overlap",
         "configs": [c.to_dict() for c in configs],
         "recommendation": {**rec.to_dict(), "reason": reason, "command": command, "pinned_experts_file": pinned},
         "page_cache_vs_expert_cache": {
@@ -51,7 +60,7 @@ def build_report(session, trace, routing: dict, cost: dict, policies: list[str],
             "expert_cache_loses_up_to_bytes": who_wins.loses_up_to_bytes,
             "line": who_wins.line,
         },
-        "llama_cpp": llamacpp_advice(session.facts, session.budget, page, gpu, who_wins),
+        "llama_cpp": llamacpp_advice(session.facts, session.budget, page, gpu_memory_bytes, who_wins),
     }
 
 

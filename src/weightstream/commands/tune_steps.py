@@ -6,6 +6,8 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from weightstream.bench.calibration_store import HISTORY, calibration_key, load_saved, save, store_path
 from weightstream.bench.machine import read_ahead_bytes
@@ -15,6 +17,21 @@ from weightstream.sim.cost_model import CostModel
 from weightstream.sim.tune import model_facts
 from weightstream.store.facts import ties_embeddings
 from weightstream.store.model import map_model
+
+if TYPE_CHECKING:
+    from weightstream.sim.overlap_model import CostParams
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What prices tune's configurations: the overlap model's fitted params (None where no calibration is at hand
+    and bench's line prices alone), bench's linear cost model (None: the overlap model prices), and what was used
+    (for the report)."""
+
+    params: CostParams | None
+    linear: CostModel | None
+    info: dict
+
 
 BUILTIN_NOTE = (
     "recorded on the built-in prompts: real prompts (--prompts FILE) or a trace of your workload give a better answer"
@@ -98,10 +115,10 @@ class TuneSession:
 
     def cost(
         self, calibrate: bool, linear: CostModel | None = None, linear_path: str | None = None, forget: bool = False
-    ) -> dict:
-        """{"params": CostParams or None, "linear": CostModel or None, "info": what was used}; `linear`: bench's
-        line read from `linear_path` (`calibration_store.read_cost_model`). Calibrations add up: the params are the
-        median of this machine's last `calibration_store.HISTORY` (only the new one with `forget`)."""
+    ) -> Cost:
+        """What prices the configurations; `linear`: bench's line read from `linear_path`
+        (`calibration_store.read_cost_model`). Calibrations add up: the params are the median of this machine's
+        last `calibration_store.HISTORY` (only the new one with `forget`)."""
         from weightstream.sim.overlap_model import CostParams
 
         start = time.perf_counter()
@@ -112,13 +129,13 @@ class TuneSession:
             info = {"source": f"bench cost model {linear_path}", "linear": linear.to_dict()}
             if params is None:
                 info["page_cache"] = "not predicted: no saved calibration (run tune --calibrate once)"
-            return {"params": params, "linear": linear, "info": info}
+            return Cost(params, linear, info)
         if saved:
             info = {"source": f"saved {self.store}", "created": saved["created"], **_combined(saved)}
-            return {"params": CostParams.from_dict(saved["params"]), "linear": None, "info": info}
+            return Cost(CostParams.from_dict(saved["params"]), None, info)
         params, info = self._calibrate(key, keep=1 if forget else HISTORY)
         self.timings["calibration_s"] = time.perf_counter() - start
-        return {"params": params, "linear": None, "info": info}
+        return Cost(params, None, info)
 
     def _calibrate(self, key: dict, keep: int):
         from weightstream.bench.calibrate import Calibrator
@@ -144,11 +161,13 @@ class TuneSession:
             say(f"pricing with the median of this machine's last {combined['samples']} calibrations")
         return CostParams.from_dict(combined["params"]), {**info, **_combined(combined)}
 
-    def answer(self, trace, routing: dict, cost: dict, policies: list[str], args) -> dict:
+    def answer(
+        self, trace, routing: dict, cost: Cost, policies: list[str], max_new_tokens: int, gpu_memory_bytes: int | None
+    ) -> dict:
         from weightstream.commands.tune_report import build_report
 
         start = time.perf_counter()
-        report = build_report(self, trace, routing, cost, policies, args)
+        report = build_report(self, trace, routing, cost, policies, max_new_tokens, gpu_memory_bytes)
         report["timings_s"] = {**self.timings, "search_s": time.perf_counter() - start}
         return report
 
