@@ -82,29 +82,83 @@ def native_product(x: torch.Tensor, blocks: torch.Tensor, wtype: str, n: int, k:
 
 
 class QuantizedExperts:
-    """Quantized experts of a `weightstream quantize` checkpoint or a GGUF import: each projection by a
-    packed-weight kernel (few rows: torch's for int8/int4, the native one for GGML blocks) or dequantized once
-    (many rows), the module's own gate between them, biases as stored."""
+    """Quantized experts of a `weightstream quantize` checkpoint or a GGUF import, one subclass per family of
+    kernels (`PackedExperts`: torch's int8/int4 packed weights; `BlockExperts`: GGML blocks on the native kernels):
+    each projection by the family's packed-weight product (few rows) or dequantized once (many rows), the module's
+    own gate between them, biases as stored. `quantized_experts` picks the class."""
 
-    def __init__(self, module: torch.nn.Module, quant: QuantFormat):
-        self.name = f"{quant.scheme}-native" if quant.native else f"{quant.scheme}-packed"
-        self.scheme, self.group, self.layout = quant.scheme, quant.group_size, quant.int4_layout
-        self.quant = quant
-        self.blocks = self._blocks(quant.tensors)
+    fused = False  # whether `layer` / `contribute` run a whole layer in one call (BlockExperts)
+
+    def __init__(self, module: torch.nn.Module, quant: QuantFormat, dequant_rows: int):
+        self.quant, self.scheme = quant, quant.scheme
         self.gate = module._apply_gate if module.has_gate else module.act_fn
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
         self.bias = module.has_bias
-        self.dequant_rows = NATIVE_DEQUANT_ROWS if quant.native else DEQUANT_ROWS[quant.scheme]
-        # one native call per layer (every routed expert's gate_up, gate, down, biases, router weight, and their
-        # sum) where the module's gate is one the extension runs; any other runs expert by expert
-        self.gate_kind = fused_gate(module) if quant.native and module.has_gate else None
-        self.fused = self.gate_kind is not None
-
-    def _blocks(self, table) -> dict:
-        return {t.name: (t.dtype, *t.shape) for t in table if self.quant.native and len(t.shape) == 2}
+        self.dequant_rows = dequant_rows
 
     def for_layer(self, layer: int) -> QuantizedExperts:
-        """This kernel for the experts of one decoder layer (whose block types may be its own)."""
+        """This kernel for the experts of one decoder layer (whose formats may be its own)."""
+        return self
+
+    def layer_fits(self, rows_per_expert: int) -> bool:
+        """Whether a layer whose busiest expert has this many rows runs as one call (`layer`)."""
+        return False
+
+    def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
+        hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
+        return self.project(hidden, params, "down_proj") * weights  # (n, D)
+
+    def project(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
+        y = self.product(x, params, name)
+        return y + params[f"{name}_bias"] if self.bias else y
+
+    def product(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedExperts(QuantizedExperts):
+    """int8 / int4 experts packed for torch's CPU kernels (`quantize --kernel torch`), with their scales."""
+
+    def __init__(self, module: torch.nn.Module, quant: QuantFormat):
+        super().__init__(module, quant, DEQUANT_ROWS[quant.scheme])
+        self.name = f"{quant.scheme}-packed"
+        self.group, self.layout = quant.group_size, quant.int4_layout
+
+    def product(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
+        q, scales = params[f"{name}.qweight"], params[f"{name}.scales"]
+        if x.shape[0] >= self.dequant_rows:
+            return F.linear(x, self.dequantize(q, scales))
+        if self.scheme == "int8":
+            return torch._weight_int8pack_mm(x, q, scales)
+        return torch._weight_int4pack_mm_for_cpu(x, q, self.group, scales)
+
+    def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
+        if self.scheme == "int8":
+            return dequantize_int8(q, scales)
+        return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
+
+
+class BlockExperts(QuantizedExperts):
+    """Experts as GGML blocks (Q4_K, Q6_K, Q8_0, MXFP4, ... of `quantize` or a GGUF import) on the native kernels;
+    a layer whose gate the extension runs (`fused_gate`) is one native call (`layer`, `contribute`)."""
+
+    def __init__(self, module: torch.nn.Module, quant: QuantFormat):
+        super().__init__(module, quant, NATIVE_DEQUANT_ROWS)
+        self.name = f"{quant.scheme}-native"
+        self.blocks = self._blocks(quant.tensors)
+        # one native call per layer (every routed expert's gate_up, gate, down, biases, router weight, and their
+        # sum) where the module's gate is one the extension runs; any other runs expert by expert
+        self.gate_kind = fused_gate(module) if module.has_gate else None
+        self.fused = self.gate_kind is not None
+
+    @staticmethod
+    def _blocks(table) -> dict:
+        return {t.name: (t.dtype, *t.shape) for t in table if len(t.shape) == 2}
+
+    def for_layer(self, layer: int) -> BlockExperts:
         if not self.quant.layer_tables or layer not in self.quant.layer_tables:
             return self
         kernel = copy.copy(self)
@@ -112,7 +166,6 @@ class QuantizedExperts:
         return kernel
 
     def layer_fits(self, rows_per_expert: int) -> bool:
-        """Whether a layer whose busiest expert has this many rows runs as one native call (`layer`)."""
         return self.fused and rows_per_expert < self.dequant_rows
 
     def layer(self, x, top_k_index, top_k_weights, experts: list[int], params: list[Params]) -> torch.Tensor:
@@ -139,30 +192,16 @@ class QuantizedExperts:
             args["down_bias"] = [p["down_proj_bias"] for p in params]
         return args
 
-    def __call__(self, rows: torch.Tensor, weights: torch.Tensor, params: Params) -> torch.Tensor:
-        hidden = self.gate(self.project(rows, params, self.up))  # (n, I)
-        return self.project(hidden, params, "down_proj") * weights  # (n, D)
-
-    def project(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
-        q = params[f"{name}.qweight"]
-        if self.blocks:
-            y = native_product(x, q, *self.blocks[f"{name}.qweight"])
-            return y + params[f"{name}_bias"] if self.bias else y
-        scales = params[f"{name}.scales"]
-        if x.shape[0] >= self.dequant_rows:
-            y = F.linear(x, self.dequantize(q, scales))
-        elif self.scheme == "int8":
-            y = torch._weight_int8pack_mm(x, q, scales)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x, q, self.group, scales)
-        return y + params[f"{name}_bias"] if self.bias else y
+    def product(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
+        return native_product(x, params[f"{name}.qweight"], *self.blocks[f"{name}.qweight"])
 
     def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
-        if self.blocks:
-            return native.dequantize(q, *self.blocks[f"{name}.qweight"])
-        if self.scheme == "int8":
-            return dequantize_int8(q, scales)
-        return dequantize_int4(unpack_int4(q, self.layout), scales, self.group)
+        return native.dequantize(q, *self.blocks[f"{name}.qweight"])
+
+
+def quantized_experts(module: torch.nn.Module, quant: QuantFormat) -> QuantizedExperts:
+    """The kernel class of this checkpoint's quantized experts."""
+    return BlockExperts(module, quant) if quant.native else PackedExperts(module, quant)
 
 
 def fused_gate(module: torch.nn.Module) -> tuple[str, float, float] | None:
@@ -300,7 +339,7 @@ def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str 
             f"{torch_int4_layout()!r} (the layout follows the CPU's vector width): run `weightstream quantize` again "
             "on this machine"
         )
-    kernel = QuantizedExperts(module, quant)
+    kernel = quantized_experts(module, quant)
     error, tolerance = quantized_error(kernel, module, quant), quant_tolerance(quant)
     if not error < tolerance:
         raise WeightstreamError(

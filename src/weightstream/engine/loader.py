@@ -15,7 +15,13 @@ from weightstream.cache.sizes import parse_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
 from weightstream.engine.fused import fuse_dense_ops
-from weightstream.engine.kernels import NativeLinear, StoredEmbedding, check_kernel_name, choose_kernel
+from weightstream.engine.kernels import (
+    NativeLinear,
+    QuantizedExperts,
+    StoredEmbedding,
+    check_kernel_name,
+    choose_kernel,
+)
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
@@ -133,7 +139,7 @@ def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -
 
 def _part(kernel, layer: int) -> ExpertsPart:
     """An experts module's layer and kernel (a copy for the layer where its block types are the layer's own)."""
-    return ExpertsPart(layer, kernel.for_layer(layer) if hasattr(kernel, "for_layer") else kernel)
+    return ExpertsPart(layer, kernel.for_layer(layer) if isinstance(kernel, QuantizedExperts) else kernel)
 
 
 def _kernels(model, expert_kernel: str, quant: QuantFormat | None) -> dict[type, object]:
