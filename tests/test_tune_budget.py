@@ -7,7 +7,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.errors import WeightstreamError
-from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of, kv_cache_bytes
+from weightstream.sim.budget import RUNTIME_OVERHEAD_BYTES, Budget, budget_of
+from weightstream.store.facts import kv_cache_bytes
 from weightstream.store.layout import experts_modules
 from weightstream.store.presets import REAL, TINY, preset_config
 from weightstream.trace.shapes import shape_from_config

@@ -16,15 +16,28 @@ def peak_rss() -> int:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
+MEMORY_SIZED = "memory"  # --expert-cache memory: the cache `load_streaming_model(memory=limit)` sizes
+
+
 def run_streaming(cfg: dict) -> dict:
     from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model, read_pinned_experts
 
     pinned = cfg.get("pinned_experts")
+    sized = cfg["mode"] != "page-cache" and cfg["expert_cache"] == MEMORY_SIZED
+    longest = max(len(ids) for ids in cfg["prompts"] + ([cfg["long_prompt"]] if cfg.get("long_prompt") else []))
+    trace = None
+    if cfg.get("routing_trace"):  # read before the model, so that `memory` counts it with what came before
+        from weightstream.trace import load
+
+        trace = load(cfg["routing_trace"])
     start = time.perf_counter()
     model = load_streaming_model(
         cfg["model_dir"],
-        expert_cache=cfg["expert_cache"],
+        expert_cache=None if sized else cfg["expert_cache"],
+        memory=cfg["memory_limit"] if sized else None,  # the engine sizes its cache to the run's cgroup itself
+        context=longest + cfg["max_new_tokens"],
+        warmup_tokens=min(longest, 512),
         io_threads=cfg["io_threads"],
         chunk_bytes=cfg.get("chunk_bytes"),
         policy=cfg.get("policy", "lru"),
@@ -35,11 +48,10 @@ def run_streaming(cfg: dict) -> dict:
     )
     load_s = time.perf_counter() - start
     runtime = model.weightstream
-    if cfg.get("routing_trace"):
+    if trace is not None:
         from weightstream.engine.routing import RoutingReplay
-        from weightstream.trace import load
 
-        runtime.routing_override = RoutingReplay(load(cfg["routing_trace"]), runtime.layout)
+        runtime.routing_override = RoutingReplay(trace, runtime.layout)
     if cfg.get("warm_all"):  # compute-only: every expert read into the cache before the clock starts
         warm_every_expert(runtime.cache)
     prompts = []
@@ -62,6 +74,7 @@ def run_streaming(cfg: dict) -> dict:
     runtime.close()
     return {
         "load_s": load_s,
+        "memory": runtime.footprint.to_dict() if getattr(runtime, "footprint", None) is not None else None,
         "prompts": prompts,
         "expert_cache_bytes": prompts[0]["expert_cache_bytes"],
         "working_set_bytes": prompts[0]["working_set_bytes"],

@@ -120,6 +120,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
         "mode": mode,
         "model_dir": config.model_dir,
         "expert_cache": cache,
+        "memory_limit": config.memory_limit,
         "io_threads": config.io_threads,
         "compute_threads": config.compute_threads,
         "chunk_bytes": config.chunk_bytes,
@@ -154,6 +155,8 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
         "load_s": result["load_s"],
         "token_ids": [p["token_ids"] for p in prompts],
     }
+    if result.get("memory"):  # --expert-cache memory: the footprint the engine measured and sized its cache from
+        out["memory"] = result["memory"]
     if (
         "expert_hits" in prompts[0] and prompts[0]["expert_cache_bytes"]
     ):  # expert-cache: the page cache has no hit count

@@ -37,6 +37,7 @@ class CacheStats:
     readahead_cancelled: int = 0  # of the wasted, evicted while still queued: their unread chunks were skipped
     readahead_aligned_bytes: int = 0  # what O_DIRECT would fetch for every read-ahead queued (cancelled or not)
     eviction_wait_s: float = 0.0  # time a lookup waited for an in-flight read-ahead it had to evict
+    warm_issued: int = 0  # experts a warm restart queued into free slots at start (`ExpertCache.warm`)
 
     @property
     def hit_rate(self) -> float:
@@ -121,6 +122,7 @@ class ExpertCache:
         self.stats = CacheStats()
         self.inflight = InFlightReadAheads()
         self.unused_read_aheads: dict[Key, ReadBatch] = {}  # read ahead, not yet found by a demand lookup
+        self.heat: dict[Key, int] = {}  # lookups of each expert since the cache was built (or its state restored)
         self._failed: BaseException | None = None
 
     @property
@@ -186,6 +188,28 @@ class ExpertCache:
         self.stats.readahead_issued += issued
         return issued
 
+    def warm(self, keys: list[Key], heat: dict[Key, int] | None = None) -> int:
+        """Queue reads of `keys` (hottest first) into free slots at read-ahead priority, for a warm restart: never
+        evicts, so it stays within the budget and a demand read always goes first; a lookup of a key still landing
+        waits for it as for a read-ahead. The policy gets the keys coldest first, so it keeps the hottest longest.
+        `heat` restores the lookup counts the next save starts from. Returns how many were queued."""
+        if self._failed is not None:
+            return 0
+        chosen = [k for k in dict.fromkeys(keys) if k in self.plans and k not in self.policy][: len(self.free)]
+        for key in reversed(chosen):
+            self.policy.on_insert(key)
+        for key in chosen:
+            self._assign(key, self.free.pop())
+            self.inflight.start(key)
+            self._load(key, self.slot_of[key], lambda error, k=key: self._read_ahead_landed(k, error), READ_AHEAD)
+        self.heat.update({k: n for k, n in (heat or {}).items() if k in self.plans})
+        self.stats.warm_issued += len(chosen)
+        return len(chosen)
+
+    def resident_by_heat(self) -> list[tuple[Key, int]]:
+        """The experts in the cache now, with their lookup counts, hottest first (ties: layer, expert)."""
+        return sorted(((k, self.heat.get(k, 0)) for k in self.slot_of), key=lambda kv: (-kv[1], kv[0]))
+
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's parameters, in the model's layout, as views of its slot."""
         key = (layer, expert)
@@ -209,13 +233,17 @@ class ExpertCache:
         return expert
 
     def close(self) -> None:
+        """Stops the I/O threads and gives the slots' memory back (a closed cache is not used again)."""
         self.reader.close()
+        self.arena.release()
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
             raise WeightstreamError(f"expert cache is unusable after an earlier read error: {self._failed}")
 
     def _count_lookups(self, layer: int, access: LayerAccess) -> None:
+        for key in (*access.hits, *access.misses):
+            self.heat[key] = self.heat.get(key, 0) + 1
         for key in access.hits:
             if self.unused_read_aheads.pop(key, None) is not None:
                 self.stats.readahead_used += 1

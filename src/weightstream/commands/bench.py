@@ -32,7 +32,8 @@ def register(sub) -> None:
         default="1.5x",
         metavar="SIZE[,SIZE...]",
         help="expert cache size(s) for expert-cache runs: bytes (2GiB) or multiples of one token's working "
-        "set (1.5x); several give the cost model its spread",
+        "set (1.5x), or 'memory': the cache the engine sizes itself to --memory-limit (as `generate --memory`); "
+        "several give the cost model its spread",
     )
     p.add_argument(
         "--modes",

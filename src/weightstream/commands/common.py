@@ -12,11 +12,25 @@ KERNEL_CHOICES = ("auto", "eager-linear", "eager-matmul-bias", "one-expert-eager
 
 
 def add_engine_options(p) -> None:
-    p.add_argument(
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
         "--expert-cache",
-        default="1.5x",
         metavar="SIZE",
-        help=f"expert cache budget: {CACHE_SIZE_HELP}; below 1x is refused (default 1.5x)",
+        help=f"expert cache budget: {CACHE_SIZE_HELP}; below 1x is refused (default 1.5x, or what --memory leaves)",
+    )
+    size.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="the memory the whole process may use (what a memory cgroup of SIZE would charge it): the engine "
+        "measures its own footprint after load and a warm-up step, keeps room for the KV cache, and gives the "
+        "expert cache the rest; a SIZE too small for one token's experts is refused with the size that would do. "
+        "e.g. 1GiB, 6GB",
+    )
+    p.add_argument(
+        "--warm-restart",
+        action="store_true",
+        help="save which experts the cache holds (and how hot) under MODEL/.weightstream at exit and every minute, "
+        "and read them back at start, hottest first, in the background: the next run starts warm",
     )
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="dedicated I/O threads (default 4)")
     p.add_argument(
@@ -79,6 +93,8 @@ def engine_kwargs(args) -> dict:
         "expert_source": args.expert_source,
         "predict_next": args.predict_next,
         "expert_kernel": args.expert_kernel,
+        "memory": args.memory,
+        "warm_restart": args.warm_restart,
     }
 
 

@@ -53,7 +53,10 @@ def run(args) -> int:
 
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if ids is None else ids
-    model = load_streaming_model(model_dir, **engine_kwargs(args))
+    engine = engine_kwargs(args)
+    if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its prompt
+        engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), 512))
+    model = load_streaming_model(model_dir, **engine)
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
@@ -67,6 +70,8 @@ def run(args) -> int:
         from weightstream.bench.machine import read_bandwidth
 
         report = stats.to_dict()
+        footprint = model.weightstream.footprint
+        report["memory"] = footprint.to_dict() if footprint is not None else None
         bandwidth = read_bandwidth()  # measured once on a machine, then kept
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s

@@ -12,9 +12,12 @@ from transformers import GenerationConfig
 from weightstream import native
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.cache.sizes import parse_cache_size
+from weightstream.cache.warm import StateSaver, read_state, state_path
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
+from weightstream.engine.footprint import Footprint, check_memory, reset_peak, rss, size_cache
 from weightstream.engine.fused import fuse_dense_ops
+from weightstream.engine.generate import generate
 from weightstream.engine.kernels import (
     NativeLinear,
     QuantizedExperts,
@@ -26,15 +29,20 @@ from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
 from weightstream.errors import WeightstreamError
+from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.facts import is_lazy_dense, ties_embeddings
+from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
 from weightstream.store.quant_format import QuantFormat
+from weightstream.units import parse_size
+
+DEFAULT_CONTEXT = 4096  # tokens of KV cache `memory` reserves when the caller does not say
 
 
 def load_streaming_model(
     model_dir: str,
-    expert_cache: str | int = "1.5x",
+    expert_cache: str | int | None = None,
     io_threads: int = 4,
     policy: str = "lru",
     chunk_bytes: int | None = None,
@@ -44,9 +52,22 @@ def load_streaming_model(
     predict_next: bool = False,
     expert_kernel: str = "auto",
     fuse: bool = True,
+    memory: str | int | None = None,
+    context: int | None = None,
+    kv_cache_bytes: int | None = None,
+    warmup_tokens: int = 32,
+    warm_restart: bool = False,
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
+    The cache is `expert_cache` ("1.5x" when neither it nor `memory` is given), or with `memory` (bytes or a size
+    such as "1GiB") the largest that keeps the process within it: the engine loads with one token's experts,
+    runs a `warmup_tokens`-token prompt and a decode step, measures its own footprint (engine/footprint.py),
+    reserves the KV cache of `context` tokens (default 4096, at most the model's positions) or `kv_cache_bytes`,
+    and gives the cache the rest; a `memory` that leaves less than one token's experts is refused with the size
+    that would do. `model.weightstream.footprint` holds the figures.
+    `warm_restart=True` reads back the experts the cache held when this model last ran with it (saved under
+    MODEL/.weightstream at exit and every minute), hottest first, in the background, within the budget.
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
     `expert_kernel` "auto" takes the lean kernel proven bitwise equal to the architecture's eager forward, else
@@ -56,6 +77,9 @@ def load_streaming_model(
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next)
+    memory_bytes = _check_memory(memory, expert_cache, expert_source, warm_restart)
+    libraries = rss()[0]  # the interpreter and every library imported so far: before any of the model
+    reset_peak()
     ws_experts.register()
     mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
     model, layout = mapped.model, mapped.layout
@@ -63,11 +87,12 @@ def load_streaming_model(
     kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
     computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
     fused = fuse_dense_ops(model) if fuse and computes_float32 else []
-    if expert_source == "page-cache":
-        cache = PageCacheSource(layout)
-    else:
-        budget = parse_cache_size(expert_cache, layout.working_set_bytes)
-        cache = ExpertCache(
+    modules = experts_modules(model)
+    parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
+    tied = ties_embeddings(model.config)
+
+    def cache_of(budget: int) -> ExpertCache:
+        return ExpertCache(
             layout,
             budget,
             policy=policy,
@@ -76,10 +101,8 @@ def load_streaming_model(
             o_direct=o_direct,
             policy_options=policy_options,
         )
-    try:
-        modules = experts_modules(model)
-        parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
-        tied = ties_embeddings(model.config)
+
+    def install(cache, footprint=None, saver=None) -> StreamingRuntime:
         runtime = StreamingRuntime(
             cache,
             layout,
@@ -88,17 +111,99 @@ def load_streaming_model(
             predictor=NextLayerPredictor(model, layout, cache.n_slots) if predict_next else None,
             fused=fused,
             dense_bytes_touched=sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied)),
+            footprint=footprint,
+            state_saver=saver,
         )
         for module in modules.values():
             # transformers calls the registered experts forward with the module alone: this is its way to the runtime
             module._ws_runtime = runtime
         model.weightstream = runtime
-        if os.path.exists(os.path.join(model_dir, "generation_config.json")):
-            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        return runtime
+
+    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    model.eval()
+    if expert_source == "page-cache":
+        install(PageCacheSource(layout))
+        return model
+    footprint = None
+    if memory_bytes is not None:
+        kv = kv_cache_bytes
+        if kv is None:
+            context = context or min(DEFAULT_CONTEXT, _positions(model.config))
+            kv = kv_cache_for(model.config.get_text_config(), context, model.dtype.itemsize)
+        footprint = _measure(
+            model, install(cache_of(layout.working_set_bytes)), memory_bytes, libraries, kv, context or 0, warmup_tokens
+        )
+        budget = footprint.expert_cache
+    else:
+        budget = parse_cache_size(expert_cache if expert_cache is not None else "1.5x", layout.working_set_bytes)
+    cache = cache_of(budget)
+    try:
+        saver = None
+        if warm_restart:
+            path = state_path(model_dir)
+            state = read_state(path, layout)
+            if state is not None:
+                cache.warm(*state)
+            saver = StateSaver(cache, path)
+        install(cache, footprint, saver)
     except BaseException:
         cache.close()  # stops the I/O threads
         raise
-    return model.eval()
+    return model
+
+
+def _check_memory(memory, expert_cache, expert_source: str, warm_restart: bool) -> int | None:
+    """`memory` in bytes (None: not given), once it is shown to go with the other options and the machine."""
+    if warm_restart and expert_source == "page-cache":
+        raise WeightstreamError("--warm-restart restores the expert cache; --expert-source page-cache has none")
+    if memory is None:
+        return None
+    if expert_cache is not None:
+        raise WeightstreamError(
+            f"--memory {memory} and --expert-cache {expert_cache}: give one; --memory sizes the expert cache itself"
+        )
+    if expert_source == "page-cache":
+        raise WeightstreamError(
+            "--memory sizes the expert cache, and --expert-source page-cache has none: run the page-cache path "
+            "under a memory cgroup instead (`weightstream bench --memory-limit`)"
+        )
+    memory_bytes = parse_size(memory, what="--memory")
+    check_memory(memory_bytes)
+    return memory_bytes
+
+
+def _positions(config) -> int:
+    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or DEFAULT_CONTEXT)
+
+
+def _measure(model, runtime, memory: int, libraries: int, kv: int, context: int, warmup_tokens: int) -> Footprint:
+    """The footprint `memory` allows, from this process measured after load and a warm-up (a `warmup_tokens`
+    prompt and one decode step through the 1x cache `runtime` serves from, which is then closed)."""
+    vocab = model.config.get_text_config().vocab_size
+    prompt = (torch.arange(max(1, warmup_tokens)) * 7919 + 11).remainder(max(1, vocab - 10)).add(5)
+    cache = runtime.cache
+    try:
+        generate(model, prompt[None, :], max_new_tokens=2)
+        steady, peak = rss()
+        cache_resident = mapped_resident_bytes(cache.arena.address, cache.arena.nbytes)
+        table = model.get_input_embeddings().weight
+        embedding = mapped_resident_bytes(table.data_ptr(), table.nbytes)
+        return size_cache(
+            memory,
+            libraries,
+            steady,
+            peak,
+            cache_resident,
+            embedding,
+            kv,
+            context,
+            warmup_tokens,
+            runtime.layout.working_set_bytes,
+        )
+    finally:
+        cache.close()  # its slots go back to the kernel before the sized cache takes its own
 
 
 def read_layout(model_dir: str):

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,10 @@ from weightstream.engine.experts import LayerRouting, compute_layer, compute_lay
 from weightstream.engine.kernels import Kernel
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.store.layout import ModelLayout
+
+if TYPE_CHECKING:
+    from weightstream.cache.warm import StateSaver
+    from weightstream.engine.footprint import Footprint
 
 # (layer, top_k_index, top_k_weights) -> (index, weights): the routing to run instead of the router's
 RoutingOverride = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -54,17 +59,22 @@ class StreamingRuntime:
         predictor: NextLayerPredictor | None = None,
         fused: Sequence[str] = (),
         dense_bytes_touched: int = 0,
+        footprint: Footprint | None = None,
+        state_saver: StateSaver | None = None,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
         that run as native ops (engine/fused.py); `dense_bytes_touched`: dense weight bytes one decode token
-        multiplies by."""
+        multiplies by; `footprint`: the memory by part `--memory` sized the cache from; `state_saver`: saves the
+        cache's contents for a warm restart, at intervals while decoding and at `close`."""
         self._cache, self.layout = cache, layout
         self._parts = dict(parts)
         self.kernels = dict(kernels)
         self.predictor = predictor
         self.fused = list(fused)
         self.dense_bytes_touched = dense_bytes_touched
+        self.footprint = footprint
+        self.state_saver = state_saver
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on
@@ -105,6 +115,8 @@ class StreamingRuntime:
         layer = part.layer
         if layer == self.first_layer:
             self.announce.decode_step()
+            if self.state_saver is not None:
+                self.state_saver.tick()
         if self.routing_override is not None:
             top_k_index, top_k_weights = self.routing_override(layer, top_k_index, top_k_weights)
         if self.routing_observer is not None:
@@ -148,4 +160,6 @@ class StreamingRuntime:
             self._cache.read_ahead(guess[0], guess[1], running={(layer, e) for e in wave})
 
     def close(self) -> None:
+        if self.state_saver is not None:
+            self.state_saver.close()
         self._cache.close()

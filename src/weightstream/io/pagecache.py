@@ -59,6 +59,19 @@ def resident_pages(fd: int, offset: int = 0, length: int = 0) -> np.ndarray:
     return vec & 1
 
 
+def mapped_resident_bytes(address: int, length: int) -> int:
+    """Bytes of this process's memory [address, address+length) mapped in its page tables now (anonymous or
+    file-backed, the pages the range touches in whole), by /proc/self/pagemap's present bit: what the process
+    holds, where mincore(2) would count a file's pages that are in the page cache for anyone."""
+    if length <= 0:
+        return 0
+    first, last = address // PAGE, (address + length - 1) // PAGE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * PAGE
+
+
 def evict(fd: int, offset: int = 0, length: int = 0) -> None:
     """Drop the range's clean, unmapped pages from the page cache (length 0: to the end of the file)."""
     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightstream.errors import WeightstreamError
-from weightstream.store.facts import is_lazy_dense, ties_embeddings
+from weightstream.store.facts import is_lazy_dense, kv_cache_bytes, ties_embeddings
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
@@ -83,34 +83,6 @@ def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     (docs/benchmarks.md): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
     1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's bytes to 3%."""
     return sum(n for name, n in dense_nbytes.items() if is_lazy_dense(name, tied))
-
-
-def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
-    """Bytes transformers' DynamicCache holds for `context` tokens of one sequence.
-
-    Per layer and token: keys and values of every KV head (2 x kv_heads x head_dim), or for multi-head latent
-    attention (DeepSeek V2/V3) the compressed latent and the rotary key (kv_lora_rank + qk_rope_head_dim), which is
-    what transformers caches for them. Sliding-window layers keep at most their window.
-    """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    per_token = _kv_elements_per_token(text_config) * dtype_bytes
-    total = 0
-    for kind, kwargs in zip(layer_types, layer_kwargs):
-        if kind == "dummy":
-            continue
-        window = kwargs.get("sliding_window")
-        total += per_token * (min(context, window) if window else context)
-    return total
-
-
-def _kv_elements_per_token(cfg) -> int:
-    if getattr(cfg, "kv_lora_rank", None):
-        return int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * int(heads) * int(head_dim)
 
 
 def budget_of(

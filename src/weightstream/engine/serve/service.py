@@ -121,7 +121,10 @@ class ModelService:
         if self.tokenizer is None:
             raise WeightstreamError(f"{s.model_dir}: no usable tokenizer; serve needs the checkpoint's tokenizer files")
         self.token_text = TokenText(self.tokenizer)
-        self.model = load_streaming_model(s.model_dir, **s.engine)
+        engine = dict(s.engine)
+        if engine.get("memory") is not None:  # --memory keeps room for the KV cache the batch may hold
+            engine["kv_cache_bytes"] = s.kv_budget_bytes
+        self.model = load_streaming_model(s.model_dir, **engine)
         try:
             self._configure()
         except BaseException:

@@ -1,0 +1,126 @@
+"""The process's memory by part, measured: what `--memory SIZE` sizes the expert cache from.
+
+A memory cgroup charges a process its anonymous pages and the file pages it brings in (the checkpoint's dense
+weights are mapped, so they count as they are touched). The engine reads those as resident set size, before the
+model (the interpreter and libraries), after the dense weights are loaded, and at the peak of a warm-up forward
+(activations, generation temporaries); the expert cache's own pages are read by mincore(2) and taken out, so what
+is left is the runtime whatever the cache's size. The rest of SIZE, less the KV cache the context needs and a
+margin for what RSS does not show (page tables, kernel buffers, allocator slack), is the expert cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from weightstream.errors import WeightstreamError
+from weightstream.units import MIB, format_bytes
+
+# What a cgroup charges beyond the resident set: page tables, socket and pipe buffers, the page cache of the small
+# files read at start (config, tokenizer), and the allocator's slack after growth. Measured in docs/memory.md.
+MARGIN_BYTES = 48 * MIB
+MARGIN_SHARE = 0.08  # of SIZE, for the slack that grows with the heap
+
+
+def rss() -> tuple[int, int]:
+    """(resident set now, its peak since the last `reset_peak`) of this process, in bytes, from /proc."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                found[key] = int(value.split()[0]) * 1024
+    return found["VmRSS"], found["VmHWM"]
+
+
+def reset_peak() -> bool:
+    """Starts the peak (VmHWM) over from the current RSS (Linux's clear_refs 5); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def machine_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def margin_for(memory: int) -> int:
+    return MARGIN_BYTES + int(MARGIN_SHARE * memory)
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Bytes by part of a process given `memory` bytes. `libraries`: RSS before the model (interpreter, torch,
+    transformers); `dense`: the dense weights resident after load (mapped checkpoint pages and any copy), of which
+    `embedding` is the input embedding's rows touched so far; `temporaries`: the warm-up forward's peak above the
+    steady state; `kv_cache`: reserved for `context_tokens`; `margin`: what RSS does not show; `expert_cache`: the
+    rest, what the cache holds."""
+
+    memory: int
+    libraries: int
+    dense: int
+    embedding: int
+    temporaries: int
+    kv_cache: int
+    margin: int
+    expert_cache: int
+    context_tokens: int
+    warmup_tokens: int
+
+    @property
+    def runtime(self) -> int:
+        """Everything but the expert cache."""
+        return self.libraries + self.dense + self.temporaries + self.kv_cache + self.margin
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_memory(memory: int, what: str = "--memory") -> None:
+    """Refuses a SIZE larger than the machine (it would never constrain, and a cache that large would swap)."""
+    total = machine_memory()
+    if memory > total:
+        raise WeightstreamError(
+            f"{what} {format_bytes(memory)}: more than this machine's {format_bytes(total)} of RAM; give at most "
+            f"{format_bytes(total)} (or leave {what} out and size the cache with --expert-cache)"
+        )
+
+
+def size_cache(
+    memory: int,
+    libraries: int,
+    steady: int,
+    peak: int,
+    cache_resident: int,
+    embedding: int,
+    kv_cache: int,
+    context_tokens: int,
+    warmup_tokens: int,
+    working_set: int,
+) -> Footprint:
+    """The footprint whose expert cache is what `memory` leaves, from the measured RSS figures (`steady` and
+    `peak` after the warm-up, `cache_resident` of them the warm-up cache's pages); refuses a `memory` that leaves
+    less than one token's experts (`working_set`), naming the size that would do."""
+    dense = max(0, steady - cache_resident - libraries)
+    temporaries = max(0, peak - steady)
+    margin = margin_for(memory)
+    cache = memory - libraries - dense - temporaries - kv_cache - margin
+    if cache < working_set:
+        need = memory - cache + working_set
+        need += margin_for(need) - margin  # the margin grows with SIZE
+        need = int(need * 1.05)  # and a second measurement differs by some MiB: a size that works the next time
+        raise WeightstreamError(
+            f"--memory {format_bytes(memory)}: too small for this model here. Measured after loading it and a warm-up "
+            f"of {warmup_tokens} tokens: libraries {format_bytes(libraries)}, dense weights "
+            f"{format_bytes(dense)}, temporaries {format_bytes(temporaries)}, plus the KV cache of "
+            f"{context_tokens} tokens ({format_bytes(kv_cache)}) and a margin of {format_bytes(margin)}, which "
+            f"leave {format_bytes(max(cache, 0))} where one token's experts need {format_bytes(working_set)}. "
+            f"Give --memory {-(-need // MIB)}MiB or more (or a shorter context)"
+        )
+    return Footprint(
+        memory, libraries, dense, embedding, temporaries, kv_cache, margin, cache, context_tokens, warmup_tokens
+    )

@@ -1,0 +1,174 @@
+"""`--memory SIZE`: the engine measures its own footprint after load and a warm-up, keeps room for the KV cache and
+gives the expert cache the rest; a SIZE too small is refused with one that works; a process given SIZE runs inside
+a real memory cgroup of SIZE without being killed. And the warm restart: the cache's contents saved at exit, read
+back at the next start, hottest first, within the budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from weightstream.cache.warm import read_state, state_path
+from weightstream.cgroup import CgroupMemory
+from weightstream.engine.footprint import machine_memory, size_cache
+from weightstream.engine.loader import load_streaming_model
+from weightstream.errors import WeightstreamError
+from weightstream.units import MIB
+
+from engine_support import greedy_run
+
+PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
+# experts of 6 MiB (bf16 3 x 512 x 2048), 32 a layer, 2 layers: 384 MiB of experts, more than an 800 MiB
+# process has left after torch and transformers, so the cache --memory sizes is smaller than the experts
+BIG_EXPERTS = dict(hidden_size=512, moe_intermediate_size=2048, num_experts=32, num_hidden_layers=2)
+
+
+def test_memory_sizes_the_cache_from_the_measured_footprint(tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    want, _, _ = greedy_run(model_dir, PROMPT, expert_cache="100x")
+    memory = 8 * 2**30
+    model = load_streaming_model(model_dir, memory=memory, context=64, warmup_tokens=8)
+    try:
+        runtime = model.weightstream
+        f = runtime.footprint
+        assert f.memory == memory and f.context_tokens == 64 and f.warmup_tokens == 8
+        assert f.libraries > 100 * MIB  # torch alone is more
+        assert 0 < f.kv_cache < MIB and f.dense > 0 and f.margin > 0
+        assert f.runtime + f.expert_cache == memory
+        assert runtime.cache.budget_bytes == f.expert_cache  # the cache is what is left (capped by the experts)
+        with torch.inference_mode():
+            got = model.generate(PROMPT, max_new_tokens=8, do_sample=False)[0].tolist()
+        assert got == want
+    finally:
+        model.weightstream.close()
+
+
+def test_a_memory_too_small_is_refused_with_a_size_that_works(tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    with pytest.raises(WeightstreamError, match=r"--memory 300\.0 MiB: too small for this model here") as err:
+        load_streaming_model(model_dir, memory="300MiB", context=64, warmup_tokens=8)
+    text = str(err.value)
+    assert "libraries" in text and "one token's experts need" in text
+    need = int(re.search(r"Give --memory (\d+)MiB or more", text).group(1))
+    model = load_streaming_model(model_dir, memory=f"{need}MiB", context=64, warmup_tokens=8)
+    try:
+        assert model.weightstream.cache.budget_bytes >= model.weightstream.layout.working_set_bytes
+    finally:
+        model.weightstream.close()
+
+
+def test_sizing_arithmetic_and_its_refusal():
+    m = MIB
+    common = dict(libraries=300 * m, steady=500 * m, peak=520 * m, cache_resident=50 * m, embedding=m)
+    common.update(kv_cache=10 * m, context_tokens=8, warmup_tokens=4, working_set=100 * m)
+    f = size_cache(2000 * m, **common)
+    # dense = steady - cache pages - libraries; temporaries = peak above steady; the rest after KV and margin
+    assert (f.dense, f.temporaries) == (150 * m, 20 * m)
+    assert f.expert_cache == 2000 * m - 300 * m - 150 * m - 20 * m - 10 * m - f.margin
+    with pytest.raises(WeightstreamError, match="Give --memory") as err:
+        size_cache(500 * m, **common)
+    need = int(re.search(r"Give --memory (\d+)MiB", str(err.value)).group(1)) * m
+    assert size_cache(need, **common).expert_cache >= 100 * m  # the size it names is enough
+
+
+def test_memory_goes_with_nothing_that_contradicts_it(tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    with pytest.raises(WeightstreamError, match="give one; --memory sizes the expert cache itself"):
+        load_streaming_model(model_dir, memory="4GiB", expert_cache="2x")
+    with pytest.raises(WeightstreamError, match="page-cache has none"):
+        load_streaming_model(model_dir, memory="4GiB", expert_source="page-cache")
+    with pytest.raises(WeightstreamError, match="more than this machine's"):
+        load_streaming_model(model_dir, memory=machine_memory() + 2**30)
+    with pytest.raises(WeightstreamError, match="--memory 'lots': not a size"):
+        load_streaming_model(model_dir, memory="lots")
+    r = subprocess.run(
+        [sys.executable, "-m", "weightstream.cli", "generate", model_dir, "--prompt-ids", "1,2", "--memory", "2GiB"]
+        + ["--expert-cache", "2x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def _cgroup_or_skip(limit: int):
+    from weightstream.bench.cgroup import MemoryCgroup
+
+    if os.geteuid() != 0 or CgroupMemory.of() is None:
+        pytest.skip("needs root and a memory cgroup controller (CI is root)")
+    try:
+        return MemoryCgroup.create(limit, name="ws-memory-test")
+    except WeightstreamError as exc:
+        pytest.skip(str(exc))
+
+
+def test_generate_with_memory_runs_inside_a_cgroup_of_that_size(tiny_model):
+    """A real cgroup of SIZE around `generate --memory SIZE`: not killed, the cache is what the footprint left
+    (less than the model's experts, so the size decided it), the tokens are the model's."""
+    model_dir = tiny_model("qwen3_moe", "bf16", **BIG_EXPERTS)
+    ids = "3,17,101,250,7,42,311,5"
+    cli = [sys.executable, "-m", "weightstream.cli", "generate", model_dir, "--prompt-ids", ids]
+    cli += ["--max-new-tokens", "8", "--json"]
+    want = subprocess.run([*cli, "--expert-cache", "100x"], capture_output=True, text=True, timeout=300)
+    assert want.returncode == 0, want.stderr
+    limit = 800 * MIB
+    group = _cgroup_or_skip(limit)
+    try:
+        got = group.popen([*cli, "--memory", "800MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = got.communicate(timeout=300)
+        assert got.returncode == 0, err
+        assert group.oom_kills in (0, None)
+        report = json.loads(out)
+        memory = report["stats"]["memory"]
+        experts = 2 * 32 * 6 * MIB
+        assert memory["memory"] == limit and 0 < memory["expert_cache"] < experts
+        assert report["stats"]["expert_cache_bytes"] <= memory["expert_cache"]
+        assert report["token_ids"] == json.loads(want.stdout)["token_ids"]
+    finally:
+        group.remove()
+
+
+def test_a_warm_restart_reads_back_the_hottest_experts(tiny_model, tmp_path, capfd):
+    model_dir = tiny_model("qwen3_moe")
+    path = state_path(model_dir)
+    if os.path.exists(path):
+        os.unlink(path)
+    cold, _, runtime = greedy_run(model_dir, PROMPT, expert_cache="1.5x", io_threads=2, warm_restart=True)
+    cold_misses = runtime.cache.stats.misses
+    saved = read_state(path, runtime.layout)
+    assert saved is not None
+    keys, heat = saved
+    assert set(keys) == set(runtime.cache.slot_of) and len(keys) == runtime.cache.n_slots
+    assert [heat[k] for k in keys] == sorted(heat.values(), reverse=True) and heat[keys[0]] > 0
+
+    warm, _, runtime = greedy_run(model_dir, PROMPT, expert_cache="1.5x", io_threads=2, warm_restart=True)
+    stats = runtime.cache.stats
+    assert warm == cold  # what the cache holds never changes the tokens
+    assert stats.warm_issued == len(keys)
+    assert stats.misses < cold_misses  # the experts of the last run were there before the first token
+
+    with open(path, "w") as f:  # a damaged state starts cold, says so, and is replaced at exit
+        f.write("{not json")
+    again, _, _ = greedy_run(model_dir, PROMPT, expert_cache="1.5x", io_threads=2, warm_restart=True)
+    assert again == cold and "is unreadable" in capfd.readouterr().err
+    assert read_state(path, runtime.layout) is not None
+
+
+def test_a_state_saved_for_other_files_is_not_applied(tiny_model, tmp_path, capfd):
+    model_dir = tiny_model("qwen3_moe")
+    greedy_run(model_dir, PROMPT, expert_cache="1.5x", io_threads=2, warm_restart=True)
+    with open(state_path(model_dir)) as f:
+        state = json.load(f)
+    state["fingerprint"] = "0" * 32
+    with open(state_path(model_dir), "w") as f:
+        json.dump(state, f)
+    _, _, runtime = greedy_run(model_dir, PROMPT, expert_cache="1.5x", io_threads=2, warm_restart=True)
+    assert runtime.cache.stats.warm_issued == 0 and "saved for other expert files" in capfd.readouterr().err
+    with pytest.raises(WeightstreamError, match="page-cache has none"):
+        load_streaming_model(model_dir, expert_source="page-cache", warm_restart=True)
