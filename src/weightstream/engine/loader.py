@@ -15,7 +15,15 @@ from weightstream.cache.sizes import parse_cache_size
 from weightstream.cache.warm import StateSaver, read_state, state_path
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
-from weightstream.engine.footprint import Footprint, check_memory, reset_peak, rss, size_cache
+from weightstream.engine.footprint import (
+    Footprint,
+    bound_heap,
+    check_memory,
+    release_heap,
+    reset_peak,
+    rss,
+    size_cache,
+)
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
 from weightstream.engine.kernels import (
@@ -78,12 +86,15 @@ def load_streaming_model(
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next)
     memory_bytes = _check_memory(memory, expert_cache, expert_source, warm_restart)
+    if memory_bytes is not None:
+        bound_heap()  # so that what the warm-up measures is what decode holds
     libraries = rss()[0]  # the interpreter and every library imported so far: before any of the model
-    reset_peak()
     ws_experts.register()
     mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
     model, layout = mapped.model, mapped.layout
     _load_dense(model, layout.dense, model_dir, mapped.quant)
+    release_heap()  # what loading allocated and freed
+    reset_peak()  # from here the peak is decode's (the load's own, before any cache, is lower than what follows)
     kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
     computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
     fused = fuse_dense_ops(model) if fuse and computes_float32 else []
@@ -186,7 +197,9 @@ def _measure(model, runtime, memory: int, libraries: int, kv: int, context: int,
     cache = runtime.cache
     try:
         generate(model, prompt[None, :], max_new_tokens=2)
-        steady, peak = rss()
+        peak = rss()[1]
+        release_heap()  # the warm-up's temporaries: counted in `peak`, not held in between
+        steady = rss()[0]
         cache_resident = mapped_resident_bytes(cache.arena.address, cache.arena.nbytes)
         table = model.get_input_embeddings().weight
         embedding = mapped_resident_bytes(table.data_ptr(), table.nbytes)

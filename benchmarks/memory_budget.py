@@ -1,0 +1,108 @@
+"""`--memory`: the expert cache the engine sizes for itself inside a memory cgroup, against fixed caches, back to back.
+
+Each round runs `weightstream bench MODEL --memory-limit SIZE --expert-cache 1x,...,memory` (its own cgroup of SIZE a
+run, the model's files dropped from the page cache before each, a routing trace replayed so every configuration
+reads what real routing reads); the configurations' order alternates between rounds. Per configuration: the cache
+it ran with, decode tok/s, MiB read a token, the cgroup's peak and file refaults, whether the kernel killed it; per
+round the ratio of `memory`'s tok/s to each fixed cache's. Needs root (cgroups), like `bench`.
+
+    .venv/bin/python benchmarks/memory_budget.py .work/olmoe4/q4 --memory 1GiB --trace .work/ds.npz --rounds 5 \\
+        [--caches 1x,2x] [--out benchmarks/results/memory-budget-olmoe4-1gib.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import default, save  # noqa: E402
+
+MIB = 2**20
+
+
+def _mib(footprint: dict) -> dict:
+    return {k: v if k.endswith("_tokens") else round(v / MIB, 1) for k, v in footprint.items()}
+
+
+def bench_round(args, caches: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "weightstream.cli", "bench", args.model, "--memory-limit", args.memory]
+    cmd += ["--expert-cache", ",".join(caches), "--modes", "expert-cache", "--no-reference", "--no-overlap"]
+    cmd += ["--prefill-tokens", "0", "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    if args.trace:
+        cmd += ["--routing-trace", args.trace]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: {done.stderr[-2000:]}")
+    out = {}
+    for run in json.loads(done.stdout)["runs"]:
+        out[run["expert_cache"]] = {
+            "error": run.get("error"),
+            "expert_cache_mib": (run.get("expert_cache_bytes") or 0) / MIB,
+            "decode_tokens_per_s": run.get("decode_tokens_per_s"),
+            "mib_read_per_token": (run.get("decode_bytes_read_per_token") or 0) / MIB,
+            "hit_rate": run.get("expert_hit_rate"),
+            "peak_rss_mib": (run.get("peak_rss_bytes") or 0) / MIB,
+            "cgroup_peak_mib": (run.get("cgroup_peak_bytes") or 0) / MIB,
+            "file_refaults": (run.get("cgroup_pressure") or {}).get("file_refaults"),
+            "footprint_mib": _mib(run["memory"]) if run.get("memory") else None,
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--memory", default="1GiB", help="the cgroup limit and --memory (default 1GiB)")
+    ap.add_argument("--caches", default="1x", help="fixed caches to compare with (default 1x)")
+    ap.add_argument("--trace", help="routing trace to replay (e.g. the shared DeepSeek-V2-Lite one)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=default("memory-budget.json"))
+    args = ap.parse_args()
+    fixed = [c.strip() for c in args.caches.split(",") if c.strip()]
+    rounds = []
+    for r in range(args.rounds):
+        caches = [*fixed, "memory"] if r % 2 == 0 else ["memory", *fixed]
+        rounds.append(bench_round(args, caches))
+        print(f"[memory-budget] round {r + 1}: {json.dumps(rounds[-1])}", file=sys.stderr, flush=True)
+    summary = {}
+    for cache in [*fixed, "memory"]:
+        tok = [x[cache]["decode_tokens_per_s"] for x in rounds if x[cache]["decode_tokens_per_s"]]
+        summary[cache] = {
+            "killed_or_failed": sum(1 for x in rounds if x[cache]["error"]),
+            "expert_cache_mib": [round(x[cache]["expert_cache_mib"], 1) for x in rounds],
+            "decode_tokens_per_s_median": statistics.median(tok) if tok else None,
+            "decode_tokens_per_s": [round(t, 2) for t in tok],
+            "mib_read_per_token_median": statistics.median(x[cache]["mib_read_per_token"] for x in rounds),
+        }
+    for cache in fixed:
+        ratios = [
+            x["memory"]["decode_tokens_per_s"] / x[cache]["decode_tokens_per_s"]
+            for x in rounds
+            if x["memory"]["decode_tokens_per_s"] and x[cache]["decode_tokens_per_s"]
+        ]
+        summary[f"memory_over_{cache}"] = {
+            "per_round": [round(q, 3) for q in ratios],
+            "median": statistics.median(ratios) if ratios else None,
+        }
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": args.model,
+        "memory": args.memory,
+        "trace": args.trace,
+        "rounds": rounds,
+        "summary": summary,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    save(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
