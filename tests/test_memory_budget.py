@@ -172,3 +172,18 @@ def test_a_state_saved_for_other_files_is_not_applied(tiny_model, tmp_path, capf
     assert runtime.cache.stats.warm_issued == 0 and "saved for other expert files" in capfd.readouterr().err
     with pytest.raises(WeightstreamError, match="page-cache has none"):
         load_streaming_model(model_dir, expert_source="page-cache", warm_restart=True)
+
+
+def test_serve_with_memory_keeps_room_for_its_kv_cache_budget(tiny_model):
+    from weightstream.engine.serve.metrics import ServeMetrics
+    from weightstream.engine.serve.service import SERVE_WARMUP_TOKENS, ModelService, ServeSettings
+
+    settings = ServeSettings(tiny_model("qwen3_moe"), engine={"memory": "8GiB", "io_threads": 2}, kv_cache="64MiB")
+    service = ModelService(settings, ServeMetrics())
+    service.load()
+    try:
+        footprint = service.model.weightstream.footprint
+        assert footprint.kv_cache == 64 * MIB and footprint.warmup_tokens == SERVE_WARMUP_TOKENS
+        assert service.model.weightstream.cache.budget_bytes == footprint.expert_cache
+    finally:
+        service.close()

@@ -70,6 +70,8 @@ class ServeSettings:
         self.model_name = self.model_name or os.path.basename(os.path.normpath(self.model_dir))
 
 
+SERVE_WARMUP_TOKENS = 256  # the prompt --memory's warm-up runs with in `serve` (generate uses its own prompt)
+
 # generation_config.json settings that `generate` applies even when greedy and serve does not: (field, neutral value)
 _IGNORED_SETTINGS = (
     ("repetition_penalty", 1.0),
@@ -122,8 +124,9 @@ class ModelService:
             raise WeightstreamError(f"{s.model_dir}: no usable tokenizer; serve needs the checkpoint's tokenizer files")
         self.token_text = TokenText(self.tokenizer)
         engine = dict(s.engine)
-        if engine.get("memory") is not None:  # --memory keeps room for the KV cache the batch may hold
-            engine["kv_cache_bytes"] = s.kv_budget_bytes
+        if engine.get("memory") is not None:  # --memory keeps room for the KV cache the batch may hold, and
+            # measures with a prompt as long as a common one (a longer prompt's temporaries are not counted)
+            engine.update(kv_cache_bytes=s.kv_budget_bytes, warmup_tokens=SERVE_WARMUP_TOKENS)
         self.model = load_streaming_model(s.model_dir, **engine)
         try:
             self._configure()
