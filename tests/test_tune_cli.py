@@ -53,6 +53,12 @@ def test_tune_answers_in_one_json_object(first_tune):
         assert c["cache_bytes"] <= report["budget"]["expert_bytes"]
     rec = report["recommendation"]
     assert rec["command"][:3] == ["weightstream", "generate", report["model"]]
+    largest = max(c["cache_bytes"] for c in report["configs"] if c["path"] == "expert-cache")
+    if rec["path"] == "expert-cache" and rec["cache_bytes"] == largest and rec["policy"] != "pinned":
+        # the whole budget: the engine sizes it itself from tune's own --memory (docs/memory.md)
+        assert rec["command"][rec["command"].index("--memory") + 1] == f"{report['budget']['memory_bytes'] // 2**20}MiB"
+    elif rec["path"] == "expert-cache":
+        assert int(rec["command"][rec["command"].index("--expert-cache") + 1]) == rec["cache_bytes"]
     assert (
         rec["predicted_decode_tokens_per_s"]
         == max(c["predicted_decode_tokens_per_s"] for c in report["configs"] if not c["bound"])

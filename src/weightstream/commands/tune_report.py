@@ -9,18 +9,31 @@ from weightstream.commands.tune_steps import Cost
 from weightstream.sim.advice import llamacpp_advice, recommend, verdict
 from weightstream.sim.replay import pinned_set
 from weightstream.sim.tune import Config, Search
-from weightstream.units import GIB
+from weightstream.units import GIB, MIB
 
 EXAMPLE_PROMPT = "Hello"
 
 
-def generate_command(model_dir: str, rec: Config, io_threads: int, max_new_tokens: int, pinned: str | None):
-    """argv of the `weightstream generate` run that uses the recommended configuration."""
+def generate_command(
+    model_dir: str,
+    rec: Config,
+    io_threads: int,
+    max_new_tokens: int,
+    pinned: str | None,
+    memory: str | None = None,
+    largest_cache: int | None = None,
+):
+    """argv of the `weightstream generate` run that uses the recommended configuration. Where that is an expert
+    cache as large as the budget allows (`largest_cache`, the largest size priced) and not a pinned set, the command
+    gives `--memory` (tune's own SIZE, `memory`): the engine then measures its footprint and takes the largest
+    cache that fits (docs/memory.md), at least the one priced here; otherwise it names the cache size."""
     argv = ["weightstream", "generate", model_dir]
     if rec.path == "page-cache":
         argv += ["--expert-source", "page-cache"]
     else:
-        argv += ["--expert-cache", str(rec.cache_bytes), "--policy", rec.policy, "--io-threads", str(io_threads)]
+        sized = memory is not None and rec.cache_bytes == largest_cache and not pinned
+        argv += ["--memory", memory] if sized else ["--expert-cache", str(rec.cache_bytes)]
+        argv += ["--policy", rec.policy, "--io-threads", str(io_threads)]
         if pinned:
             argv += ["--pinned-experts", pinned]
     return argv + ["--max-new-tokens", str(max_new_tokens), "--prompt", EXAMPLE_PROMPT]
@@ -45,7 +58,9 @@ def build_report(
         pinned = session.write_pinned(pinned_set(search.w, rec.slots, search.options), rec.slots)
     who_wins = verdict(configs)
     page = next(c for c in configs if c.path == "page-cache")
-    command = generate_command(session.model_dir, rec, session.io_threads, max_new_tokens, pinned)
+    largest = max((c.cache_bytes for c in configs if c.path != "page-cache"), default=None)
+    memory = f"{session.budget.memory_bytes // MIB}MiB"
+    command = generate_command(session.model_dir, rec, session.io_threads, max_new_tokens, pinned, memory, largest)
     return {
         "model": session.model_dir,
         "budget": session.budget.to_dict(),
