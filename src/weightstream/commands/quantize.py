@@ -19,7 +19,8 @@ def register(sub) -> None:
         "expert at a time, never the whole model in memory; the output appears only when complete.",
         epilog="examples:\n  weightstream quantize models/olmoe --bits 4 --out models/olmoe-int4\n"
         "  weightstream quantize models/olmoe --bits 8 --out models/olmoe-int8 --force\n"
-        "  weightstream quantize models/olmoe --bits 16 --dense bf16 --out models/olmoe-bf16-native",
+        "  weightstream quantize models/olmoe --bits 16 --dense bf16 --out models/olmoe-bf16-native\n"
+        "  weightstream quantize models/olmoe --bits 4 --miss-bits 2 --out models/olmoe-q4-miss2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json + *.safetensors)")
@@ -54,6 +55,17 @@ def register(sub) -> None:
         help="torch int4 only: inputs per scale/zero, one of 32, 64, "
         "128, 256 (default 128; docs/quantization.md, 'Choosing the group size', gives the measured reason)",
     )
+    p.add_argument(
+        "--miss-bits",
+        type=int,
+        choices=(2, 3),
+        metavar="{2,3}",
+        help="also write a small copy of every expert beside its blob: Q2_K (2, 2.6 bits a weight) or Q3_K (3, 3.4 "
+        "bits), from the source weights; a weight whose inputs are not whole blocks of 256 is Q4_0 in it (said). "
+        "`generate/serve/bench --miss-copy` then read the small copy on a cache miss (fewer bytes) and the full one "
+        "when the expert comes back; tokens then are not the model's exact ones, so it is never the default. Native "
+        "kernels only (docs/quantization.md, 'Small copies for misses')",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to create (must be empty unless --force)")
     p.add_argument(
         "--force", action="store_true", help="replace --out if it is a directory weightstream wrote (nothing else)"
@@ -69,7 +81,15 @@ def run(args) -> int:
     target = "bf16 blocks" if args.bits == 16 else f"int{args.bits}"
     with byte_progress(f"quantizing {args.model} to {target}") as progress:
         result = quantize_checkpoint(
-            args.model, args.out, args.bits, args.group_size, args.force, progress, args.kernel, args.dense
+            args.model,
+            args.out,
+            args.bits,
+            args.group_size,
+            args.force,
+            progress,
+            args.kernel,
+            args.dense,
+            args.miss_bits,
         )
     summary = {
         "out": result.out_dir,
@@ -81,6 +101,12 @@ def run(args) -> int:
         "bytes": result.total_bytes,
         "seconds": result.seconds,
     }
+    if result.miss_bits is not None:
+        summary.update(
+            miss_bits=result.miss_bits,
+            miss_copy_bytes=result.miss_copy_bytes,
+            miss_copy_fallback=result.miss_fallback,
+        )
     ratio = result.expert_bytes_after / result.expert_bytes_before
     group = f" (groups of {result.group_size})" if result.group_size else ""
     print(
@@ -88,6 +114,18 @@ def run(args) -> int:
         if args.json
         else f"wrote {result.out_dir}: {result.experts} experts as {result.scheme}{group}, "
         f"{result.expert_bytes_after / 2**20:.2f} MiB each ({ratio:.2f}x of {result.expert_bytes_before / 2**20:.2f} "
-        f"MiB), {result.total_bytes / 2**30:.2f} GiB in all, {result.seconds:.1f} s"
+        f"MiB), {result.total_bytes / 2**30:.2f} GiB in all, {result.seconds:.1f} s" + _miss_line(result)
     )
     return 0
+
+
+def _miss_line(result) -> str:
+    if result.miss_bits is None:
+        return ""
+    fallback = "".join(
+        f"; {name} as {t} (its inputs are not whole blocks of 256)" for name, t in result.miss_fallback.items()
+    )
+    return (
+        f"\nsmall copies for misses: Q{result.miss_bits}_K, {result.miss_copy_bytes / 2**20:.2f} MiB each "
+        f"({result.miss_copy_bytes / result.expert_bytes_after:.2f}x of the blob){fallback}; run with --miss-copy"
+    )

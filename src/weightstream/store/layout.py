@@ -26,7 +26,7 @@ from transformers.core_model_loading import (
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import region_bytes
 from weightstream.store.checkpoint import Checkpoint
-from weightstream.store.quant_format import QuantFormat, blob_key
+from weightstream.store.quant_format import QuantFormat, blob_key, small_key
 from weightstream.store.safetensors_index import TensorInfo
 
 TESTED_ARCHITECTURES = (
@@ -112,6 +112,8 @@ class ModelLayout:
     num_experts: dict[int, int]
     top_k: int
     dense: dict[str, TensorInfo]  # model parameter name -> checkpoint tensor
+    # each expert's small copy (`quantize --miss-bits`; read on a miss under `--miss-copy`); None: there are none
+    small_copies: dict[tuple[int, int], ExpertLayout] | None = None
 
     @property
     def layers(self) -> list[int]:
@@ -160,7 +162,14 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int, quant: Qu
     fused: set[tuple[str, str]] = set()  # (module path, param) stored fused on disk: transformers maps it as is
     dense: dict[str, TensorInfo] = {}
     blobs = _blob_experts(ckpt, modules, module_layers, quant) if quant is not None else {}
-    blob_keys = {blob_key(path, e) for path, m in modules.items() for e in range(m.num_experts)} if quant else set()
+    small = None
+    if quant is not None and quant.miss_copy is not None:
+        table = (quant.miss_copy.tensors, quant.miss_copy.blob_bytes)
+        small = _blob_experts(ckpt, modules, module_layers, quant, small_key, table)
+    keys = (blob_key, small_key)
+    blob_keys = (
+        {key(path, e) for path, m in modules.items() for e in range(m.num_experts) for key in keys} if quant else set()
+    )
     for key, info in ckpt.tensors.items():
         if key in blob_keys:
             continue
@@ -178,21 +187,24 @@ def build_layout(model: torch.nn.Module, ckpt: Checkpoint, top_k: int, quant: Qu
             dense[target] = info
     experts = blobs or _assemble(found, fused, modules, module_layers, params, ckpt.model_dir)
     num_experts = {module_layers[p]: m.num_experts for p, m in modules.items()}
-    return ModelLayout(model_type, experts, module_layers, num_experts, top_k, dense)
+    return ModelLayout(model_type, experts, module_layers, num_experts, top_k, dense, small)
 
 
-def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) -> dict[tuple[int, int], ExpertLayout]:
-    """Each expert's tensors inside its blob, as the manifest lists them (all at the blob's own alignment)."""
+def _blob_experts(
+    ckpt: Checkpoint, modules, module_layers, quant: QuantFormat, key=blob_key, table=None
+) -> dict[tuple[int, int], ExpertLayout]:
+    """Each expert's tensors inside its blob, as the manifest lists them (all at the blob's own alignment); `key` and
+    `table` (table, bytes) for the small copies instead (`quant.miss_copy`)."""
     experts = {}
     for path, module in modules.items():
         layer = module_layers[path]
-        table, blob_bytes = quant.table(layer)
+        tensors, blob_bytes = table or quant.table(layer)
         for e in range(module.num_experts):
-            info = ckpt.tensors.get(blob_key(path, e))
+            info = ckpt.tensors.get(key(path, e))
             if info is None or info.dtype != "U8" or info.nbytes != blob_bytes:
                 got = "missing" if info is None else f"{info.dtype} of {info.nbytes} bytes"
                 raise WeightstreamError(
-                    f"{ckpt.model_dir}: expert blob {blob_key(path, e)!r} is {got}; the manifest "
+                    f"{ckpt.model_dir}: expert blob {key(path, e)!r} is {got}; the manifest "
                     f"says U8 of {blob_bytes} bytes (re-run `weightstream quantize`)"
                 )
             experts[(layer, e)] = ExpertLayout(
@@ -200,7 +212,7 @@ def _blob_experts(ckpt: Checkpoint, modules, module_layers, quant: QuantFormat) 
                 e,
                 tuple(
                     ExpertParam(t.name, *t.storage, (Piece(info.path, info.offset + t.offset, t.nbytes),))
-                    for t in table
+                    for t in tensors
                 ),
             )
     return experts

@@ -6,6 +6,10 @@ and up first, down last, biases after their projection), each 64-byte aligned in
 layout the kernel takes, with its scales (and zeros) beside it. A miss is then one O_DIRECT request straight into
 the slot, and nothing is repacked. The manifest (MANIFEST in the directory) names the scheme and lists the blob's
 tensors; `weightstream quantize` writes it last, so a directory without it is not a quantized checkpoint.
+
+`quantize --miss-bits 2|3` adds beside each blob a small copy of the same expert, `<experts module>.<expert>.small`
+(its weights as Q2_K or Q3_K, in shard files of their own, one per decoder layer), laid out as blobs are; the
+manifest's `miss_copy` lists its table. `--miss-copy` reads it on a cache miss (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -24,9 +28,12 @@ from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
 
 MANIFEST = "weightstream-quantized.json"
 FORMAT = "weightstream-quantized-experts"
-# version 1: torch's packed-weight schemes; version 2 adds GGML block schemes for the native kernels
+# version 1: torch's packed-weight schemes; version 2 adds GGML block schemes for the native kernels; version 3 adds
+# the small copies `--miss-bits` writes (written only then: a reader that knows no small copies refuses the directory
+# instead of taking them for dense tensors)
 VERSION = 2
-VERSIONS = (1, 2)
+MISS_COPY_VERSION = 3
+VERSIONS = (1, 2, 3)
 TORCH_SCHEMES = ("int8", "int4")
 # GGML block schemes (native.py) -> the block types a weight may be stored in, the one `quantize` writes first
 # (an import keeps each tensor's own type: a Q4_K_M file stores some projections as Q6_K, a Q2_K file mixes
@@ -37,7 +44,12 @@ GGML_SCHEMES = {
     "q4_k": ("Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"),
     "bf16": ("BF16",),  # not quantized: bf16 weights on the native kernels (float32 activations)
     "mxfp4": ("MXFP4",),  # a published MXFP4 checkpoint's experts, their blocks kept (store/published.py)
+    # the small copies of `--miss-bits 2|3` (`MissCopy`): Q2_K / Q3_K, Q4_0 for a weight whose inputs are not whole
+    # super-blocks of 256
+    "q2_k": ("Q2_K", "Q4_0"),
+    "q3_k": ("Q3_K", "Q4_0"),
 }
+MISS_BITS = {2: "q2_k", 3: "q3_k"}  # --miss-bits -> the small copies' scheme
 SCHEMES = (*TORCH_SCHEMES, *GGML_SCHEMES)
 BLOB_ALIGN = 64
 # the dtypes a blob's tensors may have (names as torch spells them); GGML block types (rows of blocks) are
@@ -69,6 +81,25 @@ class BlobTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class MissCopy:
+    """The small copy of every expert that `quantize --miss-bits` writes beside its blob: its bits, scheme and table
+    (the blob's tensors, by the same names, in the small copy's block types) and its bytes."""
+
+    bits: int
+    scheme: str
+    tensors: tuple[BlobTensor, ...]
+    blob_bytes: int
+
+    def to_json(self) -> dict:
+        return {
+            "bits": self.bits,
+            "scheme": self.scheme,
+            "tensors": _table_json(self.tensors),
+            "blob_bytes": self.blob_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class QuantFormat:
     """What MANIFEST says: the scheme, its parameters, and the table of every expert blob's tensors."""
 
@@ -85,6 +116,8 @@ class QuantFormat:
     # dense weights stored as GGML blocks too (`quantize --dense`): parameter name -> its block type and
     # logical (out, in) shape; the checkpoint holds them as uint8 (out, row bytes), run by native.py
     dense: dict[str, tuple[str, tuple[int, int]]] | None = None
+    # `quantize --miss-bits`: a small copy of every expert beside its blob (None: no small copies)
+    miss_copy: MissCopy | None = None
 
     def table(self, layer: int) -> tuple[tuple[BlobTensor, ...], int]:
         """The blob table and blob bytes of the experts of decoder layer `layer`."""
@@ -108,13 +141,23 @@ class QuantFormat:
     def tensor(self, name: str) -> BlobTensor:
         return next(t for t in self.tensors if t.name == name)
 
+    def miss_format(self) -> QuantFormat:
+        """The small copies' format, as a QuantFormat the kernels and encoders take: their scheme and table, no
+        per-layer tables, no small copies of their own."""
+        assert self.miss_copy is not None
+        m = self.miss_copy
+        return replace(
+            self, scheme=m.scheme, tensors=m.tensors, blob_bytes=m.blob_bytes, layer_tables=None, miss_copy=None
+        )
+
     @property
     def native(self) -> bool:
         """Whether the experts are GGML blocks the native kernels run (else torch's packed layouts)."""
         return self.scheme in GGML_SCHEMES
 
     def to_json(self) -> dict:
-        out = {"format": FORMAT, "version": VERSION if self.native else 1, **asdict(self)}
+        version = (MISS_COPY_VERSION if self.miss_copy else VERSION) if self.native else 1
+        out = {"format": FORMAT, "version": version, **asdict(self)}
         out["tensors"] = _table_json(self.tensors)
         if self.layer_tables:
             out["layer_tables"] = {
@@ -127,6 +170,10 @@ class QuantFormat:
             out["dense"] = {name: {"dtype": t, "shape": list(shape)} for name, (t, shape) in sorted(self.dense.items())}
         else:
             out.pop("dense")
+        if self.miss_copy:
+            out["miss_copy"] = self.miss_copy.to_json()
+        else:
+            out.pop("miss_copy")
         return out
 
 
@@ -141,6 +188,11 @@ def _table(items: list[dict]) -> tuple[BlobTensor, ...]:
 def blob_key(module_path: str, expert: int) -> str:
     """The checkpoint key of one expert's blob."""
     return f"{module_path}.{expert}.packed"
+
+
+def small_key(module_path: str, expert: int) -> str:
+    """The checkpoint key of one expert's small copy (`quantize --miss-bits`)."""
+    return f"{module_path}.{expert}.small"
 
 
 def blob_layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[tuple[BlobTensor, ...], int]:
@@ -185,6 +237,9 @@ def _parse(data: dict) -> QuantFormat:
         )
     tensors = _table(data["tensors"])
     layers = {int(k): (_table(v["tensors"]), int(v["blob_bytes"])) for k, v in data.get("layer_tables", {}).items()}
+    miss = data.get("miss_copy")
+    if miss is not None:
+        miss = MissCopy(int(miss["bits"]), miss["scheme"], _table(miss["tensors"]), int(miss["blob_bytes"]))
     return QuantFormat(
         data["scheme"],
         data["activation_dtype"],
@@ -195,6 +250,7 @@ def _parse(data: dict) -> QuantFormat:
         data.get("source"),
         layers or None,
         {name: (d["dtype"], tuple(int(x) for x in d["shape"])) for name, d in data.get("dense", {}).items()} or None,
+        miss,
     )
 
 
@@ -210,8 +266,15 @@ def _validate(fmt: QuantFormat, path: str) -> None:
         raise bad(f"scheme {fmt.scheme!r} / activation dtype {fmt.activation_dtype!r} unknown")
     if fmt.scheme == "int4" and (fmt.group_size not in INT4_GROUPS or fmt.int4_layout not in INT4_LAYOUTS):
         raise bad(f"int4 needs group_size in {INT4_GROUPS} and int4_layout in {tuple(INT4_LAYOUTS)}")
-    blocks = GGML_SCHEMES.get(fmt.scheme, ())
-    for table, blob_bytes in fmt.tables():
+    tables = [(table, nbytes, GGML_SCHEMES.get(fmt.scheme, ())) for table, nbytes in fmt.tables()]
+    if fmt.miss_copy is not None:
+        m = fmt.miss_copy
+        if not fmt.native or MISS_BITS.get(m.bits) != m.scheme:
+            raise bad(f"small copies of {m.bits} bits as {m.scheme!r} beside {fmt.scheme} blobs")
+        if m.blob_bytes > min(nbytes for _, nbytes in fmt.tables()):
+            raise bad(f"small copies of {m.blob_bytes} bytes are larger than a blob")
+        tables.append((m.tensors, m.blob_bytes, GGML_SCHEMES[m.scheme]))
+    for table, blob_bytes, blocks in tables:
         names = [t.name for t in table]
         if names != [t.name for t in fmt.tensors]:
             raise bad(f"a layer's blob holds {names}, the others {[t.name for t in fmt.tensors]}")

@@ -37,10 +37,13 @@ from weightstream.store.quant_format import (
     BLOCK_TYPES,
     GGML_SCHEMES,
     MANIFEST,
+    MISS_BITS,
+    MissCopy,
     QuantFormat,
     blob_key,
     blob_layout,
     row_bytes,
+    small_key,
     write_manifest,
 )
 from weightstream.store.safetensors_index import TensorInfo
@@ -96,6 +99,10 @@ class QuantizeResult:
     expert_bytes_after: int  # one expert's blob
     total_bytes: int
     seconds: float
+    miss_bits: int | None = None  # --miss-bits: the small copies' bits
+    miss_copy_bytes: int | None = None  # one expert's small copy
+    # weights of the small copy that are not Q2_K / Q3_K, and the type they are (inputs not whole blocks of 256)
+    miss_fallback: dict[str, str] | None = None
 
 
 def blob_format(
@@ -125,6 +132,40 @@ def blob_format(
     table, nbytes = blob_layout(entries)
     layout = torch_int4_layout() if scheme == "int4" else None
     return QuantFormat(scheme, act, table, nbytes, group if scheme == "int4" else None, layout, source)
+
+
+MISS_FALLBACK = "Q4_0"  # a small copy's weight whose inputs are not whole super-blocks of 256: 4.5 bits, per 32
+
+
+def miss_copy_format(
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]], transposed: bool, bits: int, dtype: torch.dtype
+) -> tuple[MissCopy, dict[str, str]]:
+    """The small copies' table (`--miss-bits`): each weight as Q2_K (2) or Q3_K (3) where its inputs are whole
+    super-blocks of 256, else as MISS_FALLBACK; biases in the activation dtype. Returns it and {weight: type} of the
+    weights that fell back; refuses experts none of whose weights can be Q2_K / Q3_K."""
+    if bits not in MISS_BITS:
+        raise WeightstreamError(f"--miss-bits {bits}: choose 2 (Q2_K small copies) or 3 (Q3_K)")
+    scheme = MISS_BITS[bits]
+    wtype = GGML_SCHEMES[scheme][0]
+    shapes = {name: _out_in(shape, transposed) for name, (shape, _) in params.items() if len(shape) > 1}
+    if not any(k % BLOCK_TYPES[wtype].elements == 0 for _, k in shapes.values()):
+        sizes = ", ".join(f"{name} {k}" for name, (_, k) in shapes.items())
+        raise WeightstreamError(
+            f"--miss-bits {bits}: {wtype} needs a weight's inputs in whole super-blocks of 256, and no expert weight "
+            f"has them (inputs: {sizes}); small copies would save little here, quantize without --miss-bits"
+        )
+    entries, fallback = [], {}
+    for name, (shape, _) in params.items():
+        if len(shape) == 1:
+            entries.append((name, torch_name(dtype), shape))
+            continue
+        n, k = shapes[name]
+        t = wtype if k % BLOCK_TYPES[wtype].elements == 0 else MISS_FALLBACK
+        if t != wtype:
+            fallback[name] = t
+        entries.append((f"{name}.qweight", t, (n, k)))
+    table, nbytes = blob_layout(entries)
+    return MissCopy(bits, scheme, table, nbytes), fallback
 
 
 def _out_in(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
@@ -204,6 +245,7 @@ def quantize_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     kernel: str = "auto",
     dense: str = "keep",
+    miss_bits: int | None = None,
 ) -> QuantizeResult:
     """Write `out`: `src` with every routed expert quantized to `bits`.
 
@@ -235,6 +277,17 @@ def quantize_checkpoint(
         raise WeightstreamError(f"--dense {dense}: the native kernels are not available here ({native.why_not()})")
     if kernel == "native" and not native.available():
         raise WeightstreamError(f"--kernel native: the native kernels are not available here ({native.why_not()})")
+    if miss_bits is not None and miss_bits not in MISS_BITS:
+        raise WeightstreamError(f"--miss-bits {miss_bits}: choose 2 (Q2_K small copies) or 3 (Q3_K)")
+    if miss_bits is not None and (kernel == "torch" or group_size is not None):
+        raise WeightstreamError(
+            f"--miss-bits {miss_bits}: small copies are GGML blocks (Q2_K / Q3_K) computed by the native kernels, "
+            "beside native blobs; drop --kernel torch and --group-size"
+        )
+    if miss_bits is not None and not native.available():
+        raise WeightstreamError(
+            f"--miss-bits {miss_bits}: the native kernels are not available here ({native.why_not()})"
+        )
     use_torch = kernel == "torch" or group_size is not None or (kernel == "auto" and not native.available())
     scheme = ("int8" if bits == 8 else "int4") if use_torch else {8: "q8_0", 16: "bf16"}.get(bits)
     group = DEFAULT_GROUP if group_size is None else group_size
@@ -248,7 +301,10 @@ def quantize_checkpoint(
     refuse_existing(out, force, sources=[src])
     mapped = map_model(src, convert=False)  # a published FP8 / MXFP4 source is read as published, expert by expert
     if mapped.quant is not None:
-        raise WeightstreamError(f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint")
+        also = " (with --miss-bits there, for small copies)" if miss_bits is not None else ""
+        raise WeightstreamError(
+            f"{src}: already quantized ({mapped.quant.scheme}); quantize the original checkpoint{also}"
+        )
     modules = experts_modules(mapped.model)
     layout = mapped.layout
     first = layout.experts[next(iter(layout.experts))]
@@ -274,6 +330,10 @@ def quantize_checkpoint(
     quant = blob_format(params, transposed, scheme, group, mapped.model.dtype, source)
     if dense != "keep":
         quant = dataclasses.replace(quant, dense=dense_plan(mapped, dense))
+    fallback = None
+    if miss_bits is not None:
+        miss, fallback = miss_copy_format(params, transposed, miss_bits, mapped.model.dtype)
+        quant = dataclasses.replace(quant, miss_copy=miss)
     with built_in_place(out, "quantize") as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)
@@ -289,11 +349,15 @@ def quantize_checkpoint(
         quant.blob_bytes,
         total,
         time.perf_counter() - start,
+        miss_bits,
+        quant.miss_copy.blob_bytes if quant.miss_copy else None,
+        fallback,
     )
 
 
 def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, progress) -> int:
-    """Shards by decoder layer: its dense tensors and its experts' blobs. Returns bytes written."""
+    """Shards by decoder layer: its dense tensors and its experts' blobs (and small copies, each beside its blob).
+    Returns bytes written."""
     layout, published = mapped.layout, mapped.published
     read_stored = published.read_tensor if published is not None else read_tensor
     # what an encoder takes: float32, a published FP8 weight dequantized straight into it (not through bf16)
@@ -305,8 +369,11 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
     shards: dict[int, dict] = {}
     for name, info in dense.items():
         shards.setdefault(layer_index(name, -1), {})[name] = info  # -1: embeddings, final norm, head: the first shard
+    small = quant.miss_format() if quant.miss_copy else None
+    small_keys = {}
     for (layer, expert), ex in layout.experts.items():
         shards.setdefault(layer, {})[blob_key(path_of[layer], expert)] = ex
+        small_keys[blob_key(path_of[layer], expert)] = small_key(path_of[layer], expert)
     todo = sum(i.nbytes for i in dense.values()) + sum(e.nbytes for e in layout.experts.values())
     done = 0
 
@@ -317,26 +384,42 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
             writer.write(key, ENCODERS[quant.dense[key][0]](read_float(item)))
         elif isinstance(item, TensorInfo):
             writer.write(key, read_stored(item))
-        else:
-            writer.write(key, expert_blob(_expert_tensors(item, transposed, quant, published), quant))
+        else:  # the blob, and its small copy from the same weights read once
+            tensors, small_tensors = _expert_tensors(item, transposed, quant, published, small)
+            writer.write(key, expert_blob(tensors, quant))
+            if small is not None:
+                writer.write(small_keys[key], expert_blob(small_tensors, small))
         done += item.nbytes
         if progress:
             progress(done, todo)
 
     entries = {layer: list(items.items()) for layer, items in shards.items()}
-    return write_shards(out, entries, lambda entry: {entry[0]: _spec(entry[0], entry[1], quant)}, write_item)
+
+    def specs(entry) -> dict:
+        key, item = entry
+        out = {key: _spec(key, item, quant)}
+        if small is not None and not isinstance(item, TensorInfo):
+            out[small_keys[key]] = (torch.uint8, (small.blob_bytes,))
+        return out
+
+    return write_shards(out, entries, specs, write_item)
 
 
-def _expert_tensors(expert, transposed: bool, quant: QuantFormat, published) -> dict[str, torch.Tensor]:
+def _expert_tensors(
+    expert, transposed: bool, quant: QuantFormat, published, small: QuantFormat | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """One expert's blob tensors by name: its parameters read (a published source's dequantized, float32) and
-    quantized, but MXFP4 blocks kept as they are where the blob stores MXFP4."""
+    quantized, but MXFP4 blocks kept as they are where the blob stores MXFP4; and, with `small` (the small copies'
+    format), its small copy's tensors from the same weights (None without)."""
     if published is None:
-        return quantize_expert({p.name: _read_param(p) for p in expert.params}, transposed, quant)
+        params = {p.name: _read_param(p) for p in expert.params}
+        return quantize_expert(params, transposed, quant), small and quantize_expert(params, transposed, small)
     kept = {}
     if quant.scheme == "mxfp4":
         kept = {f"{p.name}.qweight": published.mxfp4_rows(p) for p in expert.params if published.holds_mxfp4(p)}
-    params = {p.name: published.read_param(p) for p in expert.params if f"{p.name}.qweight" not in kept}
-    return {**quantize_expert(params, transposed, quant), **kept}
+    params = {p.name: published.read_param(p) for p in expert.params if small or f"{p.name}.qweight" not in kept}
+    blob = {n: w for n, w in params.items() if f"{n}.qweight" not in kept}
+    return {**quantize_expert(blob, transposed, quant), **kept}, small and quantize_expert(params, transposed, small)
 
 
 def _spec(key: str, item, quant: QuantFormat) -> tuple[torch.dtype, tuple[int, ...]]:
