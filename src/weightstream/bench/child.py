@@ -44,6 +44,7 @@ def run_streaming(cfg: dict) -> dict:
         policy_options={"pinned_keys": read_pinned_experts(pinned)} if pinned else None,
         expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
         predict_next=cfg.get("predict_next", False),
+        miss_copy=cfg.get("miss_copy", False),
         expert_kernel=cfg.get("expert_kernel", "auto"),
     )
     load_s = time.perf_counter() - start

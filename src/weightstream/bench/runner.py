@@ -42,6 +42,7 @@ class BenchConfig:
     chunk_bytes: int | None = None
     reference: bool = True
     predict_next: bool = False
+    miss_copy: bool = False  # expert-cache runs read small copies on a miss (`--miss-copy`)
     expert_kernel: str = "auto"
     long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
     overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run
@@ -99,6 +100,7 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
         "mode": mode,
         "expert_cache": cache if mode == "expert-cache" else None,
         "policy": config.policy if mode == "expert-cache" else None,
+        "miss_copy": config.miss_copy and mode == "expert-cache",
         "wall_s": time.perf_counter() - start,
         "proactive_reclaim_paused": paused,
         "cgroup_peak_bytes": peak,
@@ -128,6 +130,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
         "prompts": config.prompts[:1] if short else config.prompts,
         "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
         "predict_next": config.predict_next and mode == "expert-cache",
+        "miss_copy": config.miss_copy and mode == "expert-cache",
         "expert_kernel": config.expert_kernel,
         "policy": config.policy if mode == "expert-cache" else "lru",
         "pinned_experts": config.pinned_experts if mode == "expert-cache" else None,
@@ -167,6 +170,8 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
             engine_bytes_read=sum(p["bytes_read"] for p in prompts),
             io_wait_s=sum(p["io_wait_s"] for p in prompts),
             expert_cache_bytes=result["expert_cache_bytes"],
+            expert_misses=misses,
+            **_miss_copy_totals(prompts),
             per_prompt=[
                 {
                     "decode_s_per_token": p["decode_s"] / max(p["generated_tokens"] - 1, 1),
@@ -180,6 +185,15 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
         if result.get("page_cache_reads_counted"):  # the kernel's count of this process's reads during decode
             out["decode_bytes_read_per_token"] = _decode_bytes_per_token(prompts, steps)
     return out
+
+
+def _miss_copy_totals(prompts: list[dict]) -> dict:
+    """--miss-copy's figures over all prompts (bits 0: exact mode)."""
+    keys = ("miss_copy_reads", "miss_copy_bytes_read", "upgrades", "upgrade_bytes_read")
+    return {
+        "miss_copy_bits": prompts[0].get("miss_copy_bits", 0),
+        **{k: sum(p.get(k, 0) for p in prompts) for k in keys},
+    }
 
 
 def _decode_bytes_per_token(prompts: list[dict], steps: int) -> float:

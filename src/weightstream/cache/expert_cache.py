@@ -38,6 +38,14 @@ class CacheStats:
     readahead_aligned_bytes: int = 0  # what O_DIRECT would fetch for every read-ahead queued (cancelled or not)
     eviction_wait_s: float = 0.0  # time a lookup waited for an in-flight read-ahead it had to evict
     warm_issued: int = 0  # experts a warm restart queued into free slots at start (`ExpertCache.warm`)
+    # --miss-copy: misses that read an expert's small copy, and what O_DIRECT fetched for them (counted in the
+    # demand figures above too)
+    miss_copy_reads: int = 0
+    miss_copy_bytes: int = 0
+    # --miss-copy: hits on a small copy, each read in full precision into its slot before the layer computed with it
+    # (a demand read, counted in `aligned_bytes_missed` and `expert_bytes_missed`; the lookup is a hit)
+    upgrades: int = 0
+    upgrade_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -72,6 +80,9 @@ class ExpertSource(Protocol):
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """The expert's parameters in the model's layout (views, valid until the expert is evicted)."""
 
+    def holds_small_copy(self, layer: int, expert: int) -> bool:
+        """Whether `params` are the expert's small copy (`--miss-copy`), which its kernel's `small` computes."""
+
     def wait(self, fetch: LayerFetch) -> int:
         """Block until the next missing expert of `fetch` has all its bytes; returns it."""
 
@@ -83,6 +94,12 @@ class ExpertCache:
 
     A slot's key is resident in the policy from the moment its read is queued. Demand reads of a layer are
     all awaited before the next layer; a read-ahead may still be landing, and `inflight` tracks those.
+
+    With `miss_copy` (the checkpoint's `layout.small_copies`, `quantize --miss-bits`) a miss reads the expert's small
+    copy into its slot instead, and the slot remembers it (`small`); the next lookup that finds it there (a hit: the
+    expert came back while resident, so it is hot) reads the full blob into the same slot as a demand read, awaited
+    like a miss before the layer computes with it, and the expert is full precision from then until evicted.
+    Read-aheads and a warm restart read full blobs. Slots keep the full blob's size.
     """
 
     def __init__(
@@ -94,7 +111,13 @@ class ExpertCache:
         chunk_bytes: int | None = None,
         o_direct: bool = True,
         policy_options: dict | None = None,
+        miss_copy: bool = False,
     ):
+        if miss_copy and not layout.small_copies:
+            raise WeightstreamError(
+                "--miss-copy reads each expert's small copy on a miss, and this checkpoint has none; write them with "
+                "`weightstream quantize SRC --bits 4 --miss-bits 2 --out DIR`"
+            )
         self.layout, self.slot_bytes = layout, layout.slot_bytes
         working_set = layout.working_set_bytes
         if budget_bytes < working_set:
@@ -115,8 +138,14 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self._views: dict[Key, dict[str, torch.Tensor]] = {}  # params() of each key in a slot, until it leaves
         # sizes once, not a stat per miss: an aligned span is cut at the end of its file
-        file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+        small = layout.small_copies if miss_copy else {}
+        files = {p.path for e in (*layout.experts.values(), *small.values()) for p in e.pieces}
+        file_sizes = {path: os.path.getsize(path) for path in files}
         self.plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in layout.experts.items()}
+        self.small_plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in small.items()}
+        assert all(p.slot_bytes <= self.slot_bytes for p in self.small_plans.values()), "a small copy outgrows a slot"
+        self.miss_copy = miss_copy
+        self.small: set[Key] = set()  # keys whose slot holds (or is being filled with) the small copy
         self.reader.open_files(sorted(file_sizes))  # at load, not at the first miss of each file
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
@@ -150,12 +179,19 @@ class ExpertCache:
         for key in dict.fromkeys(access.hits):
             if key[1] in fetch.missing:
                 continue
+            if key in self.small:  # came back while its small copy is resident: hot, read in full before computing
+                self._upgrade(key, fetch)
+                continue
             # a read-ahead still landing is awaited like a miss: readiness is observed once, here or on `arrived`
             (fetch.missing if self.inflight.listen(key, fetch.arrived) else fetch.resident).append(key[1])
         slots = [self.free.pop() for _ in range(len(access.misses) - len(access.evicted))]
         slots += [self._reclaim(victim) for victim in access.evicted]
         for key, slot in zip(access.misses, slots):
             self._assign(key, slot)
+            if self.miss_copy:
+                self.small.add(key)
+                self.stats.miss_copy_reads += 1
+                self.stats.miss_copy_bytes += self.small_plans[key].aligned_bytes
             self._load(key, slot, lambda error, e=key[1]: fetch.arrived.put((e, error)), DEMAND)
         self._count_lookups(layer, access)
         return fetch
@@ -211,16 +247,20 @@ class ExpertCache:
         return sorted(((k, self.heat.get(k, 0)) for k in self.slot_of), key=lambda kv: (-kv[1], kv[0]))
 
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """The expert's parameters, in the model's layout, as views of its slot."""
+        """The expert's parameters, in the model's layout, as views of its slot (its small copy's, where it holds
+        that: `holds_small_copy`)."""
         key = (layer, expert)
         out = self._views.get(key)
         if out is None:  # made once per stay in a slot: a decode step then costs no tensor ops here
             base = self.slot_of[key] * self.slot_bytes
             out = {}
-            for name, offset, nbytes, shape, dtype in self.plans[key].views:
+            for name, offset, nbytes, shape, dtype in self._plan(key).views:
                 out[name] = self.arena.tensor[base + offset : base + offset + nbytes].view(dtype).view(shape)
             self._views[key] = out
         return out
+
+    def holds_small_copy(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.small
 
     def wait(self, fetch: LayerFetch) -> int:
         """The next missing expert whose bytes have all arrived (each is returned exactly once)."""
@@ -271,7 +311,21 @@ class ExpertCache:
                 self.stats.readahead_cancelled += 1
         self.stats.eviction_wait_s += self.inflight.wait_landed(victim)
         self._views.pop(victim, None)
+        self.small.discard(victim)
         return self.slot_of.pop(victim)
+
+    def _upgrade(self, key: Key, fetch: LayerFetch) -> None:
+        """Read `key`'s full blob over its small copy, into the same slot, awaited on `fetch` like a miss (nothing
+        computes with the slot meanwhile: its small copy landed before the layer that read it computed)."""
+        self.small.discard(key)
+        self._views.pop(key, None)  # the small copy's views; `params` makes the full blob's once it has landed
+        fetch.missing.append(key[1])
+        self.stats.upgrades += 1
+        self.stats.upgrade_bytes += self.plans[key].aligned_bytes
+        self._load(key, self.slot_of[key], lambda error, e=key[1]: fetch.arrived.put((e, error)), DEMAND)
+
+    def _plan(self, key: Key) -> SlotPlan:
+        return self.small_plans[key] if key in self.small else self.plans[key]
 
     def _assign(self, key: Key, slot: int) -> None:
         assert key not in self.slot_of, key
@@ -285,11 +339,13 @@ class ExpertCache:
         self.inflight.landed(key, error)
 
     def _load(self, key: Key, slot: int, notify: Callable[[BaseException | None], None], priority: int) -> ReadBatch:
-        plan = self.plans[key]
+        """Queue the reads of `key` into `slot`: its small copy where `small` holds it, else its blob."""
+        plan = self._plan(key)
         base = slot * self.slot_bytes
         requests = [ReadRequest(path, offset, nbytes, base + dest) for path, offset, nbytes, dest in plan.requests]
         if priority == DEMAND:
-            self.stats.expert_bytes_missed += self.layout.experts[key].nbytes
+            copies = self.layout.small_copies if key in self.small else self.layout.experts
+            self.stats.expert_bytes_missed += copies[key].nbytes
             self.stats.aligned_bytes_missed += plan.aligned_bytes
         else:
             self.stats.readahead_aligned_bytes += plan.aligned_bytes

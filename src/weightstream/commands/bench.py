@@ -70,6 +70,12 @@ def register(sub) -> None:
         action="store_true",
         help="expert-cache runs read ahead each next layer's guessed experts (see `weightstream generate --help`)",
     )
+    p.add_argument(
+        "--miss-copy",
+        action="store_true",
+        help="expert-cache runs read a miss's small copy and upgrade it when it comes back (a checkpoint of "
+        "`quantize --miss-bits`; see `weightstream generate --help`); runs are labelled miss_copy_bits, tokens differ",
+    )
     p.add_argument("--policy", default="lru", help="expert-cache runs' cache policy (default lru)")
     p.add_argument("--pinned-experts", metavar="FILE", help="--policy pinned: the experts to keep (from `tune`)")
     add_expert_kernel_option(p)
@@ -96,6 +102,7 @@ def run(args) -> int:
         chunk_bytes=args.chunk_kib * 1024 if args.chunk_kib else None,
         reference=not args.no_reference,
         predict_next=args.predict_next,
+        miss_copy=args.miss_copy,
         expert_kernel=args.expert_kernel,
         overlap=not args.no_overlap,
         policy=args.policy,

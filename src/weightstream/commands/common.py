@@ -68,7 +68,28 @@ def add_engine_options(p) -> None:
         "readahead_issued, readahead_used and prediction_accuracy. Off by default: measured here it "
         "read more and decoded slower (docs/benchmarks.md, next-layer prediction)",
     )
+    add_miss_copy_option(p)
     add_expert_kernel_option(p)
+
+
+def add_miss_copy_option(p) -> None:
+    p.add_argument(
+        "--miss-copy",
+        action="store_true",
+        help="fewer bytes a miss, tokens no longer exact (opt-in): on a cache miss read the expert's small copy (Q2_K "
+        "or Q3_K, written by `quantize --miss-bits`) and compute with it; when the expert is looked up again while "
+        "that copy is in the cache, it is hot: its full blob is read into the slot before it computes, and it stays "
+        "full until evicted. Stats say miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies "
+        "for misses')",
+    )
+
+
+def miss_copy_note(command: str) -> str:
+    """What `--miss-copy` changes, said once on stderr by the commands that take it."""
+    return (
+        f"weightstream {command}: --miss-copy: experts read on a miss compute with their small copies until they come "
+        "back, so tokens are not the model's exact ones (leave --miss-copy out for those)"
+    )
 
 
 def add_expert_kernel_option(p) -> None:
@@ -95,6 +116,7 @@ def engine_kwargs(args) -> dict:
         "expert_kernel": args.expert_kernel,
         "memory": args.memory,
         "warm_restart": args.warm_restart,
+        "miss_copy": args.miss_copy,
     }
 
 
@@ -134,7 +156,18 @@ def summary_line(stats) -> str:
         f"hit rate {stats.expert_hit_rate:.1%}, read {stats.bytes_read / mib:.1f} MiB "
         f"({stats.bytes_read_per_token / mib:.2f} MiB/token), I/O wait {stats.io_wait_s:.2f} s, "
         f"cache {stats.expert_cache_bytes / mib:.0f} MiB ({stats.expert_cache_slots} slots; working set "
-        f"{stats.working_set_bytes / mib:.0f} MiB)" + (prediction_line(stats) if stats.predict_next else "")
+        f"{stats.working_set_bytes / mib:.0f} MiB)"
+        + (prediction_line(stats) if stats.predict_next else "")
+        + (miss_copy_line(stats) if stats.miss_copy_bits else "")
+    )
+
+
+def miss_copy_line(stats) -> str:
+    mib = 2**20
+    return (
+        f"; miss copies (Q{stats.miss_copy_bits}_K): {stats.miss_copy_reads} small reads "
+        f"({stats.miss_copy_bytes_read / mib:.1f} MiB), {stats.upgrades} upgraded to full "
+        f"({stats.upgrade_bytes_read / mib:.1f} MiB)"
     )
 
 

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from weightstream.commands.common import add_engine_options, engine_kwargs, parse_prompt_ids, summary_line
+from weightstream.commands.common import (
+    add_engine_options,
+    engine_kwargs,
+    miss_copy_note,
+    parse_prompt_ids,
+    summary_line,
+)
 from weightstream.errors import WeightstreamError
 
 
@@ -16,7 +22,7 @@ def register(sub) -> None:
         help="generate text, streaming experts from the checkpoint",
         description="Load a Mixture-of-Experts checkpoint with only its dense weights in memory and stream "
         "experts from disk through a fixed-budget expert cache (O_DIRECT, dedicated I/O threads, reads "
-        "overlapped with compute). Tokens equal the in-memory model's. Greedy by default.",
+        "overlapped with compute). Tokens equal the in-memory model's (not with --miss-copy). Greedy by default.",
         epilog="examples:\n  weightstream generate models/olmoe --prompt 'Hello' --expert-cache 2GiB\n"
         "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,6 +63,8 @@ def run(args) -> int:
     if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its prompt
         engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), 512))
     model = load_streaming_model(model_dir, **engine)
+    if args.miss_copy:
+        print(miss_copy_note("generate"), file=sys.stderr)
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")

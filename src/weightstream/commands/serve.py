@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from weightstream.commands.common import add_engine_options, engine_kwargs
+from weightstream.commands.common import add_engine_options, engine_kwargs, miss_copy_note
 from weightstream.errors import WeightstreamError
 
 API_KEY_ENV = "WEIGHTSTREAM_API_KEY"
@@ -98,6 +99,8 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise WeightstreamError(f"--port {args.port}: must be 0..65535")
     model_dir = resolve_model(args.model)  # before the server's imports (torch, transformers: seconds)
+    if args.miss_copy:
+        print(miss_copy_note("serve"), file=sys.stderr)
 
     from weightstream.engine.serve.server import serve
     from weightstream.engine.serve.service import ServeSettings

@@ -4,6 +4,10 @@ Per layer, routing bookkeeping is done once (which rows chose which expert, with
 eager's `torch.where` lists them); then each expert costs only its kernel call, on views of its cache slot:
 resident experts first, each missing one as soon as its own bytes are in. Contributions are added into the
 output in ascending expert order, as eager adds them, so the result never depends on read timing.
+
+Under `--miss-copy` an expert whose slot holds its small copy (`ExpertSource.holds_small_copy`) is computed by the
+kernel's `small` (the small copy's own block types): expert by expert each picks its kernel, and the one-call layer
+computes each group of experts that hold the same copy, adding contributions as it always does.
 """
 
 from __future__ import annotations
@@ -113,7 +117,8 @@ def compute_layer(
                 continue
             done.add(expert)
             token_idx, weights = routing.rows(expert)
-            total.add(expert, token_idx, kernel(hidden_states[token_idx], weights, source.params(layer, expert)))
+            compute = _kernel_of(kernel, source, layer, expert)
+            total.add(expert, token_idx, compute(hidden_states[token_idx], weights, source.params(layer, expert)))
     assert not total.pending and total.next == len(total.order), "an expert of the layer was never computed"
     return total.out
 
@@ -130,21 +135,23 @@ def compute_layer_native(
     after_first_fetch: Callable[[list[int]], None] | None = None,
 ) -> torch.Tensor:
     """`compute_layer` for a kernel that runs a whole layer natively (`QuantizedExperts.layer`): one call when every
-    routed expert is resident; else each group (the resident ones, then each missing one as its bytes arrive) fills
-    its rows of the contributions, which are added in ascending expert order at the end, as the one call adds them,
-    so the result is the same bitwise."""
+    routed expert is resident (and holds the same copy); else each group (the resident ones, then each missing one
+    as its bytes arrive; split by the copy they hold) fills its rows of the contributions, which are added in
+    ascending expert order at the end, as the one call adds them, so the result is the same bitwise."""
     contrib = None
     done: set[int] = set()
     for group, last in arrivals(source, layer, waves, io_wait, after_first_fetch):
         experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
-        if contrib is None and last:  # the first group is the whole layer: every routed expert resident
-            return kernel.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
+        parts = _by_kernel(kernel, source, layer, experts)
+        if contrib is None and last and len(parts) == 1:  # the whole layer, every routed expert resident
+            compute, experts = parts[0]
+            return compute.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
         if contrib is None:
             contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
-        if experts:
-            done.update(experts)
-            kernel.contribute(
-                contrib, hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts)
+        for compute, members in parts:
+            done.update(members)
+            compute.contribute(
+                contrib, hidden_states, top_k_index, top_k_weights, members, _params(source, layer, members)
             )
     assert done == set(top_k_index.reshape(-1).tolist()), "an expert of the layer was never computed"
     return native.moe_sum(contrib, top_k_index, hidden_states)
@@ -152,3 +159,19 @@ def compute_layer_native(
 
 def _params(source: ExpertSource, layer: int, experts: list[int]) -> list:
     return [source.params(layer, e) for e in experts]
+
+
+def _kernel_of(kernel, source: ExpertSource, layer: int, expert: int):
+    """The kernel of the copy the expert's slot holds: the small copies' (`kernel.small`) or the kernel itself."""
+    small = getattr(kernel, "small", None)  # a QuantizedExperts' (None without --miss-copy); eager kernels have none
+    return small if small is not None and source.holds_small_copy(layer, expert) else kernel
+
+
+def _by_kernel(kernel, source: ExpertSource, layer: int, experts: list[int]) -> list[tuple[object, list[int]]]:
+    """`experts` (ascending) in groups by the kernel of the copy each holds, [(kernel, its experts)]: one group
+    without --miss-copy, none for no experts."""
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for e in experts:
+        compute = _kernel_of(kernel, source, layer, e)
+        groups.setdefault(id(compute), (compute, []))[1].append(e)
+    return list(groups.values())

@@ -45,6 +45,14 @@ class GenerationStats:
     # weight bytes one decode token touches: the dense weights it multiplies by (not an untied input embedding,
     # of which it reads one row) and the experts it looks up; what a memory-bound decode must read per token
     weight_bytes_per_token: float = 0.0
+    # --miss-copy: misses read small copies of these bits (0: exact mode, every expert computed as the checkpoint
+    # stores it; else tokens are not the model's exact ones), how many and their bytes; hits on a small copy that read
+    # the full blob first (`upgrades`) and their bytes. Both read kinds are in bytes_read and expert_bytes_missed too
+    miss_copy_bits: int = 0
+    miss_copy_reads: int = 0
+    miss_copy_bytes_read: int = 0
+    upgrades: int = 0
+    upgrade_bytes_read: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +68,7 @@ class _Snapshot:
     expert_bytes_missed: int
     read_ahead: tuple[int, int, int] = (0, 0, 0)  # issued, used, wasted
     predicted: tuple[int, int] = (0, 0)  # predicted, checked
+    miss_copy: tuple[int, int, int, int] = (0, 0, 0, 0)  # small reads, their bytes, upgrades, their bytes
 
 
 class StepClock(StoppingCriteria):
@@ -122,6 +131,7 @@ def _snapshot(runtime) -> _Snapshot:
         s.expert_bytes_missed,
         (s.readahead_issued, s.readahead_used, s.readahead_wasted),
         (p.predicted, p.checked) if p is not None else (0, 0),
+        (s.miss_copy_reads, s.miss_copy_bytes, s.upgrades, s.upgrade_bytes),
     )
 
 
@@ -174,4 +184,16 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         if decode_tokens
         else 0.0,
         **_prediction_stats(runtime, start, first, last),
+        **_miss_copy_stats(runtime, start, last),
     )
+
+
+def _miss_copy_stats(runtime, start: _Snapshot, last: _Snapshot) -> dict:
+    reads, nbytes, upgrades, upgrade_bytes = (b - a for a, b in zip(start.miss_copy, last.miss_copy))
+    return {
+        "miss_copy_bits": runtime.miss_copy_bits,
+        "miss_copy_reads": reads,
+        "miss_copy_bytes_read": nbytes,
+        "upgrades": upgrades,
+        "upgrade_bytes_read": upgrade_bytes,
+    }

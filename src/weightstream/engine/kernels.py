@@ -88,6 +88,9 @@ class QuantizedExperts:
     own gate between them, biases as stored. `quantized_experts` picks the class."""
 
     fused = False  # whether `layer` / `contribute` run a whole layer in one call (BlockExperts)
+    # --miss-copy: the kernel of the experts' small copies (their own block types, `quantize --miss-bits`), which
+    # computes an expert whose slot holds its small copy (`ExpertSource.holds_small_copy`); None: no small copies
+    small: QuantizedExperts | None = None
 
     def __init__(self, module: torch.nn.Module, quant: QuantFormat, dequant_rows: int):
         self.quant, self.scheme = quant, quant.scheme
@@ -304,11 +307,14 @@ def check_kernel_name(name: str) -> None:
         raise WeightstreamError(f"--expert-kernel {name!r}: choose one of {', '.join(KERNELS)}")
 
 
-def choose_kernel(module: torch.nn.Module, name: str = "auto", quant: QuantFormat | None = None) -> Kernel:
+def choose_kernel(
+    module: torch.nn.Module, name: str = "auto", quant: QuantFormat | None = None, miss_copy: bool = False
+) -> Kernel:
     """The kernel for this experts module: `auto` (proven lean kernel, else the view), or the one named; a
-    quantized checkpoint's experts take the quantized kernel, checked on this machine first."""
+    quantized checkpoint's experts take the quantized kernel, checked on this machine first (and with `miss_copy`
+    its small copies' kernel)."""
     if quant is not None:
-        return quantized_kernel_for(module, quant, name)
+        return quantized_kernel_for(module, quant, name, miss_copy)
     if name == "auto":
         return eager_kernel_for(module)
     if name == OneExpertEager.name:
@@ -321,8 +327,11 @@ def choose_kernel(module: torch.nn.Module, name: str = "auto", quant: QuantForma
     return kernel
 
 
-def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str = "auto") -> QuantizedExperts:
-    """The quantized kernel, once this machine's torch is shown to pack and multiply as the checkpoint assumes."""
+def quantized_kernel_for(
+    module: torch.nn.Module, quant: QuantFormat, name: str = "auto", miss_copy: bool = False
+) -> QuantizedExperts:
+    """The quantized kernel, once this machine's torch is shown to pack and multiply as the checkpoint assumes; with
+    `miss_copy`, its `small` computes the small copies (checked the same way)."""
     if name != "auto":
         raise WeightstreamError(
             f"--expert-kernel {name}: a quantized checkpoint's experts run its "
@@ -339,6 +348,13 @@ def quantized_kernel_for(module: torch.nn.Module, quant: QuantFormat, name: str 
             f"{torch_int4_layout()!r} (the layout follows the CPU's vector width): run `weightstream quantize` again "
             "on this machine"
         )
+    kernel = _checked(module, quant)
+    if miss_copy:
+        kernel.small = _checked(module, quant.miss_format())
+    return kernel
+
+
+def _checked(module: torch.nn.Module, quant: QuantFormat) -> QuantizedExperts:
     kernel = quantized_experts(module, quant)
     error, tolerance = quantized_error(kernel, module, quant), quant_tolerance(quant)
     if not error < tolerance:

@@ -65,6 +65,7 @@ def load_streaming_model(
     kv_cache_bytes: int | None = None,
     warmup_tokens: int = 32,
     warm_restart: bool = False,
+    miss_copy: bool = False,
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
@@ -76,6 +77,9 @@ def load_streaming_model(
     that would do. `model.weightstream.footprint` holds the figures.
     `warm_restart=True` reads back the experts the cache held when this model last ran with it (saved under
     MODEL/.weightstream at exit and every minute), hottest first, in the background, within the budget.
+    `miss_copy=True` (a checkpoint `quantize --miss-bits` wrote): a miss reads the expert's small copy (Q2_K / Q3_K)
+    and computes with it; an expert looked up again while its small copy is resident is read in full precision
+    into its slot before the layer computes with it. Fewer bytes a miss, but tokens are not the model's exact ones.
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
     `expert_kernel` "auto" takes the lean kernel proven bitwise equal to the architecture's eager forward, else
@@ -84,7 +88,7 @@ def load_streaming_model(
     as one native op each where proven on the model's own code (engine/fused.py); False keeps transformers' ops.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
-    expert_source = _check_options(expert_kernel, expert_source, predict_next)
+    expert_source = _check_options(expert_kernel, expert_source, predict_next, miss_copy)
     memory_bytes = _check_memory(memory, expert_cache, expert_source, warm_restart)
     if memory_bytes is not None:
         bound_heap()  # so that what the warm-up measures is what decode holds
@@ -92,10 +96,14 @@ def load_streaming_model(
     ws_experts.register()
     mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
     model, layout = mapped.model, mapped.layout
+    if miss_copy:
+        _check_miss_copy(model_dir, mapped.quant)
     _load_dense(model, layout.dense, model_dir, mapped.quant)
     release_heap()  # what loading allocated and freed
     reset_peak()  # from here the peak is decode's (the load's own, before any cache, is lower than what follows)
-    kernels = _kernels(model, expert_kernel, mapped.quant)  # before any I/O thread: a refusal leaves none running
+    kernels = _kernels(
+        model, expert_kernel, mapped.quant, miss_copy
+    )  # before any I/O thread: a refusal leaves none running
     computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
     fused = fuse_dense_ops(model) if fuse and computes_float32 else []
     modules = experts_modules(model)
@@ -111,6 +119,7 @@ def load_streaming_model(
             chunk_bytes=chunk_bytes,
             o_direct=o_direct,
             policy_options=policy_options,
+            miss_copy=miss_copy,
         )
 
     def install(cache, footprint=None, saver=None) -> StreamingRuntime:
@@ -124,6 +133,7 @@ def load_streaming_model(
             dense_bytes_touched=sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied)),
             footprint=footprint,
             state_saver=saver,
+            miss_copy_bits=mapped.quant.miss_copy.bits if miss_copy else 0,
         )
         for module in modules.values():
             # transformers calls the registered experts forward with the module alone: this is its way to the runtime
@@ -241,12 +251,17 @@ def read_pinned_experts(path: str) -> list[tuple[int, int]]:
     return keys
 
 
-def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -> str:
+def _check_options(expert_kernel: str, expert_source: str, predict_next: bool, miss_copy: bool = False) -> str:
     """The expert source's name (old names accepted); errors for options that cannot go together."""
     check_kernel_name(expert_kernel)
     expert_source = SOURCE_ALIASES.get(expert_source, expert_source)
     if expert_source not in EXPERT_SOURCES:
         raise WeightstreamError(f"--expert-source {expert_source!r}: choose one of {', '.join(EXPERT_SOURCES)}")
+    if miss_copy and expert_source != "expert-cache":
+        raise WeightstreamError(
+            "--miss-copy reads small copies into the expert cache's slots and upgrades them there; --expert-source "
+            "page-cache has no slots of our own (drop one of the two)"
+        )
     if predict_next and expert_source != "expert-cache":
         raise WeightstreamError(
             "--predict-next needs --expert-source expert-cache: through the page cache there are "
@@ -255,17 +270,27 @@ def _check_options(expert_kernel: str, expert_source: str, predict_next: bool) -
     return expert_source
 
 
+def _check_miss_copy(model_dir: str, quant: QuantFormat | None) -> None:
+    """--miss-copy needs the small copies `quantize --miss-bits` writes."""
+    if quant is None or quant.miss_copy is None:
+        what = "a quantized checkpoint without small copies" if quant is not None else "not a quantized checkpoint"
+        raise WeightstreamError(
+            f"--miss-copy: {model_dir} is {what}, so a miss has no small copy to read; write them with "
+            "`weightstream quantize SRC --bits 4 --miss-bits 2 --out DIR` (SRC: the original checkpoint) and run DIR"
+        )
+
+
 def _part(kernel, layer: int) -> ExpertsPart:
     """An experts module's layer and kernel (a copy for the layer where its block types are the layer's own)."""
     return ExpertsPart(layer, kernel.for_layer(layer) if isinstance(kernel, QuantizedExperts) else kernel)
 
 
-def _kernels(model, expert_kernel: str, quant: QuantFormat | None) -> dict[type, object]:
+def _kernels(model, expert_kernel: str, quant: QuantFormat | None, miss_copy: bool = False) -> dict[type, object]:
     """One kernel per experts class (proving one costs one expert's worth of random weights)."""
     kernels = {}
     for module in experts_modules(model).values():
         if type(module) not in kernels:
-            kernels[type(module)] = choose_kernel(module, expert_kernel, quant)
+            kernels[type(module)] = choose_kernel(module, expert_kernel, quant, miss_copy)
     return kernels
 
 

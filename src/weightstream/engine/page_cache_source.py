@@ -53,6 +53,9 @@ class PageCacheSource:
     def params(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         return {p.name: self._tensor(p) for p in self.layout.experts[(layer, expert)].params}
 
+    def holds_small_copy(self, layer: int, expert: int) -> bool:
+        return False  # --miss-copy needs the expert cache's slots
+
     def wait(self, fetch: LayerFetch) -> int:
         raise AssertionError("the mmap source has no pending reads")
 

@@ -61,12 +61,15 @@ class StreamingRuntime:
         dense_bytes_touched: int = 0,
         footprint: Footprint | None = None,
         state_saver: StateSaver | None = None,
+        miss_copy_bits: int = 0,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
         that run as native ops (engine/fused.py); `dense_bytes_touched`: dense weight bytes one decode token
         multiplies by; `footprint`: the memory by part `--memory` sized the cache from; `state_saver`: saves the
-        cache's contents for a warm restart, at intervals while decoding and at `close`."""
+        cache's contents for a warm restart, at intervals while decoding and at `close`; `miss_copy_bits`: the bits of
+        the small copies a miss reads (`--miss-copy`; 0: exact mode, every expert computed as the checkpoint stores
+        it)."""
         self._cache, self.layout = cache, layout
         self._parts = dict(parts)
         self.kernels = dict(kernels)
@@ -75,6 +78,7 @@ class StreamingRuntime:
         self.dense_bytes_touched = dense_bytes_touched
         self.footprint = footprint
         self.state_saver = state_saver
+        self.miss_copy_bits = miss_copy_bits
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on

@@ -148,6 +148,28 @@ class _LiveCollector:
             runtime.counters.io_wait_s + stats.eviction_wait_s,
         )
         yield _gauge(
+            "weightstream_miss_copy_bits",
+            "--miss-copy: bits of the small copies a miss reads and computes with (tokens are then not the model's "
+            "exact ones); 0: exact mode",
+            runtime.miss_copy_bits,
+        )
+        yield _counter(
+            "weightstream_miss_copy_reads",
+            "--miss-copy: misses that read an expert's small copy",
+            stats.miss_copy_reads,
+        )
+        yield _counter(
+            "weightstream_miss_copy_read_bytes", "--miss-copy: bytes read for small copies", stats.miss_copy_bytes
+        )
+        yield _counter(
+            "weightstream_expert_upgrades",
+            "--miss-copy: hits on a small copy, read in full precision into its slot before computing",
+            stats.upgrades,
+        )
+        yield _counter(
+            "weightstream_expert_upgrade_read_bytes", "--miss-copy: bytes read for upgrades", stats.upgrade_bytes
+        )
+        yield _gauge(
             "weightstream_expert_cache_bytes",
             "Memory of the expert cache (its byte budget)",
             runtime.cache.memory_bytes,
