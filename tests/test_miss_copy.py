@@ -148,6 +148,28 @@ def test_a_miss_reads_the_small_copy_and_the_next_lookup_reads_the_full_blob(wit
         cache.close()
 
 
+@pytest.mark.parametrize("upgrade_after", [2, None])
+def test_upgrade_after_counts_the_hits_a_small_copy_takes_first(with_copies, upgrade_after):
+    model_dir = with_copies("qwen3_moe", 2)
+    layout = read_layout(model_dir)[1]
+    cache = ExpertCache(
+        layout, 100 * layout.working_set_bytes, io_threads=2, miss_copy=True, upgrade_after=upgrade_after
+    )
+    try:
+        _fetch(cache, 1, [4])
+        read = cache.bytes_read
+        hit = _fetch(cache, 1, [4])  # computes with the small copy, reads nothing
+        assert hit.resident == [4] and cache.bytes_read == read and cache.holds_small_copy(1, 4)
+        assert cache.stats.miss_copy_hits == 1 and cache.stats.upgrades == 0
+        again = _fetch(cache, 1, [4])
+        if upgrade_after == 2:
+            assert again.missing == [4] and cache.stats.upgrades == 1 and not cache.holds_small_copy(1, 4)
+        else:  # never: the small copy stays until evicted
+            assert again.resident == [4] and cache.stats.miss_copy_hits == 2 and cache.holds_small_copy(1, 4)
+    finally:
+        cache.close()
+
+
 def _upgraded_run(model_dir: str, io_threads: int = 2):
     """Greedy logits with every expert read twice into a cache that holds them all (small copy, then upgraded)."""
     model = load_streaming_model(model_dir, expert_cache="100x", io_threads=io_threads, miss_copy=True)
@@ -272,6 +294,11 @@ def test_refusals_are_clear(tiny_model, with_copies, tmp_path):
             "already quantized (q4_k); quantize the original checkpoint (with --miss-bits there",
         ),
         (("generate", plain, "--prompt-ids", "1,2", "--miss-copy"), "--miss-bits 2 --out DIR"),
+        (("generate", plain, "--prompt-ids", "1,2", "--upgrade-after", "2"), "--upgrade-after goes with --miss-copy"),
+        (
+            ("generate", plain, "--prompt-ids", "1,2", "--miss-copy", "--upgrade-after", "0"),
+            "--upgrade-after 0: give a number of hits (1 or more) or never",
+        ),
     ]
     for args, message in cases:
         r = _cli(*args)

@@ -45,6 +45,7 @@ def run_streaming(cfg: dict) -> dict:
         expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
         predict_next=cfg.get("predict_next", False),
         miss_copy=cfg.get("miss_copy", False),
+        upgrade_after=cfg.get("upgrade_after", 1),
         expert_kernel=cfg.get("expert_kernel", "auto"),
     )
     load_s = time.perf_counter() - start

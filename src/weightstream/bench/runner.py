@@ -43,6 +43,7 @@ class BenchConfig:
     reference: bool = True
     predict_next: bool = False
     miss_copy: bool = False  # expert-cache runs read small copies on a miss (`--miss-copy`)
+    upgrade_after: int | None = 1  # --miss-copy: the hit on a small copy that reads the full blob (None: never)
     expert_kernel: str = "auto"
     long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
     overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run
@@ -101,6 +102,7 @@ def measure(config: BenchConfig, mode: str, cache: str, files: list[str], device
         "expert_cache": cache if mode == "expert-cache" else None,
         "policy": config.policy if mode == "expert-cache" else None,
         "miss_copy": config.miss_copy and mode == "expert-cache",
+        "upgrade_after": config.upgrade_after if config.miss_copy and mode == "expert-cache" else None,
         "wall_s": time.perf_counter() - start,
         "proactive_reclaim_paused": paused,
         "cgroup_peak_bytes": peak,
@@ -131,6 +133,7 @@ def child_config(config: BenchConfig, mode: str, cache: str) -> dict:
         "max_new_tokens": min(config.max_new_tokens, ACCELERATE_TOKENS) if short else config.max_new_tokens,
         "predict_next": config.predict_next and mode == "expert-cache",
         "miss_copy": config.miss_copy and mode == "expert-cache",
+        "upgrade_after": config.upgrade_after,
         "expert_kernel": config.expert_kernel,
         "policy": config.policy if mode == "expert-cache" else "lru",
         "pinned_experts": config.pinned_experts if mode == "expert-cache" else None,
@@ -189,7 +192,7 @@ def summarize(result: dict, device_bytes: int | None) -> dict:
 
 def _miss_copy_totals(prompts: list[dict]) -> dict:
     """--miss-copy's figures over all prompts (bits 0: exact mode)."""
-    keys = ("miss_copy_reads", "miss_copy_bytes_read", "upgrades", "upgrade_bytes_read")
+    keys = ("miss_copy_reads", "miss_copy_bytes_read", "upgrades", "upgrade_bytes_read", "miss_copy_hits")
     return {
         "miss_copy_bits": prompts[0].get("miss_copy_bits", 0),
         **{k: sum(p.get(k, 0) for p in prompts) for k in keys},

@@ -46,6 +46,7 @@ class CacheStats:
     # (a demand read, counted in `aligned_bytes_missed` and `expert_bytes_missed`; the lookup is a hit)
     upgrades: int = 0
     upgrade_bytes: int = 0
+    miss_copy_hits: int = 0  # --miss-copy with `upgrade_after` above 1: hits computed with the small copy, no read
 
     @property
     def hit_rate(self) -> float:
@@ -96,9 +97,10 @@ class ExpertCache:
     all awaited before the next layer; a read-ahead may still be landing, and `inflight` tracks those.
 
     With `miss_copy` (the checkpoint's `layout.small_copies`, `quantize --miss-bits`) a miss reads the expert's small
-    copy into its slot instead, and the slot remembers it (`small`); the next lookup that finds it there (a hit: the
-    expert came back while resident, so it is hot) reads the full blob into the same slot as a demand read, awaited
-    like a miss before the layer computes with it, and the expert is full precision from then until evicted.
+    copy into its slot instead, and the slot remembers it (`small`, with the hits it has had); the `upgrade_after`-th
+    lookup that finds it there (default 1, the next one: the expert came back while resident, so it is hot; None:
+    never) reads the full blob into the same slot as a demand read, awaited like a miss before the layer computes
+    with it, and the expert is full precision from then until evicted. Hits before that compute with the small copy.
     Read-aheads and a warm restart read full blobs. Slots keep the full blob's size.
     """
 
@@ -112,7 +114,10 @@ class ExpertCache:
         o_direct: bool = True,
         policy_options: dict | None = None,
         miss_copy: bool = False,
+        upgrade_after: int | None = 1,
     ):
+        if upgrade_after is not None and upgrade_after < 1:
+            raise WeightstreamError(f"--upgrade-after {upgrade_after}: give 1 or more hits, or never")
         if miss_copy and not layout.small_copies:
             raise WeightstreamError(
                 "--miss-copy reads each expert's small copy on a miss, and this checkpoint has none; write them with "
@@ -144,8 +149,8 @@ class ExpertCache:
         self.plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in layout.experts.items()}
         self.small_plans: dict[Key, SlotPlan] = {key: plan_slot(e, file_sizes) for key, e in small.items()}
         assert all(p.slot_bytes <= self.slot_bytes for p in self.small_plans.values()), "a small copy outgrows a slot"
-        self.miss_copy = miss_copy
-        self.small: set[Key] = set()  # keys whose slot holds (or is being filled with) the small copy
+        self.miss_copy, self.upgrade_after = miss_copy, upgrade_after
+        self.small: dict[Key, int] = {}  # keys whose slot holds (or is being filled with) the small copy -> its hits
         self.reader.open_files(sorted(file_sizes))  # at load, not at the first miss of each file
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.stats = CacheStats()
@@ -179,9 +184,12 @@ class ExpertCache:
         for key in dict.fromkeys(access.hits):
             if key[1] in fetch.missing:
                 continue
-            if key in self.small:  # came back while its small copy is resident: hot, read in full before computing
-                self._upgrade(key, fetch)
-                continue
+            if key in self.small:  # came back while its small copy is resident
+                self.small[key] += 1
+                if self.upgrade_after is not None and self.small[key] >= self.upgrade_after:
+                    self._upgrade(key, fetch)  # hot: read in full before the layer computes with it
+                    continue
+                self.stats.miss_copy_hits += 1
             # a read-ahead still landing is awaited like a miss: readiness is observed once, here or on `arrived`
             (fetch.missing if self.inflight.listen(key, fetch.arrived) else fetch.resident).append(key[1])
         slots = [self.free.pop() for _ in range(len(access.misses) - len(access.evicted))]
@@ -189,7 +197,7 @@ class ExpertCache:
         for key, slot in zip(access.misses, slots):
             self._assign(key, slot)
             if self.miss_copy:
-                self.small.add(key)
+                self.small[key] = 0
                 self.stats.miss_copy_reads += 1
                 self.stats.miss_copy_bytes += self.small_plans[key].aligned_bytes
             self._load(key, slot, lambda error, e=key[1]: fetch.arrived.put((e, error)), DEMAND)
@@ -311,13 +319,13 @@ class ExpertCache:
                 self.stats.readahead_cancelled += 1
         self.stats.eviction_wait_s += self.inflight.wait_landed(victim)
         self._views.pop(victim, None)
-        self.small.discard(victim)
+        self.small.pop(victim, None)
         return self.slot_of.pop(victim)
 
     def _upgrade(self, key: Key, fetch: LayerFetch) -> None:
         """Read `key`'s full blob over its small copy, into the same slot, awaited on `fetch` like a miss (nothing
         computes with the slot meanwhile: its small copy landed before the layer that read it computed)."""
-        self.small.discard(key)
+        del self.small[key]
         self._views.pop(key, None)  # the small copy's views; `params` makes the full blob's once it has landed
         fetch.missing.append(key[1])
         self.stats.upgrades += 1

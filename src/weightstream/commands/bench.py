@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from weightstream.commands.common import add_expert_kernel_option
+from weightstream.commands.common import add_expert_kernel_option, add_miss_copy_option, upgrade_after_of
 from weightstream.units import SIZE_HELP
 
 
@@ -70,12 +70,7 @@ def register(sub) -> None:
         action="store_true",
         help="expert-cache runs read ahead each next layer's guessed experts (see `weightstream generate --help`)",
     )
-    p.add_argument(
-        "--miss-copy",
-        action="store_true",
-        help="expert-cache runs read a miss's small copy and upgrade it when it comes back (a checkpoint of "
-        "`quantize --miss-bits`; see `weightstream generate --help`); runs are labelled miss_copy_bits, tokens differ",
-    )
+    add_miss_copy_option(p)  # expert-cache runs; labelled miss_copy_bits, tokens not compared as exact
     p.add_argument("--policy", default="lru", help="expert-cache runs' cache policy (default lru)")
     p.add_argument("--pinned-experts", metavar="FILE", help="--policy pinned: the experts to keep (from `tune`)")
     add_expert_kernel_option(p)
@@ -103,6 +98,7 @@ def run(args) -> int:
         reference=not args.no_reference,
         predict_next=args.predict_next,
         miss_copy=args.miss_copy,
+        upgrade_after=upgrade_after_of(args),
         expert_kernel=args.expert_kernel,
         overlap=not args.no_overlap,
         policy=args.policy,

@@ -82,6 +82,28 @@ def add_miss_copy_option(p) -> None:
         "full until evicted. Stats say miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies "
         "for misses')",
     )
+    p.add_argument(
+        "--upgrade-after",
+        metavar="{N,never}",
+        help="--miss-copy: the hit on an expert's small copy that reads its full blob (default 1: the first time it "
+        "comes back); until then its hits compute with the small copy and read nothing. never: small copies stay "
+        "until evicted (the fewest bytes, the most error)",
+    )
+
+
+def upgrade_after_of(args) -> int | None:
+    """--upgrade-after as `load_streaming_model` takes it (1 when not given, None for never); refused without
+    --miss-copy."""
+    text = args.upgrade_after
+    if text is None:
+        return 1
+    if not args.miss_copy:
+        raise WeightstreamError("--upgrade-after goes with --miss-copy: without it every expert is read in full")
+    if text == "never":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise WeightstreamError(f"--upgrade-after {text}: give a number of hits (1 or more) or never")
+    return int(text)
 
 
 def miss_copy_note(command: str) -> str:
@@ -117,6 +139,7 @@ def engine_kwargs(args) -> dict:
         "memory": args.memory,
         "warm_restart": args.warm_restart,
         "miss_copy": args.miss_copy,
+        "upgrade_after": upgrade_after_of(args),
     }
 
 
@@ -168,6 +191,7 @@ def miss_copy_line(stats) -> str:
         f"; miss copies (Q{stats.miss_copy_bits}_K): {stats.miss_copy_reads} small reads "
         f"({stats.miss_copy_bytes_read / mib:.1f} MiB), {stats.upgrades} upgraded to full "
         f"({stats.upgrade_bytes_read / mib:.1f} MiB)"
+        + (f", {stats.miss_copy_hits} hits computed small" if stats.miss_copy_hits else "")
     )
 
 

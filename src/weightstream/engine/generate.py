@@ -53,6 +53,7 @@ class GenerationStats:
     miss_copy_bytes_read: int = 0
     upgrades: int = 0
     upgrade_bytes_read: int = 0
+    miss_copy_hits: int = 0  # hits computed with the small copy (--upgrade-after above 1), nothing read
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +69,7 @@ class _Snapshot:
     expert_bytes_missed: int
     read_ahead: tuple[int, int, int] = (0, 0, 0)  # issued, used, wasted
     predicted: tuple[int, int] = (0, 0)  # predicted, checked
-    miss_copy: tuple[int, int, int, int] = (0, 0, 0, 0)  # small reads, their bytes, upgrades, their bytes
+    miss_copy: tuple[int, ...] = (0, 0, 0, 0, 0)  # small reads, their bytes, upgrades, their bytes, small hits
 
 
 class StepClock(StoppingCriteria):
@@ -131,7 +132,7 @@ def _snapshot(runtime) -> _Snapshot:
         s.expert_bytes_missed,
         (s.readahead_issued, s.readahead_used, s.readahead_wasted),
         (p.predicted, p.checked) if p is not None else (0, 0),
-        (s.miss_copy_reads, s.miss_copy_bytes, s.upgrades, s.upgrade_bytes),
+        (s.miss_copy_reads, s.miss_copy_bytes, s.upgrades, s.upgrade_bytes, s.miss_copy_hits),
     )
 
 
@@ -189,11 +190,12 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
 
 
 def _miss_copy_stats(runtime, start: _Snapshot, last: _Snapshot) -> dict:
-    reads, nbytes, upgrades, upgrade_bytes = (b - a for a, b in zip(start.miss_copy, last.miss_copy))
+    reads, nbytes, upgrades, upgrade_bytes, hits = (b - a for a, b in zip(start.miss_copy, last.miss_copy))
     return {
         "miss_copy_bits": runtime.miss_copy_bits,
         "miss_copy_reads": reads,
         "miss_copy_bytes_read": nbytes,
         "upgrades": upgrades,
         "upgrade_bytes_read": upgrade_bytes,
+        "miss_copy_hits": hits,
     }

@@ -66,6 +66,7 @@ def load_streaming_model(
     warmup_tokens: int = 32,
     warm_restart: bool = False,
     miss_copy: bool = False,
+    upgrade_after: int | None = 1,
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
@@ -79,7 +80,8 @@ def load_streaming_model(
     MODEL/.weightstream at exit and every minute), hottest first, in the background, within the budget.
     `miss_copy=True` (a checkpoint `quantize --miss-bits` wrote): a miss reads the expert's small copy (Q2_K / Q3_K)
     and computes with it; an expert looked up again while its small copy is resident is read in full precision
-    into its slot before the layer computes with it. Fewer bytes a miss, but tokens are not the model's exact ones.
+    into its slot before the layer computes with it (`upgrade_after`: at its N-th hit, default the first; None:
+    never). Fewer bytes a miss, but tokens are not the model's exact ones.
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.
     `expert_kernel` "auto" takes the lean kernel proven bitwise equal to the architecture's eager forward, else
@@ -120,6 +122,7 @@ def load_streaming_model(
             o_direct=o_direct,
             policy_options=policy_options,
             miss_copy=miss_copy,
+            upgrade_after=upgrade_after,
         )
 
     def install(cache, footprint=None, saver=None) -> StreamingRuntime:

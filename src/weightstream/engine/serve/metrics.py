@@ -169,6 +169,11 @@ class _LiveCollector:
         yield _counter(
             "weightstream_expert_upgrade_read_bytes", "--miss-copy: bytes read for upgrades", stats.upgrade_bytes
         )
+        yield _counter(
+            "weightstream_miss_copy_hits",
+            "--miss-copy: hits computed with a small copy, nothing read (before --upgrade-after's hit)",
+            stats.miss_copy_hits,
+        )
         yield _gauge(
             "weightstream_expert_cache_bytes",
             "Memory of the expert cache (its byte budget)",
