@@ -78,8 +78,9 @@ def add_miss_copy_option(p) -> None:
         action="store_true",
         help="fewer bytes a miss, tokens no longer exact (opt-in): on a cache miss read the expert's small copy (Q2_K "
         "or Q3_K, written by `quantize --miss-bits`) and compute with it; when the expert is looked up again while "
-        "that copy is in the cache, it is hot: its full blob is read into the slot before it computes, and it stays "
-        "full until evicted. Stats say miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies "
+        "that copy is in the cache (--upgrade-after: the first time, by default), it is hot: its full blob is read "
+        "into the slot before it computes, and it stays full until evicted. Slots keep the full blob's size. Stats say "
+        "miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies "
         "for misses')",
     )
     p.add_argument(
