@@ -281,9 +281,7 @@ class ExpertCache:
         return expert
 
     def close(self) -> None:
-        """Stops the I/O threads and gives the slots' memory back (a closed cache is not used again)."""
         self.reader.close()
-        self.arena.release()
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:

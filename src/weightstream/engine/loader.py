@@ -229,7 +229,8 @@ def _measure(model, runtime, memory: int, libraries: int, kv: int, context: int,
             runtime.layout.working_set_bytes,
         )
     finally:
-        cache.close()  # its slots go back to the kernel before the sized cache takes its own
+        cache.close()
+        cache.arena.release()  # its slots go back to the kernel before the sized cache takes its own
 
 
 def read_layout(model_dir: str):
