@@ -16,14 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.bench_runs import MIB, bench_caches  # noqa: E402
 from common.results import default, save  # noqa: E402
-
-MIB = 2**20
 
 
 def _mib(footprint: dict) -> dict:
@@ -31,27 +29,12 @@ def _mib(footprint: dict) -> dict:
 
 
 def bench_round(args, caches: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "weightstream.cli", "bench", args.model, "--memory-limit", args.memory]
-    cmd += ["--expert-cache", ",".join(caches), "--modes", "expert-cache", "--no-reference", "--no-overlap"]
-    cmd += ["--prefill-tokens", "0", "--max-new-tokens", str(args.max_new_tokens), "--json"]
-    if args.trace:
-        cmd += ["--routing-trace", args.trace]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: {done.stderr[-2000:]}")
-    out = {}
-    for run in json.loads(done.stdout)["runs"]:
-        out[run["expert_cache"]] = {
-            "error": run.get("error"),
-            "expert_cache_mib": (run.get("expert_cache_bytes") or 0) / MIB,
-            "decode_tokens_per_s": run.get("decode_tokens_per_s"),
-            "mib_read_per_token": (run.get("decode_bytes_read_per_token") or 0) / MIB,
-            "hit_rate": run.get("expert_hit_rate"),
-            "peak_rss_mib": (run.get("peak_rss_bytes") or 0) / MIB,
-            "cgroup_peak_mib": (run.get("cgroup_peak_bytes") or 0) / MIB,
-            "file_refaults": (run.get("cgroup_pressure") or {}).get("file_refaults"),
-            "footprint_mib": _mib(run["memory"]) if run.get("memory") else None,
-        }
+    out = bench_caches(args, caches)
+    for figures in out.values():
+        run = figures.pop("run")
+        figures["peak_rss_mib"] = (run.get("peak_rss_bytes") or 0) / MIB
+        figures["file_refaults"] = (run.get("cgroup_pressure") or {}).get("file_refaults")
+        figures["footprint_mib"] = _mib(run["memory"]) if run.get("memory") else None
     return out
 
 

@@ -37,14 +37,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.bench_runs import MIB, bench_caches  # noqa: E402
 from common.results import default, save  # noqa: E402
 
-MIB = 2**20
 BYTES_TARGET, SPEED_TARGET, PERPLEXITY_TARGET = 0.65, 1.4, 0.02  # the issue's: miss-copy against exact mode
 
 
@@ -53,31 +52,19 @@ BYTES_TARGET, SPEED_TARGET, PERPLEXITY_TARGET = 0.65, 1.4, 0.02  # the issue's: 
 
 def bench_round(args, caches: list[str], upgrade_after: str | None) -> dict:
     """One `weightstream bench` run of every cache: exact mode (`upgrade_after` None) or --miss-copy."""
-    cmd = [sys.executable, "-m", "weightstream.cli", "bench", args.model, "--memory-limit", args.memory]
-    cmd += ["--expert-cache", ",".join(caches), "--modes", "expert-cache", "--no-reference", "--no-overlap"]
-    cmd += ["--prefill-tokens", "0", "--max-new-tokens", str(args.max_new_tokens), "--json"]
-    cmd += ["--routing-trace", args.trace] if args.trace else []
-    cmd += ["--miss-copy", "--upgrade-after", upgrade_after] if upgrade_after else []
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)}: {done.stderr[-2000:]}")
-    out = {}
-    for run in json.loads(done.stdout)["runs"]:
-        out[run["expert_cache"]] = {
-            "error": run.get("error"),
-            "expert_cache_mib": (run.get("expert_cache_bytes") or 0) / MIB,
-            "decode_tokens_per_s": run.get("decode_tokens_per_s"),
-            "mib_read_per_token": (run.get("decode_bytes_read_per_token") or 0) / MIB,
-            "hit_rate": run.get("expert_hit_rate"),
-            "misses": run.get("expert_misses"),
-            "miss_copy_bits": run.get("miss_copy_bits"),
-            "small_reads": run.get("miss_copy_reads"),
-            "small_mib": (run.get("miss_copy_bytes_read") or 0) / MIB,
-            "upgrades": run.get("upgrades"),
-            "upgrade_mib": (run.get("upgrade_bytes_read") or 0) / MIB,
-            "small_hits": run.get("miss_copy_hits"),
-            "cgroup_peak_mib": (run.get("cgroup_peak_bytes") or 0) / MIB,
-        }
+    extra = ["--miss-copy", "--upgrade-after", upgrade_after] if upgrade_after else []
+    out = bench_caches(args, caches, extra)
+    for figures in out.values():
+        run = figures.pop("run")
+        figures.update(
+            misses=run.get("expert_misses"),
+            miss_copy_bits=run.get("miss_copy_bits"),
+            small_reads=run.get("miss_copy_reads"),
+            small_mib=(run.get("miss_copy_bytes_read") or 0) / MIB,
+            upgrades=run.get("upgrades"),
+            upgrade_mib=(run.get("upgrade_bytes_read") or 0) / MIB,
+            small_hits=run.get("miss_copy_hits"),
+        )
     return out
 
 

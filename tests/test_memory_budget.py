@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
+from cgroup_support import cgroup_or_skip
 
 from weightstream.cache.warm import read_state, state_path
-from weightstream.cgroup import CgroupMemory
 from weightstream.engine.footprint import machine_memory, size_cache
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
@@ -97,17 +97,6 @@ def test_memory_goes_with_nothing_that_contradicts_it(tiny_model):
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
-def _cgroup_or_skip(limit: int):
-    from weightstream.bench.cgroup import MemoryCgroup
-
-    if os.geteuid() != 0 or CgroupMemory.of() is None:
-        pytest.skip("needs root and a memory cgroup controller (CI is root)")
-    try:
-        return MemoryCgroup.create(limit, name="ws-memory-test")
-    except WeightstreamError as exc:
-        pytest.skip(str(exc))
-
-
 def test_generate_with_memory_runs_inside_a_cgroup_of_that_size(tiny_model):
     """A real cgroup of SIZE around `generate --memory SIZE`: not killed, the cache is what the footprint left
     (less than the model's experts, so the size decided it), the tokens are the model's."""
@@ -118,7 +107,7 @@ def test_generate_with_memory_runs_inside_a_cgroup_of_that_size(tiny_model):
     want = subprocess.run([*cli, "--expert-cache", "100x"], capture_output=True, text=True, timeout=300)
     assert want.returncode == 0, want.stderr
     limit = 800 * MIB
-    group = _cgroup_or_skip(limit)
+    group = cgroup_or_skip(limit)
     try:
         got = group.popen([*cli, "--memory", "800MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = got.communicate(timeout=300)

@@ -9,9 +9,8 @@ import sys
 import threading
 
 import pytest
+from cgroup_support import cgroup_or_skip
 
-from weightstream.bench.cgroup import MemoryCgroup
-from weightstream.cgroup import CgroupMemory
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import numa
 
@@ -100,15 +99,6 @@ def test_bind_sets_the_threads_memory_policy():
     assert got == {"mode": 1, "mask": 1}  # MPOL_PREFERRED, node 0
 
 
-def _cgroup_or_skip(limit: int) -> MemoryCgroup:
-    if os.geteuid() != 0 or CgroupMemory.of() is None:
-        pytest.skip("needs root and a memory cgroup controller")
-    try:
-        return MemoryCgroup.create(limit, name="ws-test")
-    except WeightstreamError as exc:
-        pytest.skip(str(exc))
-
-
 def test_run_inside_a_memory_limited_cgroup(tmp_path):
     ckpt = make_checkpoint(tmp_path / "model", {"a.safetensors": 48 << 20, "b.safetensors": 48 << 20})
     paths, home = files(ckpt), tmp_path / "home"
@@ -116,7 +106,7 @@ def test_run_inside_a_memory_limited_cgroup(tmp_path):
     assert (
         cli(home, "prefetch", "record", *SPEC, "--model-dir", str(ckpt), "--", *loader("read", paths)).returncode == 0
     )
-    cg = _cgroup_or_skip(400 << 20)
+    cg = cgroup_or_skip(400 << 20)
     try:
         drop(paths)
         argv = cg.enter_argv(
@@ -142,7 +132,7 @@ def test_run_inside_a_memory_limited_cgroup(tmp_path):
 
 def test_cgroup_counts_its_oom_kills():
     """Benchmarks tell an out-of-memory kill from any other death by the cgroup's own counter."""
-    cg = _cgroup_or_skip(64 << 20)
+    cg = cgroup_or_skip(64 << 20)
     try:
         assert cg.oom_kills == 0
         proc = cg.popen([sys.executable, "-c", "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])"])
@@ -163,7 +153,7 @@ def test_cgroup_counts_the_reclaim_its_limit_forces(tmp_path):
         "for _ in range(2):\n"
         "    sum(m[i] for i in range(0, len(m), 4096))\n"
     )
-    cg = _cgroup_or_skip(48 << 20)
+    cg = cgroup_or_skip(48 << 20)
     try:
         assert cg.pressure == {"major_faults": 0, "file_refaults": 0}
         drop([str(data)])
