@@ -223,11 +223,7 @@ class ExpertCache:
             if slot is None:
                 break
             insert_read_ahead(self.policy, key)
-            self._assign(key, slot)
-            self.inflight.start(key)
-            self.unused_read_aheads[key] = self._load(
-                key, slot, lambda error, k=key: self._read_ahead_landed(k, error), READ_AHEAD
-            )
+            self.unused_read_aheads[key] = self._load_in_background(key, slot)
             issued += 1
         self.stats.readahead_issued += issued
         return issued
@@ -243,9 +239,7 @@ class ExpertCache:
         for key in reversed(chosen):
             self.policy.on_insert(key)
         for key in chosen:
-            self._assign(key, self.free.pop())
-            self.inflight.start(key)
-            self._load(key, self.slot_of[key], lambda error, k=key: self._read_ahead_landed(k, error), READ_AHEAD)
+            self._load_in_background(key, self.free.pop())
         self.heat.update({k: n for k, n in (heat or {}).items() if k in self.plans})
         self.stats.warm_issued += len(chosen)
         return len(chosen)
@@ -338,6 +332,12 @@ class ExpertCache:
         self.slot_of[key] = slot
         # every slot is either free or held by exactly one key: the byte budget stays hard
         assert len(self.slot_of) + len(self.free) <= self.n_slots, (len(self.slot_of), len(self.free))
+
+    def _load_in_background(self, key: Key, slot: int) -> ReadBatch:
+        """`key` into `slot` at read-ahead priority, tracked in flight so a lookup meanwhile waits for it."""
+        self._assign(key, slot)
+        self.inflight.start(key)
+        return self._load(key, slot, lambda error: self._read_ahead_landed(key, error), READ_AHEAD)
 
     def _read_ahead_landed(self, key: Key, error: BaseException | None) -> None:
         if error is not None and self._failed is None:

@@ -103,14 +103,14 @@ def load_streaming_model(
     _load_dense(model, layout.dense, model_dir, mapped.quant)
     release_heap()  # what loading allocated and freed
     reset_peak()  # from here the peak is decode's (the load's own, before any cache, is lower than what follows)
-    kernels = _kernels(
-        model, expert_kernel, mapped.quant, miss_copy
-    )  # before any I/O thread: a refusal leaves none running
+    # before any I/O thread: a refusal leaves none running
+    kernels = _kernels(model, expert_kernel, mapped.quant, miss_copy)
     computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
     fused = fuse_dense_ops(model) if fuse and computes_float32 else []
     modules = experts_modules(model)
     parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
     tied = ties_embeddings(model.config)
+    dense_touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
 
     def cache_of(budget: int) -> ExpertCache:
         return ExpertCache(
@@ -133,7 +133,7 @@ def load_streaming_model(
             kernels={cls.__name__: k.name for cls, k in kernels.items()},
             predictor=NextLayerPredictor(model, layout, cache.n_slots) if predict_next else None,
             fused=fused,
-            dense_bytes_touched=sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied)),
+            dense_bytes_touched=dense_touched,
             footprint=footprint,
             state_saver=saver,
             miss_copy_bits=mapped.quant.miss_copy.bits if miss_copy else 0,
