@@ -181,7 +181,7 @@ def say(arch: str, msg: str) -> None:
 
 def perplexity(args) -> dict:
     import torch
-    from common.quant_quality import cache_dir, corpus, token_stream
+    from common.quant_quality import ROOT, cache_dir, corpus, token_stream
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
@@ -196,7 +196,8 @@ def perplexity(args) -> dict:
         root = cache_dir(arch)
         bf16 = root / "bf16"
         if not (bf16 / "config.json").exists():
-            models[arch] = {"skipped": f"{bf16}: not trained here (benchmarks/quant_bench.py quality --arch {arch})"}
+            where = f"$WEIGHTSTREAM_CACHE/{bf16.relative_to(ROOT)}"  # a result file names no path of this machine
+            models[arch] = {"skipped": f"{where}: not trained here (benchmarks/quant_bench.py quality --arch {arch})"}
             say(arch, "no trained model, skipped")
             continue
         tokenizer = AutoTokenizer.from_pretrained(bf16)
