@@ -525,6 +525,9 @@ def test_sampling_fields_out_of_range_and_unhonoured_fields_are_refused_by_name(
         ("/v1/chat/completions", {**chat, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ("/v1/chat/completions", {**chat, "web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {**chat, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/completions", {**hi, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/chat/completions", {**chat, "stop": [str(i) for i in range(100)]}, "stop"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
     ]
     for path, body, param in refused:
         error = openai_error(server, path, body)
@@ -535,9 +538,26 @@ def test_sampling_fields_out_of_range_and_unhonoured_fields_are_refused_by_name(
         ("/v1/completions", {**hi, **ignored, "best_of": 1, "echo": False, "logit_bias": {}}),
         ("/v1/completions", {**hi, "n": 2, "best_of": 2, "echo": True, "logprobs": 0}),
         ("/v1/chat/completions", {**chat, **ignored, "tool_choice": "none", "logprobs": False, "modalities": ["text"]}),
+        ("/v1/completions", {**hi, "stop": ["w", "x", "y", "z"]}),  # OpenAI's bound, 4, is accepted
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "developer", "content": "Be brief."}, *chat["messages"]]},
+        ),
     ):
         r = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_an_unknown_chat_role_and_too_many_stop_strings_are_named_in_the_400(server):
+    """As OpenAI answers them: a role outside its list is named, and more than 4 stop strings are refused with the
+    bound (issue 40's 'Also': both used to be answered 200)."""
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as wizard:
+        c.chat.completions.create(model=NAME, messages=[{"role": "wizard", "content": "Hi"}], max_tokens=3)
+    assert "'wizard'" in wizard.value.message and "messages.0.role" in wizard.value.message
+    with pytest.raises(openai.BadRequestError) as stops:
+        c.completions.create(model=NAME, prompt="Hi", max_tokens=3, stop=[str(i) for i in range(100)])
+    assert "100 stop strings; at most 4" in stops.value.message
 
 
 def test_a_chat_without_max_tokens_does_not_hold_back_a_short_request(server):

@@ -25,6 +25,8 @@ PENALTY_LIMIT = 2.0  # OpenAI: presence_penalty and frequency_penalty in -2 .. 2
 MAX_N = 128  # OpenAI: n in 1 .. 128
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI: completions' logprobs in 0 .. 5
 MAX_TOP_LOGPROBS = 20  # OpenAI: chat's top_logprobs in 0 .. 20
+MAX_STOP_STRINGS = 4  # OpenAI: "up to 4 sequences"; more is refused rather than searched for every token
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are a 400
 
 
 class ApiError(Exception):
@@ -73,6 +75,15 @@ class _Request(BaseModel):
     presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
 
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed (as OpenAI allows); send fewer"
+            )
+        return stop
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids_and_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -102,6 +113,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            shown = role if len(role) <= 40 else role[:37] + "..."
+            raise ValueError(f"role {shown!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}")
+        return role
 
 
 class ChatRequest(_Request):
