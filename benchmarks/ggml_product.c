@@ -1,9 +1,10 @@
-// llama.cpp's own product of one block type, for benchmarks/block_types.py --against-llamacpp: one row of float32
-// activations against an N x K matrix of that type through ggml's CPU backend (ggml_mul_mat, the path llama.cpp's
-// decode takes with --repack 0: activations quantized to the type's dot type, then one vec_dot a row). The weights are
+// llama.cpp's own product of one block type, for benchmarks/block_types.py --against-llamacpp: M rows (default 1) of
+// float32 activations against an N x K matrix of that type through ggml's CPU backend (ggml_mul_mat, the path llama.cpp's
+// decode and prompts take with --repack 0: activations quantized to the type's dot type, then one vec_dot an output
+// element, or llamafile's tinyBLAS where it takes the type). The weights are
 // random floats quantized by ggml itself, so every block is one ggml would write.
 //
-//     ggml_product TYPE N K THREADS CALLS    (TYPE as ggml names it: q4_K, q6_K, q8_0, mxfp4, ...)
+//     ggml_product TYPE N K THREADS CALLS [M]    (TYPE as ggml names it: q4_K, q6_K, q8_0, mxfp4, ...)
 //
 // Prints {"type": TYPE, "gb_per_s": ..., "g_weights_per_s": ...} from the median of CALLS computes.
 #include <math.h>
@@ -27,12 +28,13 @@ static int by_double(const void* a, const void* b) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    fprintf(stderr, "usage: %s TYPE N K THREADS CALLS\n", argv[0]);
+  if (argc != 6 && argc != 7) {
+    fprintf(stderr, "usage: %s TYPE N K THREADS CALLS [M]\n", argv[0]);
     return 2;
   }
   const int64_t n = atoll(argv[2]), k = atoll(argv[3]);
   const int threads = atoi(argv[4]), calls = atoi(argv[5]);
+  const int64_t m = argc == 7 ? atoll(argv[6]) : 1;
   int type = -1;
   for (int t = 0; t < GGML_TYPE_COUNT; t++) {
     const char* name = ggml_type_name((enum ggml_type)t);
@@ -44,10 +46,10 @@ int main(int argc, char** argv) {
   }
   ggml_cpu_init();
   const size_t wbytes = ggml_row_size((enum ggml_type)type, k) * n;
-  struct ggml_init_params params = {wbytes + (size_t)(k + n) * 4 * 4 + (64u << 20), NULL, false};
+  struct ggml_init_params params = {wbytes + (size_t)(k + n) * m * 4 * 4 + (64u << 20), NULL, false};
   struct ggml_context* ctx = ggml_init(params);
   struct ggml_tensor* w = ggml_new_tensor_2d(ctx, (enum ggml_type)type, k, n);
-  struct ggml_tensor* x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, 1);
+  struct ggml_tensor* x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, m);
   struct ggml_tensor* y = ggml_mul_mat(ctx, w, x);
   struct ggml_cgraph* graph = ggml_new_graph(ctx);
   ggml_build_forward_expand(graph, y);
@@ -59,7 +61,7 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < k; i++) src[i] = ((float)rand() / RAND_MAX - 0.5f) * 0.1f;
     ggml_quantize_chunk((enum ggml_type)type, src, (char*)w->data + r * w->nb[1], 0, 1, k, NULL);
   }
-  for (int64_t i = 0; i < k; i++) ((float*)x->data)[i] = (float)rand() / RAND_MAX - 0.5f;
+  for (int64_t i = 0; i < k * m; i++) ((float*)x->data)[i] = (float)rand() / RAND_MAX - 0.5f;
   free(src);
 
   struct ggml_threadpool_params tpp = ggml_threadpool_params_default(threads);
@@ -76,7 +78,7 @@ int main(int argc, char** argv) {
   qsort(times, calls, sizeof(double), by_double);
   const double t = times[calls / 2];
   printf("{\"type\": \"%s\", \"gb_per_s\": %.4f, \"g_weights_per_s\": %.4f, \"check\": %.6g}\n", argv[1],
-         wbytes / t / 1e9, (double)n * k / t / 1e9, ((float*)y->data)[0]);
+         wbytes / t / 1e9, (double)n * k * m / t / 1e9, ((float*)y->data)[0]);
   ggml_threadpool_free(pool);
   ggml_free(ctx);
   return 0;

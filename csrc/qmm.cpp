@@ -38,6 +38,7 @@
 #define WS_X86 1
 #define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define WS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define WS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -114,43 +115,37 @@ void quantize_row(const float* x, int64_t k, int64_t ablock, int8_t* q, float* d
   for (int64_t b = 0; b < k / 32; b++) s[b] = (int16_t)(s16[2 * b] + s16[2 * b + 1]);
 }
 
-// The accumulation both paths share: two sets of 8 lane accumulators, even blocks into set 0 and odd ones into
-// set 1 (two independent chains of multiply-adds, so the float latency is not the bound), lane l of a 32-element
-// block summing elements 4l..4l+3; and two scalar accumulators for the min / offset terms, the same way.
-struct Acc {
-  float lane[2][8] = {{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}};
-  float rest[2] = {0.f, 0.f};
-
-  float total() const {
-    float l[8];
-    for (int i = 0; i < 8; i++) l[i] = lane[0][i] + lane[1][i];
-    return (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + (rest[0] + rest[1]);
-  }
+// What one block of weights gives against one row's activations, in integers and the two factors that scale them:
+// the block's dot product is d dx isum + m dx msum, isum = sum over 16-element groups g of sc_g sum (q_i - offset) qx_i
+// and msum = sum over g of mn_g sum qx_i (the min or offset term of the types that have one). Every path computes
+// these integers exactly (in any order), so every path gives the same Part.
+struct Part {
+  int32_t isum, msum;
+  float d, m;
 };
 
-inline void lanes_fma(Acc& acc, int64_t b, float f, const int32_t* lanes) {
-  float* set = acc.lane[b & 1];
-  for (int l = 0; l < 8; l++) set[l] = std::fma(f, (float)lanes[l], set[l]);
-}
-
-inline void rest_fma(Acc& acc, int64_t b, float f, int32_t v) {
-  acc.rest[b & 1] = std::fma(f, (float)v, acc.rest[b & 1]);
-}
-
-// Lane sums of a 32-element block: w (0..255 as unsigned or -128..127 as signed, in int) times qx.
-template <typename W>
-inline void lane_sums(const W* w, const int8_t* x, int32_t* lanes) {
-  for (int l = 0; l < 8; l++) {
-    int32_t s = 0;
-    for (int i = 4 * l; i < 4 * l + 4; i++) s += (int32_t)w[i] * (int32_t)x[i];
-    lanes[l] = s;
+// The float arithmetic every path shares, per output: blocks in order, even blocks into accumulator 0 and odd ones
+// into 1 (two chains of multiply-adds in flight), d dx times isum fused into acc, m dx times msum into rest, and
+// (acc0 + acc1) + (rest0 + rest1) at the end. The multi-row tiles do this per lane, so a row's result is the same
+// bits whichever path, tile or batch computes it.
+struct Chain {
+  float acc[2] = {0.f, 0.f}, rest[2] = {0.f, 0.f};
+  template <bool HasMin>
+  __attribute__((always_inline)) inline void add(int64_t b, const Part& p, float dx) {
+    acc[b & 1] = std::fma(p.d * dx, (float)p.isum, acc[b & 1]);
+    if constexpr (HasMin) rest[b & 1] = std::fma(p.m * dx, (float)p.msum, rest[b & 1]);
   }
-}
+  float total() const { return (acc[0] + acc[1]) + (rest[0] + rest[1]); }
+};
 
-// Lane sums of a K super-block's sub-block of 32 whose scales are per 16: lanes 0-3 times s0, lanes 4-7 times s1.
-inline void add_scaled16(int32_t* isum, const int32_t* lanes, int32_t s0, int32_t s1) {
-  for (int l = 0; l < 8; l++) isum[l] += (l < 4 ? s0 : s1) * lanes[l];
-}
+// A block's codes, unsigned (the stored code plus T::offset), its per-16 integer scales and mins, and its d and m:
+// the form the portable path and the multi-row tiles compute from.
+template <typename T>
+struct Unpacked {
+  uint8_t u[T::elements];
+  int32_t sc[T::elements / 16], mn[T::elements / 16];
+  float d, m;
+};
 
 inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 / MXFP4 element order
   for (int j = 0; j < 16; j++) {
@@ -244,23 +239,33 @@ WS_AVX2_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256((const
 struct Q8_0 {  // w = d q
   static constexpr int64_t id = 8, elements = 32, act = 32;
   static constexpr const char* name = "Q8_0";
+  // scale_group: elements an integer scale covers (0: none, every sc is 1); min_group: those a min covers (0: none)
+  static constexpr int code_offset = 128, scale_group = 0, min_group = 0;
+  static constexpr bool has_min = false;
   struct Block {
     uint8_t d[2];
     int8_t qs[32];
   };
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t lanes[8];
-    lane_sums(x.qs, a.q + b * 32, lanes);
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], lanes);
+  static void codes(const Block& x, uint8_t* u) {
+    for (int i = 0; i < 32; i++) u[i] = (uint8_t)(x.qs[i] + 128);
+  }
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    o.sc[0] = o.sc[1] = 1;
+    o.mn[0] = o.mn[1] = 0;
+    o.d = fp16(x.d);
+    o.m = 0.f;
   }
   static void dequantize(const Block& x, float* o) {
     const float d = fp16(x.d);
     for (int i = 0; i < 32; i++) o[i] = d * (float)x.qs[i];
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
-    const __m256i lanes = lanes_s8_s8(load256(x.qs), load256(a.q + b * 32));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+    return {hsum_i32(lanes_s8_s8(load256(x.qs), load256(a.q + b * 32))), 0, fp16_hw(x.d), 0.f};
+  }
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
+    _mm256_storeu_si256((__m256i*)u, _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8((char)0x80)));
   }
 #endif
 };
@@ -289,6 +294,8 @@ struct BlockQ5_1 {
 template <typename B, bool WithMin, bool Fifth>
 struct Legacy32 {
   using Block = B;
+  static constexpr int code_offset = 0, scale_group = 0, min_group = 32;
+  static constexpr bool has_min = true;
   static float offset(const Block& x, float d) {
     if constexpr (WithMin) return fp16(x.m);
     return (Fifth ? -16.f : -8.f) * d;
@@ -301,14 +308,12 @@ struct Legacy32 {
       for (int i = 0; i < 32; i++) u[i] |= ((qh >> i) & 1) << 4;
     }
   }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t lanes[8];
-    uint8_t u[32];
-    codes(x, u);
-    lane_sums(u, a.q + b * 32, lanes);
-    const float d = fp16(x.d), dx = a.d[b];
-    lanes_fma(acc, b, d * dx, lanes);
-    rest_fma(acc, b, offset(x, d) * dx, a.s[b]);
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    o.sc[0] = o.sc[1] = 1;
+    o.mn[0] = o.mn[1] = 1;  // the offset term: m times the block's sum of qx
+    o.d = fp16(x.d);
+    o.m = offset(x, o.d);
   }
   static void dequantize(const Block& x, float* o) {
     uint8_t u[32];
@@ -320,7 +325,7 @@ struct Legacy32 {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static __m256i codes_avx2(const Block& x) {
+  WS_AVX2_INLINE static __m256i codes_v(const Block& x) {
     const __m256i low = nibbles32_avx2(x.qs);
     if constexpr (!Fifth) {
       return low;
@@ -335,12 +340,11 @@ struct Legacy32 {
       return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     }
   }
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
-    const __m256i lanes = lanes_u8_s8(codes_avx2(x), load256(a.q + b * 32));
-    const float d = fp16_hw(x.d), dx = a.d[b];
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(lanes), acc);
-    rest = std::fma(offset(x, d) * dx, (float)a.s[b], rest);
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+    const float d = fp16_hw(x.d);
+    return {hsum_i32(lanes_u8_s8(codes_v(x), load256(a.q + b * 32))), a.s[b], d, offset(x, d)};
   }
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) { _mm256_storeu_si256((__m256i*)u, codes_v(x)); }
 #endif
 };
 struct Q4_0 : Legacy32<BlockQ4_0, false, false> {
@@ -370,20 +374,22 @@ struct Q2_K {
     uint8_t qs[64];
     uint8_t d[2], dmin[2];
   };
+  static constexpr int code_offset = 0, scale_group = 16, min_group = 16;
+  static constexpr bool has_min = true;
   static uint8_t code(const Block& x, int sub, int l) { return (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3; }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    const int8_t* xq = a.q + b * 256;
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
-    uint8_t u[32];
+  static void codes(const Block& x, uint8_t* u) {
     for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[l] = code(x, sub, l);
-      lane_sums(u, xq + 32 * sub, lanes);
-      const uint8_t s0 = x.scales[2 * sub], s1 = x.scales[2 * sub + 1];
-      add_scaled16(isum, lanes, s0 & 0xF, s1 & 0xF);
-      msum += (s0 >> 4) * a.s16[b * 16 + 2 * sub] + (s1 >> 4) * a.s16[b * 16 + 2 * sub + 1];
+      for (int l = 0; l < 32; l++) u[32 * sub + l] = code(x, sub, l);
     }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
-    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    for (int g = 0; g < 16; g++) {
+      o.sc[g] = x.scales[g] & 0xF;
+      o.mn[g] = x.scales[g] >> 4;
+    }
+    o.d = fp16(x.d);
+    o.m = -fp16(x.dmin);
   }
   static void dequantize(const Block& x, float* o) {
     const float d = fp16(x.d), dmin = fp16(x.dmin);
@@ -393,7 +399,16 @@ struct Q2_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+      const __m256i q = load256(x.qs + 32 * n);
+      for (int j = 0; j < 4; j++) {
+        _mm256_storeu_si256((__m256i*)(u + 32 * (4 * n + j)), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3));
+      }
+    }
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), low4 = _mm_set1_epi8(0xF);
     const Scales16 sc = scales16_avx2(_mm_and_si128(raw, low4), false);
@@ -410,8 +425,7 @@ struct Q2_K {
     // min term: the 16 mins times the 16 sums of qx, in integers
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
     const int32_t msum = hsum_i32(_mm256_madd_epi16(mins, load256(a.s16 + b * 16)));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)msum, rest);
+    return {hsum_i32(isum), msum, fp16_hw(x.d), -fp16_hw(x.dmin)};
   }
 #endif
 };
@@ -421,6 +435,8 @@ struct Q2_K {
 struct Q3_K {
   static constexpr int64_t id = 11, elements = 256, act = 256;
   static constexpr const char* name = "Q3_K";
+  static constexpr int code_offset = 4, scale_group = 16, min_group = 0;
+  static constexpr bool has_min = false;
   struct Block {
     uint8_t hmask[32];
     uint8_t qs[64];
@@ -444,16 +460,21 @@ struct Q3_K {
     const int low = (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
     return (int8_t)(low - ((x.hmask[l] >> sub) & 1 ? 0 : 4));
   }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int8_t sc[16], sv[32];
-    scales16(x, sc);
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lanes[8];
+  static void codes(const Block& x, uint8_t* u) {
     for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) sv[l] = code(x, sub, l);
-      lane_sums(sv, a.q + b * 256 + 32 * sub, lanes);
-      add_scaled16(isum, lanes, sc[2 * sub], sc[2 * sub + 1]);
+      for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 4);
     }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+  }
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    int8_t sc[16];
+    scales16(x, sc);
+    for (int g = 0; g < 16; g++) {
+      o.sc[g] = sc[g];
+      o.mn[g] = 0;
+    }
+    o.d = fp16(x.d);
+    o.m = 0.f;
   }
   static void dequantize(const Block& x, float* o) {
     int8_t sc[16];
@@ -465,7 +486,20 @@ struct Q3_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {  // code + 4: the low bits, 4 where set
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+    const __m256i hm = load256(x.hmask);
+    for (int n = 0; n < 2; n++) {
+      const __m256i q = load256(x.qs + 32 * n);
+      for (int j = 0; j < 4; j++) {
+        const int sub = 4 * n + j;
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+        const __m256i set = _mm256_and_si256(_mm256_srli_epi16(hm, sub), ones);
+        _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(low, _mm256_slli_epi16(set, 2)));
+      }
+    }
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
     // scales16's arithmetic on the four words in a vector register (the 12 bytes read as 8 + 4: no read past them)
     uint32_t w2;
@@ -489,7 +523,7 @@ struct Q3_K {
         isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
       }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    return {hsum_i32(isum), 0, fp16_hw(x.d), 0.f};
   }
 #endif
 };
@@ -498,19 +532,24 @@ struct Q3_K {
 // of sub-block sub (the portable path and the decoder; each AVX2 path unpacks its codes its own way).
 template <typename T>
 struct ScalesMinsK {
+  static constexpr int code_offset = 0, scale_group = 32, min_group = 32;
+  static constexpr bool has_min = true;
   template <typename B>
-  static void dot(const B& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum = 0, lanes[8];
-    uint8_t sc[8], mn[8], u[32];
-    scales_mins_k4(x.scales, sc, mn);
+  static void codes(const B& x, uint8_t* u) {
     for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[l] = T::code(x, sub, l);
-      lane_sums(u, a.q + b * 256 + sub * 32, lanes);
-      for (int l = 0; l < 8; l++) isum[l] += sc[sub] * lanes[l];
-      msum += mn[sub] * a.s[b * 8 + sub];
+      for (int l = 0; l < 32; l++) u[32 * sub + l] = T::code(x, sub, l);
     }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
-    rest_fma(acc, b, -(fp16(x.dmin) * a.d[b]), msum);
+  }
+  template <typename B, typename U>
+  static void scales(const B& x, U& o) {
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(x.scales, sc, mn);
+    for (int g = 0; g < 16; g++) {
+      o.sc[g] = sc[g / 2];
+      o.mn[g] = mn[g / 2];
+    }
+    o.d = fp16(x.d);
+    o.m = -fp16(x.dmin);
   }
   template <typename B>
   static void dequantize(const B& x, float* o) {
@@ -539,7 +578,15 @@ struct Q4_K : ScalesMinsK<Q4_K> {
     return sub & 1 ? byte >> 4 : byte & 0xF;
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    for (int c = 0; c < 4; c++) {
+      const __m256i raw = load256(x.qs + 32 * c);
+      _mm256_storeu_si256((__m256i*)(u + 64 * c), _mm256_and_si256(raw, mask));
+      _mm256_storeu_si256((__m256i*)(u + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+    }
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i mask = _mm256_set1_epi8(0xF);
     uint32_t halves;
     std::memcpy(&halves, x.d, 4);
@@ -557,8 +604,7 @@ struct Q4_K : ScalesMinsK<Q4_K> {
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
                                                       load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-    rest = std::fma(-(dmin * a.d[b]), (float)min_term_k4(mins, a.s + b * 8), rest);
+    return {hsum_i32(isum), min_term_k4(mins, a.s + b * 8), d, -dmin};
   }
 #endif
 };
@@ -578,7 +624,19 @@ struct Q5_K : ScalesMinsK<Q5_K> {
     return (sub & 1 ? byte >> 4 : byte & 0xF) | (((x.qh[l] >> sub) & 1) << 4);
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float& rest) {
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
+    const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
+    const __m256i qh = load256(x.qh);
+    for (int c = 0; c < 4; c++) {
+      const __m256i raw = load256(x.qs + 32 * c);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), ones), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), ones), 4);
+      _mm256_storeu_si256((__m256i*)(u + 64 * c), _mm256_or_si256(_mm256_and_si256(raw, mask), h0));
+      _mm256_storeu_si256((__m256i*)(u + 64 * c + 32),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), h1));
+    }
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
     __m256i scales;
     __m128i mins;
@@ -595,8 +653,7 @@ struct Q5_K : ScalesMinsK<Q5_K> {
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w0, load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w1, load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
-    rest = std::fma(-(fp16_hw(x.dmin) * a.d[b]), (float)min_term_k4(mins, a.s + b * 8), rest);
+    return {hsum_i32(isum), min_term_k4(mins, a.s + b * 8), fp16_hw(x.d), -fp16_hw(x.dmin)};
   }
 #endif
 };
@@ -607,6 +664,8 @@ struct Q5_K : ScalesMinsK<Q5_K> {
 struct Q6_K {
   static constexpr int64_t id = 14, elements = 256, act = 256;
   static constexpr const char* name = "Q6_K";
+  static constexpr int code_offset = 32, scale_group = 16, min_group = 0;
+  static constexpr bool has_min = false;
   struct Block {
     uint8_t ql[128];
     uint8_t qh[64];
@@ -620,15 +679,19 @@ struct Q6_K {
     return (int8_t)((lo | (hi << 4)) - 32);
   }
   static int scale(const Block& x, int sub, int half) { return x.scales[8 * (sub / 4) + 2 * (sub % 4) + half]; }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
-    int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lanes[8];
-    int8_t sv[32];
+  static void codes(const Block& x, uint8_t* u) {
     for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) sv[l] = code(x, sub, l);
-      lane_sums(sv, a.q + b * 256 + sub * 32, lanes);
-      add_scaled16(isum, lanes, scale(x, sub, 0), scale(x, sub, 1));
+      for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 32);
     }
-    lanes_fma(acc, b, fp16(x.d) * a.d[b], isum);
+  }
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    for (int g = 0; g < 16; g++) {
+      o.sc[g] = scale(x, g / 2, g % 2);
+      o.mn[g] = 0;
+    }
+    o.d = fp16(x.d);
+    o.m = 0.f;
   }
   static void dequantize(const Block& x, float* o) {
     const float d = fp16(x.d);
@@ -637,7 +700,17 @@ struct Q6_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {  // code + 32: the 6 bits as stored
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    for (int sub = 0; sub < 8; sub++) {
+      const int n = sub / 4, r = sub % 4;
+      const __m256i l4 = load256(x.ql + 64 * n + 32 * (r & 1));
+      const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), m2);
+      _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+    }
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
     const Scales16 sc = scales16_avx2(_mm_loadu_si128((const __m128i*)x.scales), true);
     __m256i isum = _mm256_setzero_si256();
@@ -650,7 +723,7 @@ struct Q6_K {
       const __m256i xv = load256(a.q + b * 256 + sub * 32);
       isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_hw(x.d) * a.d[b]), _mm256_cvtepi32_ps(isum), acc);
+    return {hsum_i32(isum), 0, fp16_hw(x.d), 0.f};
   }
 #endif
 };
@@ -671,36 +744,47 @@ const std::array<float, 256> e8m0_half = [] {
 struct MXFP4 {
   static constexpr int64_t id = 39, elements = 32, act = 32;
   static constexpr const char* name = "MXFP4";
+  static constexpr int code_offset = 12, scale_group = 0, min_group = 0;
+  static constexpr bool has_min = false;
   static constexpr int8_t kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
   struct Block {
     uint8_t e;
     uint8_t qs[16];
   };
   static float scale(const Block& x) { return e8m0_half[x.e]; }
-  static void codes(const Block& x, int8_t* sv) {
+  static void values(const Block& x, int8_t* sv) {
     uint8_t u[32];
     nibbles32(x.qs, u);
     for (int i = 0; i < 32; i++) sv[i] = kvalues[u[i]];
   }
-  static void dot(const Block& x, const QAct& a, int64_t b, Acc& acc) {
+  static void codes(const Block& x, uint8_t* u) {
     int8_t sv[32];
-    int32_t lanes[8];
-    codes(x, sv);
-    lane_sums(sv, a.q + b * 32, lanes);
-    lanes_fma(acc, b, scale(x) * a.d[b], lanes);
+    values(x, sv);
+    for (int i = 0; i < 32; i++) u[i] = (uint8_t)(sv[i] + 12);
+  }
+  template <typename U>
+  static void scales(const Block& x, U& o) {
+    o.sc[0] = o.sc[1] = 1;
+    o.mn[0] = o.mn[1] = 0;
+    o.d = scale(x);
+    o.m = 0.f;
   }
   static void dequantize(const Block& x, float* o) {
     int8_t sv[32];
-    codes(x, sv);
+    values(x, sv);
     const float d = scale(x);
     for (int i = 0; i < 32; i++) o[i] = d * (float)sv[i];
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void dot_avx2(const Block& x, const QAct& a, int64_t b, __m256& acc, float&) {
+  WS_AVX2_INLINE static __m256i values_v(const Block& x) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues));
-    const __m256i w = _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs));
-    const __m256i lanes = lanes_s8_s8(w, load256(a.q + b * 32));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale(x) * a.d[b]), _mm256_cvtepi32_ps(lanes), acc);
+    return _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs));
+  }
+  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+    return {hsum_i32(lanes_s8_s8(values_v(x), load256(a.q + b * 32))), 0, scale(x), 0.f};
+  }
+  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
+    _mm256_storeu_si256((__m256i*)u, _mm256_add_epi8(values_v(x), _mm256_set1_epi8(12)));
   }
 #endif
 };
@@ -794,41 +878,58 @@ int64_t row_bytes_of(int64_t wtype, int64_t k) {
 
 // ---- rows: the portable reference and the AVX2 path ----
 
+// Sizes and scale outputs of one block's unpacking, written where the caller wants them (a block's own arrays, or a
+// whole row's).
+struct ScalesOut {
+  int32_t* sc;
+  int32_t* mn;
+  float d = 0.f, m = 0.f;
+};
+
+// The portable path: each block unpacked (codes, scales) and summed in integers, the reference every other path
+// equals.
+template <typename T>
+Part part_portable(const typename T::Block& x, const QAct& a, int64_t b) {
+  constexpr int E = T::elements, G = E / 16;
+  uint8_t u[E];
+  int32_t sc[G], mn[G];
+  ScalesOut o{sc, mn};
+  T::codes(x, u);
+  T::scales(x, o);
+  const int8_t* xq = a.q + b * E;
+  const int16_t* s16 = a.s16 + b * G;
+  int32_t isum = 0, msum = 0;
+  for (int g = 0; g < G; g++) {
+    int32_t sum = 0;
+    for (int i = 16 * g; i < 16 * g + 16; i++) sum += ((int32_t)u[i] - T::code_offset) * (int32_t)xq[i];
+    isum += sc[g] * sum;
+    msum += mn[g] * (int32_t)s16[g];
+  }
+  return {isum, msum, o.d, o.m};
+}
+
 template <typename T>
 float dot_row_portable(const uint8_t* row, const QAct& a, int64_t k) {
   if constexpr (T::act == 0) {
     return T::dot_row(row, a.f, k);
   } else {
-    Acc acc;
+    Chain chain;
     const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
-    for (int64_t b = 0; b < k / T::elements; b++) T::dot(blocks[b], a, b, acc);
-    return acc.total();
+    for (int64_t b = 0; b < k / T::elements; b++) chain.add<T::has_min>(b, part_portable<T>(blocks[b], a, b), a.d[b]);
+    return chain.total();
   }
 }
 
 #ifdef WS_X86
-// Even blocks into accumulator pair 0 and odd ones into pair 1, as the portable path's Acc does.
 template <typename T>
 WS_AVX2 float dot_row_avx2(const uint8_t* row, const QAct& a, int64_t k) {
   if constexpr (T::act == 0) {
     return T::dot_row_avx2(row, a.f, k);
   } else {
+    Chain chain;
     const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float rest0 = 0.f, rest1 = 0.f;
-    const int64_t nb = k / T::elements;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-      T::dot_avx2(blocks[b], a, b, acc0, rest0);
-      T::dot_avx2(blocks[b + 1], a, b + 1, acc1, rest1);
-    }
-    if (b < nb) T::dot_avx2(blocks[b], a, b, acc0, rest0);
-    Acc out;
-    _mm256_storeu_ps(out.lane[0], acc0);
-    _mm256_storeu_ps(out.lane[1], acc1);
-    out.rest[0] = rest0;
-    out.rest[1] = rest1;
-    return out.total();
+    for (int64_t b = 0; b < k / T::elements; b++) chain.add<T::has_min>(b, T::part_avx2(blocks[b], a, b), a.d[b]);
+    return chain.total();
   }
 }
 #endif
@@ -889,10 +990,35 @@ bool have_avx2() {
 #endif
 }
 
-int64_t resolve_path(int64_t path) {  // 0: best this CPU runs, 1: portable, 2: AVX2
-  if (path == 0) return have_avx2() ? 2 : 1;
-  TORCH_CHECK(path == 1 || (path == 2 && have_avx2()), "weightstream qmm: path ", path, " is not available here");
+// The multi-row tiles run on AVX-512 with VNNI (8-bit dot products into 32-bit sums, 16 rows a vector).
+bool have_tiles() {
+#ifdef WS_X86
+  static const bool yes = have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// Paths: 0 the best this CPU runs (tiles from kTileRows rows where it has them, else AVX2 rows, else portable),
+// 1 portable rows, 2 AVX2 rows, 3 tiles at every row count. Every path gives the same bits.
+int64_t resolve_path(int64_t path) {
+  TORCH_CHECK(path == 0 || path == 1 || (path == 2 && have_avx2()) || (path == 3 && have_tiles()),
+              "weightstream qmm: path ", path, " is not available here");
   return path;
+}
+
+// The path of one-row dot products: 1 (portable) or 2 (AVX2).
+int64_t row_path(int64_t path) { return path != 1 && have_avx2() ? 2 : 1; }
+
+// Rows of a product from which the best path computes them as tiles: a tile is 16 rows, and below that the rows
+// path was faster (benchmarks/block_types.py --rows).
+constexpr int64_t kTileRows = 6;
+
+bool tiles_for(int64_t path, int64_t wtype, int64_t rows) {
+  if (format_of(wtype).act == 0) return false;  // BF16: float activations, rows only
+  return path == 3 || (path == 0 && have_tiles() && rows >= kTileRows);
 }
 
 void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
@@ -913,6 +1039,7 @@ struct QRows {
   const float* f = nullptr;  // BF16 weights: the caller's rows as they are (they outlive this)
 
   QRows(const float* x, int64_t m, int64_t k_, int64_t wtype, int64_t path) : k(k_) {
+    path = row_path(path);
     const int64_t ablock = format_of(wtype).act;
     if (ablock == 0) {
       f = x;
@@ -944,6 +1071,209 @@ struct QRows {
   }
 };
 
+// ---- tiles: many rows at once ----
+//
+// A tile is 16 rows of activations against weight rows unpacked once (codes, scales) for all of them: per 4 inputs,
+// one VNNI instruction multiplies a weight row's 4 codes (broadcast) by the 16 rows' 4 activations and adds the
+// products into 16 int32 sums, one per row. The integers are Part's, exactly; the float arithmetic is Chain's,
+// lane by lane; so a row's result is the bits the rows paths give, whatever the rows around it.
+
+// Rows of quantized activations laid out for the tiles: lane r of tile t is row list[16 t + r] (lanes past the end
+// hold zeros); per 4 inputs one 64-byte vector of the 16 rows' codes, per block the 16 rows' scales, and the sums of
+// qx the offset terms (code_offset times the sum over each scale group) and the min terms (over each min group) take.
+struct Tiles {
+  int64_t k = 0, m = 0, count = 0, blocks = 0, ogroups = 0, mgroups = 0;
+  std::vector<int8_t> xs;   // count x k/4 x 64
+  std::vector<float> dx;    // count x blocks x 16
+  std::vector<int32_t> os;  // count x ogroups x 16
+  std::vector<int32_t> ms;  // count x mgroups x 16
+};
+
+template <typename T>
+Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
+  constexpr int E = T::elements, OG = T::scale_group ? T::scale_group : E, MG = T::min_group;
+  Tiles t;
+  t.k = a.k;
+  t.m = m;
+  t.count = (m + 15) / 16;
+  t.blocks = a.k / E;
+  t.ogroups = T::code_offset ? a.k / OG : 0;
+  t.mgroups = MG ? a.k / MG : 0;
+  const int64_t groups = a.k / 4;
+  t.xs.assign(t.count * groups * 64, 0);
+  t.dx.assign(t.count * t.blocks * 16, 0.f);
+  t.os.assign(t.count * t.ogroups * 16, 0);
+  t.ms.assign(t.count * t.mgroups * 16, 0);
+  for (int64_t p = 0; p < m; p++) {
+    const int64_t tile = p / 16, lane = p % 16;
+    const QAct x = a.row(list[p]);
+    int8_t* xs = t.xs.data() + tile * groups * 64 + lane * 4;
+    for (int64_t g = 0; g < groups; g++) std::memcpy(xs + g * 64, x.q + 4 * g, 4);
+    for (int64_t b = 0; b < t.blocks; b++) t.dx[(tile * t.blocks + b) * 16 + lane] = x.d[b];
+    for (int64_t g = 0; g < t.ogroups; g++) {
+      int32_t sum = 0;
+      for (int i = 0; i < OG / 16; i++) sum += x.s16[g * (OG / 16) + i];
+      t.os[(tile * t.ogroups + g) * 16 + lane] = T::code_offset * sum;
+    }
+    for (int64_t g = 0; g < t.mgroups; g++) {
+      int32_t sum = 0;
+      for (int i = 0; i < MG / 16; i++) sum += x.s16[g * (MG / 16) + i];
+      t.ms[(tile * t.mgroups + g) * 16 + lane] = sum;
+    }
+  }
+  return t;
+}
+
+#ifdef WS_X86
+// One weight row unpacked for the tiles: codes (plus code_offset, unsigned), per-16 scales and mins, per-block d, m.
+template <typename T>
+struct RowCodes {
+  std::vector<uint8_t> u;
+  std::vector<int32_t> sc, mn;
+  std::vector<float> d, m;
+  explicit RowCodes(int64_t k) : u(k), sc(k / 16), mn(k / 16), d(k / T::elements), m(k / T::elements) {}
+};
+
+template <typename T>
+WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
+  constexpr int E = T::elements;
+  const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
+  for (int64_t b = 0; b < k / E; b++) {
+    T::codes_avx2(blocks[b], out.u.data() + b * E);
+    ScalesOut o{out.sc.data() + b * E / 16, out.mn.data() + b * E / 16};
+    T::scales(blocks[b], o);
+    out.d[b] = o.d;
+    out.m[b] = o.m;
+  }
+}
+
+// NW weight rows against one tile: out[16 i + r] is weight row i's output for lane r.
+// (GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() may be used uninitialized: it is not.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <typename T, int NW>
+WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t tile, float* out) {
+  constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group;
+  const int64_t nb = t.blocks;
+  const int8_t* xs = t.xs.data() + tile * (t.k / 4) * 64;
+  const float* dx = t.dx.data() + tile * nb * 16;
+  const int32_t* os = t.os.data() + tile * t.ogroups * 16;
+  const int32_t* ms = t.ms.data() + tile * t.mgroups * 16;
+  __m512 acc[NW][2], rest[NW][2];
+  for (int i = 0; i < NW; i++) acc[i][0] = acc[i][1] = rest[i][0] = rest[i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    __m512i isum[NW];
+    for (int i = 0; i < NW; i++) isum[i] = _mm512_setzero_si512();
+    for (int g0 = 0; g0 < E; g0 += SG) {
+      const int64_t e0 = b * E + g0;
+      __m512i tt[NW];
+      for (int i = 0; i < NW; i++) tt[i] = _mm512_setzero_si512();
+      for (int e = 0; e < SG; e += 4) {
+        const __m512i xv = _mm512_loadu_si512(xs + (e0 + e) * 16);
+        for (int i = 0; i < NW; i++) {
+          int32_t c;
+          std::memcpy(&c, w[i]->u.data() + e0 + e, 4);
+          tt[i] = _mm512_dpbusd_epi32(tt[i], _mm512_set1_epi32(c), xv);
+        }
+      }
+      if constexpr (T::code_offset != 0) {
+        const __m512i o = _mm512_loadu_si512(os + e0 / SG * 16);
+        for (int i = 0; i < NW; i++) tt[i] = _mm512_sub_epi32(tt[i], o);
+      }
+      for (int i = 0; i < NW; i++) {
+        if constexpr (T::scale_group != 0) {
+          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(tt[i], _mm512_set1_epi32(w[i]->sc[e0 / 16])));
+        } else {
+          isum[i] = _mm512_add_epi32(isum[i], tt[i]);
+        }
+      }
+    }
+    const __m512 dxv = _mm512_loadu_ps(dx + b * 16);
+    for (int i = 0; i < NW; i++) {
+      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->d[b]), dxv);
+      acc[i][b & 1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i][b & 1]);
+    }
+    if constexpr (T::has_min) {
+      for (int i = 0; i < NW; i++) {
+        __m512i msum;
+        if constexpr (T::scale_group == 0) {  // the legacy types: one min group a block, its min 1
+          msum = _mm512_loadu_si512(ms + b * 16);
+        } else {
+          msum = _mm512_setzero_si512();
+          for (int g = 0; g < E; g += MG) {
+            const __m512i sums = _mm512_loadu_si512(ms + (b * E + g) / MG * 16);
+            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_set1_epi32(w[i]->mn[(b * E + g) / 16]), sums));
+          }
+        }
+        const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->m[b]), dxv);
+        rest[i][b & 1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(msum), rest[i][b & 1]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; i++) {
+    const __m512 total =
+        _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(rest[i][0], rest[i][1]));
+    _mm512_storeu_ps(out + 16 * i, total);
+  }
+}
+#pragma GCC diagnostic pop
+
+// Outputs j0..j1 of the tiles' rows: emit(p, j, y) for row p of the list the tiles were made from.
+template <typename T, typename Emit>
+WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, const Tiles& t,
+                            Emit&& emit) {
+  constexpr int NW = 4;
+  std::vector<RowCodes<T>> rc(NW, RowCodes<T>(t.k));
+  const RowCodes<T>* w[NW];
+  alignas(64) float out[NW * 16];
+  for (int64_t j = j0; j < j1; j += NW) {
+    const int64_t nw = std::min<int64_t>(NW, j1 - j);
+    for (int i = 0; i < NW; i++) {
+      if (i < nw) unpack_row<T>(wp + (j + i) * row_bytes, t.k, rc[i]);
+      w[i] = &rc[i < nw ? i : 0];
+    }
+    for (int64_t tile = 0; tile < t.count; tile++) {
+      tile_kernel<T, NW>(w, t, tile, out);
+      const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16);
+      for (int64_t i = 0; i < nw; i++) {
+        for (int64_t r = 0; r < lanes; r++) emit(tile * 16 + r, j + i, out[16 * i + r]);
+      }
+    }
+  }
+}
+#endif
+
+// The products of weight rows j0..j1 with the activation rows a.row(list[p]), p < m: emit(p, j, y) for each, by
+// tiles (`tiles`, made from the same rows) where given, else row by row with `dot`.
+template <typename Emit>
+void rows_product(int64_t wtype, const uint8_t* wp, int64_t row_bytes, int64_t k, int64_t j0, int64_t j1,
+                  const QRows& a, const int64_t* list, int64_t m, const Tiles* tiles, DotFn dot, Emit&& emit) {
+#ifdef WS_X86
+  if (tiles != nullptr) {
+    with_type(wtype, [&](auto t) {
+      using T = decltype(t);
+      if constexpr (T::act != 0) tile_product<T>(wp, row_bytes, j0, j1, *tiles, emit);
+      return 0;
+    });
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; j++) {
+    const uint8_t* row = wp + j * row_bytes;
+    for (int64_t p = 0; p < m; p++) emit(p, j, dot(row, a.row(list[p]), k));
+  }
+}
+
+// Tiles of the rows list[0..m) for weight type wtype where this path computes m rows by tiles, else none.
+std::optional<Tiles> tiles_of(int64_t path, int64_t wtype, const QRows& a, const int64_t* list, int64_t m) {
+  if (!tiles_for(path, wtype, m)) return std::nullopt;
+  return with_type(wtype, [&](auto t) -> std::optional<Tiles> {
+    using T = decltype(t);
+    if constexpr (T::act != 0) return make_tiles<T>(a, list, m);
+    return std::nullopt;
+  });
+}
+
 // Output rows per parallel task: enough that a task reads about 64 KiB of weights.
 int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_bytes); }
 
@@ -951,13 +1281,14 @@ int64_t grain_for(int64_t row_bytes) { return std::max<int64_t>(1, 65536 / row_b
 void qmm_into(const float* x, int64_t m, int64_t k, const uint8_t* wp, int64_t wtype, int64_t n, float* yp,
               int64_t path) {
   const QRows a(x, m, k, wtype, path);
-  const DotFn dot = dot_fn(path, wtype);
+  const DotFn dot = dot_fn(row_path(path), wtype);
   const int64_t row_bytes = row_bytes_of(wtype, k);
+  std::vector<int64_t> list(m);
+  for (int64_t r = 0; r < m; r++) list[r] = r;
+  const std::optional<Tiles> tiles = tiles_of(path, wtype, a, list.data(), m);
   at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; j++) {
-      const uint8_t* row = wp + j * row_bytes;
-      for (int64_t r = 0; r < m; r++) yp[r * n + j] = dot(row, a.row(r), k);
-    }
+    rows_product(wtype, wp, row_bytes, k, begin, end, a, list.data(), m, tiles ? &*tiles : nullptr, dot,
+                 [&](int64_t p, int64_t j, float y) { yp[p * n + j] = y; });
   });
 }
 
@@ -1108,34 +1439,37 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   }
   const int64_t gu_rows = 2 * inter, gu_bytes = row_bytes_of(gu_type, hidden);
   const int64_t down_bytes = row_bytes_of(down_type, inter);
-  const DotFn gu_dot = dot_fn(path, gu_type), down_dot = dot_fn(path, down_type);
+  const DotFn gu_dot = dot_fn(row_path(path), gu_type), down_dot = dot_fn(row_path(path), down_type);
   std::vector<float> g(np * gu_rows), h(np * inter);
   const bool gu_biased = !gate.gate_up_bias.empty(), down_biased = !gate.down_bias.empty();
-  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1) {  // expert i's gate/up outputs j0..j1, its rows
-    const float* bias = gu_biased ? gate.gate_up_bias[i].data_ptr<float>() : nullptr;
-    for (int64_t j = j0; j < j1; j++) {
-      const uint8_t* row = gu_ptr[i] + j * gu_bytes;
-      for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
-        const float y = gu_dot(row, ax.row(pairs[i][p].token), hidden);
-        g[(first[i] + p) * gu_rows + j] = bias ? y + bias[j] : y;
-      }
+  // the rows of x each expert takes (its tokens), and of h (its pairs, from first[i])
+  std::vector<int64_t> tokens(np), hrows(np);
+  for (int64_t i = 0; i < ne; i++) {
+    for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
+      tokens[first[i] + p] = pairs[i][p].token;
+      hrows[first[i] + p] = p;
     }
+  }
+  auto count = [&](int64_t i) { return first[i + 1] - first[i]; };
+  // expert i's gate/up outputs j0..j1 for its rows (tiles: its rows of x as tiles, or none)
+  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1, const Tiles* tiles) {
+    const float* bias = gu_biased ? gate.gate_up_bias[i].data_ptr<float>() : nullptr;
+    float* gi = g.data() + first[i] * gu_rows;
+    rows_product(gu_type, gu_ptr[i], gu_bytes, hidden, j0, j1, ax, tokens.data() + first[i], count(i), tiles, gu_dot,
+                 [&](int64_t p, int64_t j, float y) { gi[p * gu_rows + j] = bias ? y + bias[j] : y; });
   };
   auto gated = [&](int64_t p0, int64_t p1) {  // the gate of rows p0..p1
     for (int64_t p = p0; p < p1; p++) gate.apply(g.data() + p * gu_rows, h.data() + p * inter, inter);
   };
-  // expert i's down outputs j0..j1 for its rows, their quantized h in ah from row first[i] - row0
-  auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, int64_t row0) {
+  // expert i's down outputs j0..j1 for its rows, their quantized h in ah (expert i's alone: hrows; all: first[i] on)
+  auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, const int64_t* list, const Tiles* tiles) {
     const float* bias = down_biased ? gate.down_bias[i].data_ptr<float>() : nullptr;
-    for (int64_t j = j0; j < j1; j++) {
-      const uint8_t* row = down_ptr[i] + j * down_bytes;
-      for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
-        const Pair& pr = pairs[i][p];
-        const int64_t slot = pr.token * top_k + pr.choice;
-        const float y = down_dot(row, ah.row(first[i] - row0 + p), inter);
-        contrib[slot * hidden + j] = (bias ? y + bias[j] : y) * wp[slot];
-      }
-    }
+    rows_product(down_type, down_ptr[i], down_bytes, inter, j0, j1, ah, list, count(i), tiles, down_dot,
+                 [&](int64_t p, int64_t j, float y) {
+                   const Pair& pr = pairs[i][p];
+                   const int64_t slot = pr.token * top_k + pr.choice;
+                   contrib[slot * hidden + j] = (bias ? y + bias[j] : y) * wp[slot];
+                 });
   };
   // The same dot products either way (an output is one dot, its activations quantized row by row), so the two
   // schedules give the same bits: whole experts per task when there are enough of them to share out (one parallel
@@ -1143,27 +1477,37 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   if (ne >= 2 * (int64_t)at::get_num_threads()) {
     at::parallel_for(0, ne, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
-        gate_up_rows(i, 0, gu_rows);
+        const int64_t* xrows = tokens.data() + first[i];
+        const std::optional<Tiles> gu_tiles = tiles_of(path, gu_type, ax, xrows, count(i));
+        gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr);
         gated(first[i], first[i + 1]);
-        const QRows ah(h.data() + first[i] * inter, first[i + 1] - first[i], inter, down_type, path);
-        down_rows(i, 0, hidden, ah, first[i]);
+        const QRows ah(h.data() + first[i] * inter, count(i), inter, down_type, path);
+        const int64_t* own = hrows.data() + first[i];
+        const std::optional<Tiles> down_tiles = tiles_of(path, down_type, ah, own, count(i));
+        down_rows(i, 0, hidden, ah, own, down_tiles ? &*down_tiles : nullptr);
       }
     });
     return;
   }
+  std::vector<std::optional<Tiles>> gu_tiles(ne), down_tiles(ne);
+  for (int64_t i = 0; i < ne; i++) gu_tiles[i] = tiles_of(path, gu_type, ax, tokens.data() + first[i], count(i));
   at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end;) {  // the run of outputs of one expert at a time
       const int64_t i = u / gu_rows, stop = std::min(end, (i + 1) * gu_rows);
-      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows);
+      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows, gu_tiles[i] ? &*gu_tiles[i] : nullptr);
       u = stop;
     }
   });
   gated(0, np);
   const QRows ah(h.data(), np, inter, down_type, path);
+  std::vector<int64_t> all(np);
+  for (int64_t p = 0; p < np; p++) all[p] = p;
+  for (int64_t i = 0; i < ne; i++) down_tiles[i] = tiles_of(path, down_type, ah, all.data() + first[i], count(i));
   at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end;) {
       const int64_t i = u / hidden, stop = std::min(end, (i + 1) * hidden);
-      down_rows(i, u - i * hidden, stop - i * hidden, ah, 0);
+      down_rows(i, u - i * hidden, stop - i * hidden, ah, all.data() + first[i],
+                down_tiles[i] ? &*down_tiles[i] : nullptr);
       u = stop;
     }
   });
@@ -1284,5 +1628,6 @@ TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "weightstream's native CPU kernels (registered as torch.ops.weightstream.*)";
   module.def("avx2", &avx2_available, "whether this CPU runs the AVX2 path");
+  module.def("tiles", &have_tiles, "whether this CPU runs the multi-row tiles (AVX-512 with VNNI)");
   module.def("block_types", &block_types, "(name, GGML id, elements, bytes, activation block) of every block type");
 }

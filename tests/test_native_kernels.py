@@ -116,6 +116,45 @@ def test_products_avx2_equal_portable_bitwise(wtype):
     assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable"))
 
 
+def _needs_tiles():
+    if not native.tiles_available():
+        pytest.skip("this CPU has no AVX-512 with VNNI: the multi-row tiles do not run here")
+
+
+@pytest.mark.parametrize("wtype", [t for t in TYPES if t != "BF16"])
+def test_tiles_equal_portable_bitwise_at_every_row_count(wtype):
+    """The multi-row tiles (16 rows a vector, every code and scale pattern of random blocks) give the portable
+    rows' bits: one row (15 lanes empty), a few, a whole tile, a tile and a part; and auto, which switches from rows
+    to tiles at 6 rows, gives them too."""
+    _needs_tiles()
+    _, w, n, k = _product_case(wtype)
+    for rows in (1, 5, 6, 16, 21):
+        x = (
+            torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            * torch.linspace(0.01, 30, rows)[:, None]
+        )
+        portable = native.qmm(x, w, wtype, n, k, "portable")
+        assert torch.equal(native.qmm(x, w, wtype, n, k, "avx512"), portable), rows
+        assert torch.equal(native.qmm(x, w, wtype, n, k), portable), rows
+
+
+@pytest.mark.parametrize("wtypes", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("Q5_K", "MXFP4")])
+def test_a_moe_layer_by_tiles_equals_it_by_rows_and_token_by_token(wtypes):
+    """40 tokens over 6 experts: about 20 rows an expert, so auto computes every projection as tiles; the same bits
+    as the portable rows, and as each token alone (one row an expert: rows)."""
+    _needs_tiles()
+    gu_type, down_type = wtypes
+    x, index, weights, gate_up, down, _, _ = _moe_layer_case(gu_type, down_type, tokens=40)
+    experts = sorted(set(index.reshape(-1).tolist()))
+    args = (experts, [gate_up[e] for e in experts], gu_type, [down[e] for e in experts], down_type)
+    tiles = native.moe_layer(x, index, weights, *args)
+    assert torch.equal(native.moe_layer(x, index, weights, *args, path="portable"), tiles)
+    for t in (0, 17, 39):
+        assert torch.equal(
+            native.moe_layer(x[t : t + 1], index[t : t + 1], weights[t : t + 1], *args), tiles[t : t + 1]
+        )
+
+
 @pytest.mark.parametrize("wtype", ["Q8_0", "Q4_K", "Q2_K"])
 def test_activations_are_quantized_alike_on_both_paths_ties_and_zeros_included(wtype):
     """The AVX2 quantizer against the portable one, through the products: a block whose largest value is 127 (its

@@ -55,7 +55,9 @@ def row_bytes(wtype: str, k: int) -> int:
     return k // BLOCK_TYPES[wtype].elements * BLOCK_TYPES[wtype].bytes
 
 
-PATHS = {"auto": 0, "portable": 1, "avx2": 2}
+# auto: the best this CPU runs (AVX-512 tiles from 6 rows where it has them, else AVX2 rows, else portable rows);
+# avx512: tiles at every row count. Every path gives the same bits (docs/kernels.md).
+PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 
 _module = None
 _why_not: str | None = None
@@ -107,6 +109,11 @@ def best_path() -> str:
     return "avx2" if available() and _module.avx2() else "portable"
 
 
+def tiles_available() -> bool:
+    """Whether this CPU runs the multi-row tiles (AVX-512 with VNNI), which auto takes from 6 rows."""
+    return available() and _module.tiles()
+
+
 def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str = "auto") -> torch.Tensor:
     """x (M, K) times the (N, K) matrix whose rows `w` (uint8, N x row_bytes) encodes; float32 (M, N)."""
     return torch.ops.weightstream.qmm(x, w, TYPE_IDS[wtype], n, k, PATHS[path])
@@ -145,6 +152,7 @@ def moe_layer(
     gate: str = "silu",
     alpha: float = 0.0,
     limit: float = 0.0,
+    path: str = "auto",
 ) -> torch.Tensor | None:
     """One MoE layer's experts in one call: for each token, the sum over its routed experts (ascending expert
     order, float32) of (gate(x GU^T + b_gu) D^T + b_d) times the router weight; `experts` the routed experts,
@@ -155,9 +163,10 @@ def moe_layer(
 
     With `into` (float32 (tokens, top_k, hidden)), only these experts' (token, choice) rows of the contributions are
     filled, and nothing is summed: `moe_sum` then adds the rows as the single call does, so a layer computed in
-    groups (resident experts first, each missing one as it arrives) gives the same bits."""
+    groups (resident experts first, each missing one as it arrives) gives the same bits. `path` as `qmm`'s: auto
+    computes an expert's rows as tiles from 6 of them where the CPU runs tiles, every path the same bits."""
     args = (experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], gate_up_bias or [], down_bias or [])
-    args += (GATES.index(gate), alpha, limit, 0)
+    args += (GATES.index(gate), alpha, limit, PATHS[path])
     if into is None:
         return torch.ops.weightstream.moe_layer(x, top_k_index, top_k_weights, *args)
     torch.ops.weightstream.moe_contribute(into, x, top_k_index, top_k_weights, *args)

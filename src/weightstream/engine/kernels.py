@@ -10,6 +10,7 @@ eager's; which architectures they serve is checked on every load against the arc
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -70,13 +71,24 @@ class OneExpertEager:
 # instead of calling a packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the two
 # cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
 DEQUANT_ROWS = {"int8": 32, "int4": 128}
-NATIVE_DEQUANT_ROWS = 16  # every GGML block type, experts and dense weights alike
+# GGML blocks: where the CPU runs the native multi-row tiles (AVX-512 with VNNI), every row count stays native (the
+# tiles ran 256 rows of Q4_K at 2.3x, 32 rows at 2.7x the dequantize-and-F.linear route:
+# benchmarks/block_types.py --rows); BF16, whose products are float and rows only, and a CPU without the tiles
+# dequantize from this many rows.
+NATIVE_DEQUANT_ROWS = 16
+
+
+def native_dequant_rows(wtypes) -> float:
+    """Rows from which products of these block types dequantize the weight and call F.linear (inf: never)."""
+    if native.tiles_available() and "BF16" not in set(wtypes):
+        return math.inf
+    return NATIVE_DEQUANT_ROWS
 
 
 def native_product(x: torch.Tensor, blocks: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
-    """x (rows, k) times the (n, k) weight GGML blocks encode, in x's dtype: the native product for fewer rows than
-    NATIVE_DEQUANT_ROWS, else the weight dequantized once and F.linear."""
-    if x.shape[0] >= NATIVE_DEQUANT_ROWS:
+    """x (rows, k) times the (n, k) weight GGML blocks encode, in x's dtype: the native product below
+    `native_dequant_rows`, else the weight dequantized once and F.linear."""
+    if x.shape[0] >= native_dequant_rows((wtype,)):
         return F.linear(x, native.dequantize(blocks, wtype, n, k).to(x.dtype))
     return native.qmm(x, blocks, wtype, n, k).to(x.dtype)
 
@@ -92,7 +104,7 @@ class QuantizedExperts:
     # computes an expert whose slot holds its small copy (`ExpertSource.holds_small_copy`); None: no small copies
     small: QuantizedExperts | None = None
 
-    def __init__(self, module: torch.nn.Module, quant: QuantFormat, dequant_rows: int):
+    def __init__(self, module: torch.nn.Module, quant: QuantFormat, dequant_rows: float):
         self.quant, self.scheme = quant, quant.scheme
         self.gate = module._apply_gate if module.has_gate else module.act_fn
         self.up = "gate_up_proj" if module.has_gate else "up_proj"
@@ -149,9 +161,9 @@ class BlockExperts(QuantizedExperts):
     a layer whose gate the extension runs (`fused_gate`) is one native call (`layer`, `contribute`)."""
 
     def __init__(self, module: torch.nn.Module, quant: QuantFormat):
-        super().__init__(module, quant, NATIVE_DEQUANT_ROWS)
-        self.name = f"{quant.scheme}-native"
         self.blocks = self._blocks(quant.tensors)
+        super().__init__(module, quant, native_dequant_rows(self._types(self.blocks)))
+        self.name = f"{quant.scheme}-native"
         # one native call per layer (every routed expert's gate_up, gate, down, biases, router weight, and their
         # sum) where the module's gate is one the extension runs; any other runs expert by expert
         self.gate_kind = fused_gate(module) if module.has_gate else None
@@ -161,11 +173,16 @@ class BlockExperts(QuantizedExperts):
     def _blocks(table) -> dict:
         return {t.name: (t.dtype, *t.shape) for t in table if len(t.shape) == 2}
 
+    @staticmethod
+    def _types(blocks: dict) -> list[str]:
+        return [wtype for wtype, *_ in blocks.values()]
+
     def for_layer(self, layer: int) -> BlockExperts:
         if not self.quant.layer_tables or layer not in self.quant.layer_tables:
             return self
         kernel = copy.copy(self)
         kernel.blocks = self._blocks(self.quant.table(layer)[0])
+        kernel.dequant_rows = native_dequant_rows(self._types(kernel.blocks))
         return kernel
 
     def layer_fits(self, rows_per_expert: int) -> bool:
@@ -237,7 +254,7 @@ class NativeLinear(torch.nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < NATIVE_DEQUANT_ROWS * self.in_features:  # decode: one op, as native_product's product
+        if x.numel() < native_dequant_rows((self.wtype,)) * self.in_features:  # one op, as native_product's product
             return native.linear(x, self.blocks, self.wtype, self.out_features, self.in_features, self.bias)
         rows = x.reshape(-1, self.in_features)
         y = native_product(rows, self.blocks, self.wtype, self.out_features, self.in_features)
@@ -391,7 +408,8 @@ def quantized_error(kernel: QuantizedExperts, module: torch.nn.Module, quant: Qu
     hidden = dense["down_proj"].shape[0 if not module.is_transposed else 1]
     worst = 0.0
     dtype = dense["down_proj"].dtype  # the dtype the model computes in (QuantFormat.compute_dtype)
-    for n in (1, 3, kernel.dequant_rows):
+    # both routes: one row, a few, and the first row count of the dequantized route (or the tiles' many rows)
+    for n in (1, 3, kernel.dequant_rows if math.isfinite(kernel.dequant_rows) else 24):
         x = torch.randn(n, hidden, generator=gen, dtype=torch.float32).to(dtype)
         w = torch.ones(n, 1, dtype=dtype)
         want = reference(x, w, deq).float()
