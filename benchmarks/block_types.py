@@ -1,5 +1,7 @@
-"""Every block type's product on the native kernels: GB/s of weights read and weights a second, one row of
-activations against an N x K matrix of random blocks (sane scales, every code pattern), median of --calls calls.
+"""Every block type's product on the native kernels: GB/s of weights read and weights a second, --rows rows of
+activations (default 1: decode) against an N x K matrix of random blocks (sane scales, every code pattern), median
+of --calls calls. From 6 rows the product runs as multi-row tiles where the CPU has AVX-512 with VNNI; g_weights_per_s
+counts every row's weights (N K rows a second), so it compares across row counts.
 
 With --against DIR (the `src` folder of another checkout whose extension is built, e.g. a `git worktree` of an
 earlier commit), each round times that build and this one in separate processes, alternating, so the two are
@@ -8,7 +10,7 @@ also times llama.cpp's own product of each type on the same shape and threads (b
 ggml's CPU backend, its path with --repack 0), and the report gives this build's ratio to it per round.
 
     .venv/bin/python benchmarks/block_types.py [--threads 1] [--rounds 2] [--against /path/to/old/src]
-        [--against-llamacpp] [--types MXFP4 --n 5760 --k 2880] [--out benchmarks/results/block-types.json]
+        [--against-llamacpp] [--types MXFP4 --n 5760 --k 2880] [--rows 256] [--out benchmarks/results/block-types.json]
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ for wtype in [t for t in {types!r} if t in native.TYPE_IDS and t != "BF16"]:
         raw[..., 0] = rng.integers(118, 134, size=raw.shape[:2], dtype=np.uint8)
     for at in scales.get(wtype, ()):
         raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    w, x = torch.from_numpy(raw.reshape(-1).copy()), torch.randn(1, {k})
+    w, x = torch.from_numpy(raw.reshape(-1).copy()), torch.randn({rows}, {k})
     for _ in range(5):
         native.qmm(x, w, wtype, {n}, {k})
     times = []
@@ -54,14 +56,16 @@ for wtype in [t for t in {types!r} if t in native.TYPE_IDS and t != "BF16"]:
         native.qmm(x, w, wtype, {n}, {k})
         times.append(time.perf_counter() - start)
     t = statistics.median(times)
-    out[wtype] = {{"gb_per_s": w.numel() / t / 1e9, "g_weights_per_s": {n} * {k} / t / 1e9}}
+    out[wtype] = {{"gb_per_s": w.numel() / t / 1e9, "g_weights_per_s": {rows} * {n} * {k} / t / 1e9}}
 print(json.dumps(out))
 """
 TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "MXFP4")
 
 
 def run(src: str, args) -> dict:
-    code = _CHILD.format(src=src, threads=args.threads, types=args.types, n=args.n, k=args.k, calls=args.calls)
+    code = _CHILD.format(
+        src=src, threads=args.threads, types=args.types, n=args.n, k=args.k, rows=args.rows, calls=args.calls
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{src}: {done.stderr[-1500:]}")
@@ -73,7 +77,7 @@ def run_llamacpp(tool: str, args) -> dict:
     out = {}
     for wtype in args.types:
         name = wtype.lower() if wtype == "MXFP4" else "q" + wtype[1:]
-        cmd = [tool, name, str(args.n), str(args.k), str(args.threads), str(args.calls)]
+        cmd = [tool, name, str(args.n), str(args.k), str(args.threads), str(args.calls), str(args.rows)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)}: {done.stderr[-1500:]}")
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--n", type=int, default=4096, help="output rows (default 4096)")
     ap.add_argument("--k", type=int, default=4096, help="inputs, a multiple of 256 (default 4096)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of activations (default 1: decode; 256: a prompt)")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--against", help="the src folder of another checkout with its extension built")
     ap.add_argument("--against-llamacpp", action="store_true", help="also time llama.cpp's product of each type")
@@ -118,6 +123,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "threads": args.threads,
         "shape": [args.n, args.k],
+        "rows": args.rows,
         "rounds": rounds,
     }
     if llamacpp is not None:

@@ -1,25 +1,27 @@
-// Quantized-weight products for CPU decode: weights in GGML's block formats (the byte layouts GGUF files store),
+// Quantized-weight products on the CPU: weights in GGML's block formats (the byte layouts GGUF files store),
 // activations quantized to int8 in blocks of 32 (256 for the K types), products summed in integers.
 //
 // Each block type is defined once, in its own struct below (written from the formats' arithmetic, docs/kernels.md):
-//   T::Block      its bytes, field by field (sizeof checked against GGML's size at compile time)
-//   T::id         GGML's type id; T::name; T::elements per block; T::act, the activation block it meets
-//   T::dot        the portable path, the reference: one block into the accumulators
-//   T::dot_avx2   the same arithmetic on AVX2, bitwise equal
-//   T::dequantize one block to float32, bitwise as the `gguf` package's decoder
+//   T::Block        its bytes, field by field (sizeof checked against GGML's size at compile time)
+//   T::id           GGML's type id; T::name; T::elements per block; T::act, the activation block it meets
+//   T::codes        the block's codes as unsigned bytes (stored code + T::code_offset), the portable reference
+//   T::scales       its integer scales and mins per 16 weights, and its float d and m
+//   T::part_avx2    the block's integer sums against one row on AVX2 (Part: exactly the portable integers)
+//   T::codes_avx2   T::codes on AVX2, for the multi-row tiles
+//   T::dequantize   one block to float32, bitwise as the `gguf` package's decoder
 // and listed once in WS_TYPES; everything else (row sizes, checks, dispatch, the table Python checks itself against
 // at load: native.py) is derived from those. Adding a type is its struct and its line in WS_TYPES.
 //
 // Activations: per block of 32 values (256 for the K types), dx = max|x| / 127, qx = round(x / dx) in -127..127,
-// and per 32 values sx = sum of qx. K types sum each super-block in integers (sub-block scales are integers), so
-// a super-block of 256 costs one float multiply-add (two with a min term). BF16 is not quantized: its activations
-// stay float32 and each weight meets its value in a float fused multiply-add.
+// and per 32 and per 16 values the sum of qx. A block's product with a row is d dx isum + m dx msum, both sums
+// integers (sub-block scales are integers), so a super-block of 256 costs one float multiply-add (two with a min
+// term). BF16 is not quantized: its activations stay float32 and each weight meets its value in a float fused
+// multiply-add.
 //
-// Determinism: each output element is computed by one thread, in one order, whatever the thread count. The AVX2
-// path and the portable path give bitwise the same result: integer block sums are exact, and the float arithmetic
-// is the same sequence of operations in both (8 lane accumulators fed by explicit fused multiply-adds, one
-// scalar accumulator for the min terms, a fixed final order). Compiled with -ffp-contract=off so the compiler
-// fuses nothing on its own.
+// Determinism: every path (portable rows, AVX2 rows, AVX-512 VNNI tiles of 16 rows) computes the same integers
+// and then the same float chain per output (Chain), compiled with -ffp-contract=off so the compiler fuses nothing
+// on its own; each output element is computed by one thread. So the result does not depend on the path, the thread
+// count, the number of rows or the other rows of the batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -159,8 +159,9 @@ def fit_cost_params(m: Measurements) -> CostParams:
     fixed = max(per_layer_one - per_expert, 0.0)
     per_expert_prefill = (m.prefill_expert_s / m.layers - fixed) / m.top_k  # one call with `prefill_tokens` rows
     # at most c1, so that expert_call_s + expert_row_s = c1 still holds: native kernels run 32 rows by another route
-    # (the weight dequantized once, NATIVE_DEQUANT_ROWS) at more per row than a whole one-row expert, and a line
-    # through both would price a decode expert at that row cost (0.33 ms where it took 0.17)
+    # (multi-row tiles, or the weight dequantized once: NATIVE_DEQUANT_ROWS) whose first row costs more than a whole
+    # one-row expert, and a line through both would price a decode expert at that row cost (0.33 ms where it took
+    # 0.17)
     row = min(max((per_expert_prefill - per_expert) / max(m.prefill_tokens - 1, 1), 0.0), per_expert)
     dense = max(m.decode_step_s - m.decode_expert_s, 0.0)
     dense_prefill = m.prefill_step_s - m.prefill_expert_s
