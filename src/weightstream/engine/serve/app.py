@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from weightstream.engine.serve.affinity import AFFINITY_HEADER
 from weightstream.engine.serve.metrics import ServeMetrics
 from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, parse_request, sse
 from weightstream.engine.serve.sequence import Failed
@@ -128,7 +129,7 @@ class _Api:
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         seqs = self.service.sequences(body, prompts, lambda index: _emitter(loop, events, index))
-        self.service.submit(seqs)
+        self.service.submit(seqs, request.headers.get(AFFINITY_HEADER))
         reply = self.service.reply(body, prompts)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -105,6 +105,11 @@ class Scheduler:
         self._thread.start()
 
     @property
+    def alive(self) -> bool:
+        """The scheduler's thread is running (a replica's health check asks)."""
+        return self._thread.is_alive()
+
+    @property
     def running(self) -> int:
         return len(self.batch)
 

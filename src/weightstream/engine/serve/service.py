@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
+from weightstream.engine.serve.affinity import ExpertAffinity
 from weightstream.engine.serve.batch import batchable
 from weightstream.engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
@@ -55,6 +56,8 @@ class ServeSettings:
     shutdown_grace_s: float = 10.0
     routing_trace: str | None = None  # replay this trace's routing (benchmarks; the text is then meaningless)
     step_log: str | None = None  # one JSON line per forward step
+    replay_by_prompt: bool = False  # routing_trace: a prompt replays the trace request it hashes to (replay.py)
+    expert_affinity: bool = False  # record each prompt's prefill experts and the cache's for a router (affinity.py)
     kv_budget_bytes: int = 0
 
     def __post_init__(self):
@@ -102,6 +105,8 @@ class ModelService:
         self.settings, self.observer, self.on_load_error = settings, observer, on_load_error
         self.on_ready = lambda: None
         self.model = self.tokenizer = self.scheduler = self.recorder = self.token_text = None
+        self.affinity: ExpertAffinity | None = None
+        self.replay = None  # the routing trace's replay, with settings.routing_trace
         self.ready, self.error, self.closed = False, None, False
         self.max_model_len = self.kv_bytes_per_token = 0
         self.eos_ids: frozenset[int] = frozenset()
@@ -162,8 +167,13 @@ class ModelService:
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.recorder = StepRecorder(model.weightstream, s.step_log)
-        model.weightstream.routing_observer = self.recorder
-        hooks = [self._replay(), self.recorder] if s.routing_trace else [self.recorder]
+        hooks, observer = [self.recorder], self.recorder
+        if s.expert_affinity:
+            self.affinity = observer = ExpertAffinity(model.weightstream, observer=self.recorder)
+            hooks.append(self.affinity)
+        model.weightstream.routing_observer = observer
+        if s.routing_trace:
+            hooks.insert(0, self._replay())
         self.scheduler = Scheduler(
             model,
             s.max_batch,
@@ -203,11 +213,13 @@ class ModelService:
 
     def _replay(self):
         from weightstream.engine.routing import BatchRoutingReplay
+        from weightstream.engine.serve.replay import PromptRoutingReplay
         from weightstream.trace import load
 
-        replay = BatchRoutingReplay(load(self.settings.routing_trace), self.model.weightstream.layout)
-        self.model.weightstream.routing_override = replay
-        return replay
+        kind = PromptRoutingReplay if self.settings.replay_by_prompt else BatchRoutingReplay
+        self.replay = kind(load(self.settings.routing_trace), self.model.weightstream.layout)
+        self.model.weightstream.routing_override = self.replay
+        return self.replay
 
     def _load_or_report(self) -> None:
         try:
@@ -376,9 +388,24 @@ class ModelService:
             )
         return explicit
 
-    def submit(self, seqs: list[Sequence]) -> None:
+    def submit(self, seqs: list[Sequence], affinity_key: str | None = None) -> None:
+        """Queue a request's sequences; `affinity_key` (from the Ray ingress) names their prefills' experts."""
+        ids = [seq.id for seq in seqs]
+        if self.affinity is not None and affinity_key:
+            self.affinity.expect(ids, affinity_key)
+        if self.settings.replay_by_prompt and self.replay is not None:
+            for seq in seqs:
+                self.replay.assign(seq.id, seq.prompt_ids)
         try:
             self.scheduler.submit(*seqs)
         except Refused as exc:
+            self._forget(ids)
             headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
             raise ApiError(exc.status, str(exc), code=exc.code, headers=headers) from None
+
+    def _forget(self, ids: list[int]) -> None:
+        if self.affinity is not None:
+            self.affinity.forget(ids)
+        if self.settings.replay_by_prompt and self.replay is not None:
+            for seq_id in ids:
+                self.replay.forget(seq_id)
