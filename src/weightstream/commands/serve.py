@@ -87,10 +87,51 @@ def register(sub) -> None:
     )
     p.add_argument("--step-log", metavar="FILE.jsonl", help="append one JSON line per forward step (benchmarks)")
     p.add_argument(
-        "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="uvicorn's log level"
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="uvicorn's log level (with --ray: Ray Serve's, per-request logs at debug)",
     )
     add_engine_options(p)
+    add_ray_options(p)
     p.set_defaults(func=run)
+
+
+def add_ray_options(p) -> None:
+    ray = p.add_argument_group(
+        "Ray Serve (pip install 'weightstream[ray]'; docs/serving.md, 'Beyond one machine')",
+        "the same API from N replicas, each a full engine with its own --expert-cache or --memory, behind Ray "
+        "Serve's HTTP proxy on --host/--port, routed to the replica whose cache holds the request's experts",
+    )
+    ray.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas (a local cluster by default)")
+    ray.add_argument("--replicas", type=int, metavar="N", help="--ray: engine replicas (default 2)")
+    ray.add_argument(
+        "--replica-cpus",
+        type=float,
+        metavar="N",
+        help="--ray: Ray CPUs per replica, and its torch threads (default 1)",
+    )
+    ray.add_argument(
+        "--router",
+        choices=("expert-affinity", "default"),
+        help="--ray: expert-affinity (default): the replica holding the prompt's prefill experts, else the least "
+        "loaded; default: Ray Serve's own (power of two choices), for comparison",
+    )
+    ray.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="--ray: join this running Ray cluster (e.g. auto, or HEAD:6379) instead of starting one; on exit only "
+        "this application is deleted",
+    )
+    ray.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        metavar="N",
+        help="--ray: requests one replica holds at once (default twice --max-batch); more wait in Ray's router",
+    )
+
+
+RAY_ONLY = ("replicas", "replica_cpus", "router", "ray_address", "max_ongoing_requests")
 
 
 def run(args) -> int:
@@ -105,6 +146,11 @@ def run(args) -> int:
     from weightstream.engine.serve.server import serve
     from weightstream.engine.serve.service import ServeSettings
 
+    given = [name for name in RAY_ONLY if getattr(args, name) is not None]
+    if given and not args.ray:
+        raise WeightstreamError(f"--{given[0].replace('_', '-')} goes with --ray; add --ray or leave it out")
+    if args.ray and args.step_log:
+        raise WeightstreamError("--step-log writes one process's steps; with --ray read the replicas' metrics instead")
     settings = ServeSettings(
         model_dir=model_dir,
         engine=engine_kwargs(args),
@@ -119,7 +165,27 @@ def run(args) -> int:
         routing_trace=args.routing_trace,
         step_log=args.step_log,
     )
+    if args.ray:
+        return _run_on_ray(args, settings)
     serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _run_on_ray(args, settings) -> int:
+    from weightstream.ray import require_ray
+
+    require_ray()  # before the rest imports it: a missing extra is one line that names it
+    from weightstream.ray.app import RayOptions
+    from weightstream.ray.local import serve_on_ray
+
+    options = RayOptions(
+        replicas=2 if args.replicas is None else args.replicas,
+        replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+        router=args.router or "expert-affinity",
+        max_ongoing_requests=args.max_ongoing_requests,
+        log_level=args.log_level,
+    )
+    serve_on_ray(settings, options, args.host, args.port, args.ray_address)
     return 0
 
 
