@@ -126,18 +126,19 @@ struct Part {
   float d, m;
 };
 
-// The float arithmetic every path shares, per output: blocks in order, even blocks into accumulator 0 and odd ones
-// into 1 (two chains of multiply-adds in flight), d dx times isum fused into acc, m dx times msum into rest, and
-// (acc0 + acc1) + (rest0 + rest1) at the end. The multi-row tiles do this per lane, so a row's result is the same
-// bits whichever path, tile or batch computes it.
+// The float arithmetic every path shares, per output: block b's d dx times isum fused into accumulator b % 8, its
+// m dx times msum into rest b % 8 (eight chains: one vector of them on the AVX2 rows, one chain at a time per lane
+// of a tile), then each set of eight added in one fixed tree and the two sums added. So a row's result is the
+// same bits whichever path, tile or batch computes it.
 struct Chain {
-  float acc[2] = {0.f, 0.f}, rest[2] = {0.f, 0.f};
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, rest[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   template <bool HasMin>
   __attribute__((always_inline)) inline void add(int64_t b, const Part& p, float dx) {
-    acc[b & 1] = std::fma(p.d * dx, (float)p.isum, acc[b & 1]);
-    if constexpr (HasMin) rest[b & 1] = std::fma(p.m * dx, (float)p.msum, rest[b & 1]);
+    acc[b & 7] = std::fma(p.d * dx, (float)p.isum, acc[b & 7]);
+    if constexpr (HasMin) rest[b & 7] = std::fma(p.m * dx, (float)p.msum, rest[b & 7]);
   }
-  float total() const { return (acc[0] + acc[1]) + (rest[0] + rest[1]); }
+  static float tree(const float* v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+  float total() const { return tree(acc) + tree(rest); }
 };
 
 // A block's codes, unsigned (the stored code plus T::offset), its per-16 integer scales and mins, and its d and m:
@@ -234,6 +235,20 @@ WS_AVX2_INLINE int32_t min_term_k4(__m128i mins, const int16_t* sums) {
 }
 
 WS_AVX2_INLINE __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// A block's Part on AVX2, its integer sum still in 8 lanes (added up 8 blocks at a time: totals8).
+struct PartV {
+  __m256i isum;
+  int32_t msum;
+  float d, m;
+};
+
+// Lane i of the result is the sum of v[i]'s 8 lanes (exact: integers).
+WS_AVX2_INLINE __m256i totals8(const __m256i* v) {
+  const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
 #endif
 
 // ---- the block types ----
@@ -263,8 +278,8 @@ struct Q8_0 {  // w = d q
     for (int i = 0; i < 32; i++) o[i] = d * (float)x.qs[i];
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
-    return {hsum_i32(lanes_s8_s8(load256(x.qs), load256(a.q + b * 32))), 0, fp16_hw(x.d), 0.f};
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
+    return {lanes_s8_s8(load256(x.qs), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
   }
   WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
     _mm256_storeu_si256((__m256i*)u, _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8((char)0x80)));
@@ -342,9 +357,9 @@ struct Legacy32 {
       return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const float d = fp16_hw(x.d);
-    return {hsum_i32(lanes_u8_s8(codes_v(x), load256(a.q + b * 32))), a.s[b], d, offset(x, d)};
+    return {lanes_u8_s8(codes_v(x), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
   }
   WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) { _mm256_storeu_si256((__m256i*)u, codes_v(x)); }
 #endif
@@ -410,7 +425,7 @@ struct Q2_K {
       }
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), low4 = _mm_set1_epi8(0xF);
     const Scales16 sc = scales16_avx2(_mm_and_si128(raw, low4), false);
@@ -427,7 +442,7 @@ struct Q2_K {
     // min term: the 16 mins times the 16 sums of qx, in integers
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
     const int32_t msum = hsum_i32(_mm256_madd_epi16(mins, load256(a.s16 + b * 16)));
-    return {hsum_i32(isum), msum, fp16_hw(x.d), -fp16_hw(x.dmin)};
+    return {isum, msum, fp16_hw(x.d), -fp16_hw(x.dmin)};
   }
 #endif
 };
@@ -501,7 +516,7 @@ struct Q3_K {
       }
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
     // scales16's arithmetic on the four words in a vector register (the 12 bytes read as 8 + 4: no read past them)
     uint32_t w2;
@@ -525,7 +540,7 @@ struct Q3_K {
         isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
       }
     }
-    return {hsum_i32(isum), 0, fp16_hw(x.d), 0.f};
+    return {isum, 0, fp16_hw(x.d), 0.f};
   }
 #endif
 };
@@ -588,7 +603,7 @@ struct Q4_K : ScalesMinsK<Q4_K> {
       _mm256_storeu_si256((__m256i*)(u + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i mask = _mm256_set1_epi8(0xF);
     uint32_t halves;
     std::memcpy(&halves, x.d, 4);
@@ -606,7 +621,7 @@ struct Q4_K : ScalesMinsK<Q4_K> {
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
                                                       load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
     }
-    return {hsum_i32(isum), min_term_k4(mins, a.s + b * 8), d, -dmin};
+    return {isum, min_term_k4(mins, a.s + b * 8), d, -dmin};
   }
 #endif
 };
@@ -638,7 +653,7 @@ struct Q5_K : ScalesMinsK<Q5_K> {
                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), h1));
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
     __m256i scales;
     __m128i mins;
@@ -655,7 +670,7 @@ struct Q5_K : ScalesMinsK<Q5_K> {
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w0, load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
       isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w1, load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
     }
-    return {hsum_i32(isum), min_term_k4(mins, a.s + b * 8), fp16_hw(x.d), -fp16_hw(x.dmin)};
+    return {isum, min_term_k4(mins, a.s + b * 8), fp16_hw(x.d), -fp16_hw(x.dmin)};
   }
 #endif
 };
@@ -712,7 +727,7 @@ struct Q6_K {
       _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
     }
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
     const Scales16 sc = scales16_avx2(_mm_loadu_si128((const __m128i*)x.scales), true);
     __m256i isum = _mm256_setzero_si256();
@@ -725,7 +740,7 @@ struct Q6_K {
       const __m256i xv = load256(a.q + b * 256 + sub * 32);
       isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
     }
-    return {hsum_i32(isum), 0, fp16_hw(x.d), 0.f};
+    return {isum, 0, fp16_hw(x.d), 0.f};
   }
 #endif
 };
@@ -782,8 +797,8 @@ struct MXFP4 {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues));
     return _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs));
   }
-  WS_AVX2_INLINE static Part part_avx2(const Block& x, const QAct& a, int64_t b) {
-    return {hsum_i32(lanes_s8_s8(values_v(x), load256(a.q + b * 32))), 0, scale(x), 0.f};
+  WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
+    return {lanes_s8_s8(values_v(x), load256(a.q + b * 32)), 0, scale(x), 0.f};
   }
   WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
     _mm256_storeu_si256((__m256i*)u, _mm256_add_epi8(values_v(x), _mm256_set1_epi8(12)));
@@ -923,15 +938,66 @@ float dot_row_portable(const uint8_t* row, const QAct& a, int64_t k) {
 }
 
 #ifdef WS_X86
+// Block b0 + i's Part into lane i of the group's arrays.
+template <typename T>
+WS_AVX2_INLINE void take_part(const typename T::Block* blocks, const QAct& a, int64_t b0, int i, __m256i* v, float* d,
+                              float* m, int32_t* ms, float* dx) {
+  const PartV p = T::part_avx2(blocks[b0 + i], a, b0 + i);
+  v[i] = p.isum;
+  d[i] = p.d;
+  m[i] = p.m;
+  ms[i] = p.msum;
+  dx[i] = a.d[b0 + i];
+}
+
+// Eight blocks at a time: their integer sums added up into one vector (lane i: block b0 + i), which meets the
+// blocks' d dx in one fused multiply-add into the eight chains.
 template <typename T>
 WS_AVX2 float dot_row_avx2(const uint8_t* row, const QAct& a, int64_t k) {
   if constexpr (T::act == 0) {
     return T::dot_row_avx2(row, a.f, k);
   } else {
-    Chain chain;
     const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
-    for (int64_t b = 0; b < k / T::elements; b++) chain.add<T::has_min>(b, T::part_avx2(blocks[b], a, b), a.d[b]);
-    return chain.total();
+    const int64_t nb = k / T::elements;
+    __m256 acc = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const int n = (int)std::min<int64_t>(8, nb - b0);
+      __m256i v[8];
+      alignas(32) float d[8], m[8], dx[8];
+      alignas(32) int32_t ms[8];
+      if (n == 8) {  // the whole group, unrolled
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) take_part<T>(blocks, a, b0, i, v, d, m, ms, dx);
+      } else {
+        for (int i = 0; i < 8; i++) {
+          if (i < n) {
+            take_part<T>(blocks, a, b0, i, v, d, m, ms, dx);
+          } else {
+            v[i] = _mm256_setzero_si256();
+            d[i] = m[i] = dx[i] = 0.f;
+            ms[i] = 0;
+          }
+        }
+      }
+      const __m256 dxv = _mm256_load_ps(dx);
+      __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(d), dxv), _mm256_cvtepi32_ps(totals8(v)), acc);
+      __m256 next_rest = rest;
+      if constexpr (T::has_min) {
+        const __m256 mf = _mm256_mul_ps(_mm256_load_ps(m), dxv);
+        next_rest = _mm256_fmadd_ps(mf, _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)ms)), rest);
+      }
+      if (n < 8) {  // only the blocks there are: a lane past them keeps its value (x + 0 would turn -0 into +0)
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        next = _mm256_blendv_ps(acc, next, live);
+        next_rest = _mm256_blendv_ps(rest, next_rest, live);
+      }
+      acc = next;
+      rest = next_rest;
+    }
+    alignas(32) float lanes[8], rests[8];
+    _mm256_store_ps(lanes, acc);
+    _mm256_store_ps(rests, rest);
+    return Chain::tree(lanes) + Chain::tree(rests);
   }
 }
 #endif
@@ -1149,6 +1215,15 @@ WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
   }
 }
 
+// Chain::tree of 8 chains, 16 lanes at a time.
+WS_AVX512 inline __m512 tree16(const float (*v)[16]) {
+  const __m512 a0 = _mm512_load_ps(v[0]), a1 = _mm512_load_ps(v[1]), a2 = _mm512_load_ps(v[2]);
+  const __m512 a3 = _mm512_load_ps(v[3]), a4 = _mm512_load_ps(v[4]), a5 = _mm512_load_ps(v[5]);
+  const __m512 a6 = _mm512_load_ps(v[6]), a7 = _mm512_load_ps(v[7]);
+  return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a4), _mm512_add_ps(a2, a6)),
+                       _mm512_add_ps(_mm512_add_ps(a1, a5), _mm512_add_ps(a3, a7)));
+}
+
 // NW weight rows against one tile: out[16 i + r] is weight row i's output for lane r.
 // (GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() may be used uninitialized: it is not.)
 #pragma GCC diagnostic push
@@ -1161,62 +1236,65 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
   const float* dx = t.dx.data() + tile * nb * 16;
   const int32_t* os = t.os.data() + tile * t.ogroups * 16;
   const int32_t* ms = t.ms.data() + tile * t.mgroups * 16;
-  __m512 acc[NW][2], rest[NW][2];
-  for (int i = 0; i < NW; i++) acc[i][0] = acc[i][1] = rest[i][0] = rest[i][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    __m512i isum[NW];
-    for (int i = 0; i < NW; i++) isum[i] = _mm512_setzero_si512();
-    for (int g0 = 0; g0 < E; g0 += SG) {
-      const int64_t e0 = b * E + g0;
-      __m512i tt[NW];
-      for (int i = 0; i < NW; i++) tt[i] = _mm512_setzero_si512();
-      for (int e = 0; e < SG; e += 4) {
-        const __m512i xv = _mm512_loadu_si512(xs + (e0 + e) * 16);
-        for (int i = 0; i < NW; i++) {
-          int32_t c;
-          std::memcpy(&c, w[i]->u.data() + e0 + e, 4);
-          tt[i] = _mm512_dpbusd_epi32(tt[i], _mm512_set1_epi32(c), xv);
-        }
-      }
-      if constexpr (T::code_offset != 0) {
-        const __m512i o = _mm512_loadu_si512(os + e0 / SG * 16);
-        for (int i = 0; i < NW; i++) tt[i] = _mm512_sub_epi32(tt[i], o);
-      }
-      for (int i = 0; i < NW; i++) {
-        if constexpr (T::scale_group != 0) {
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(tt[i], _mm512_set1_epi32(w[i]->sc[e0 / 16])));
-        } else {
-          isum[i] = _mm512_add_epi32(isum[i], tt[i]);
-        }
-      }
-    }
-    const __m512 dxv = _mm512_loadu_ps(dx + b * 16);
-    for (int i = 0; i < NW; i++) {
-      const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->d[b]), dxv);
-      acc[i][b & 1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i][b & 1]);
-    }
-    if constexpr (T::has_min) {
-      for (int i = 0; i < NW; i++) {
-        __m512i msum;
-        if constexpr (T::scale_group == 0) {  // the legacy types: one min group a block, its min 1
-          msum = _mm512_loadu_si512(ms + b * 16);
-        } else {
-          msum = _mm512_setzero_si512();
-          for (int g = 0; g < E; g += MG) {
-            const __m512i sums = _mm512_loadu_si512(ms + (b * E + g) / MG * 16);
-            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_set1_epi32(w[i]->mn[(b * E + g) / 16]), sums));
+  alignas(64) float chains[NW][8][16], rests[NW][8][16];
+  for (int l = 0; l < 8; l++) {  // chain l: blocks l, l + 8, ... (each lane's Chain, one chain at a time)
+    __m512 acc[NW], rest[NW];
+    for (int i = 0; i < NW; i++) acc[i] = rest[i] = _mm512_setzero_ps();
+    for (int64_t b = l; b < nb; b += 8) {
+      __m512i isum[NW];
+      for (int i = 0; i < NW; i++) isum[i] = _mm512_setzero_si512();
+      for (int g0 = 0; g0 < E; g0 += SG) {
+        const int64_t e0 = b * E + g0;
+        __m512i tt[NW];
+        for (int i = 0; i < NW; i++) tt[i] = _mm512_setzero_si512();
+        for (int e = 0; e < SG; e += 4) {
+          const __m512i xv = _mm512_loadu_si512(xs + (e0 + e) * 16);
+          for (int i = 0; i < NW; i++) {
+            int32_t c;
+            std::memcpy(&c, w[i]->u.data() + e0 + e, 4);
+            tt[i] = _mm512_dpbusd_epi32(tt[i], _mm512_set1_epi32(c), xv);
           }
         }
-        const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->m[b]), dxv);
-        rest[i][b & 1] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(msum), rest[i][b & 1]);
+        if constexpr (T::code_offset != 0) {
+          const __m512i o = _mm512_loadu_si512(os + e0 / SG * 16);
+          for (int i = 0; i < NW; i++) tt[i] = _mm512_sub_epi32(tt[i], o);
+        }
+        for (int i = 0; i < NW; i++) {
+          if constexpr (T::scale_group != 0) {
+            isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(tt[i], _mm512_set1_epi32(w[i]->sc[e0 / 16])));
+          } else {
+            isum[i] = _mm512_add_epi32(isum[i], tt[i]);
+          }
+        }
+      }
+      const __m512 dxv = _mm512_loadu_ps(dx + b * 16);
+      for (int i = 0; i < NW; i++) {
+        const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->d[b]), dxv);
+        acc[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i]);
+      }
+      if constexpr (T::has_min) {
+        for (int i = 0; i < NW; i++) {
+          __m512i msum;
+          if constexpr (T::scale_group == 0) {  // the legacy types: one min group a block, its min 1
+            msum = _mm512_loadu_si512(ms + b * 16);
+          } else {
+            msum = _mm512_setzero_si512();
+            for (int g = 0; g < E; g += MG) {
+              const __m512i sums = _mm512_loadu_si512(ms + (b * E + g) / MG * 16);
+              msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_set1_epi32(w[i]->mn[(b * E + g) / 16]), sums));
+            }
+          }
+          const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->m[b]), dxv);
+          rest[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(msum), rest[i]);
+        }
       }
     }
+    for (int i = 0; i < NW; i++) {
+      _mm512_store_ps(chains[i][l], acc[i]);
+      _mm512_store_ps(rests[i][l], rest[i]);
+    }
   }
-  for (int i = 0; i < NW; i++) {
-    const __m512 total =
-        _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(rest[i][0], rest[i][1]));
-    _mm512_storeu_ps(out + 16 * i, total);
-  }
+  for (int i = 0; i < NW; i++) _mm512_storeu_ps(out + 16 * i, _mm512_add_ps(tree16(chains[i]), tree16(rests[i])));
 }
 #pragma GCC diagnostic pop
 

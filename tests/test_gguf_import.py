@@ -530,11 +530,12 @@ LONG_PROMPT = (torch.arange(24) * 37 + 3).remainder(512).reshape(1, -1)  # >= NA
 @pytest.mark.parametrize("recipe", sorted(DENSE_RECIPES))
 def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, source, recipe):
     """The imported model against itself with every NativeLinear replaced by a float weight: gguf's decoding of
-    the file's blocks (q/k rows put back), in the dtype the model computes in. A 24-row prefill multiplies the blocks
-    dequantized once (NATIVE_DEQUANT_ROWS), so its logits are those of the reference bit for bit; decoding (one row:
-    int8 activations against the blocks) gives logits within 3%, and the same greedy tokens up to a near-tie (the
+    the file's blocks (q/k rows put back), in the dtype the model computes in. Where the CPU has no multi-row tiles,
+    a 24-row prefill multiplies the blocks dequantized once (NATIVE_DEQUANT_ROWS), so its logits are those of the
+    reference bit for bit; with tiles it runs the native products as decoding does. Native products (int8
+    activations against the blocks) give logits within 3%, and the same greedy tokens up to a near-tie (the
     reference's two best nearer than the two runs differ: measured 0.006 apart against 0.012 at step 7 of mixtral)."""
-    from weightstream.engine.kernels import NATIVE_DEQUANT_ROWS, NativeLinear
+    from weightstream.engine.kernels import NATIVE_DEQUANT_ROWS, NativeLinear, native_dequant_rows
 
     assert LONG_PROMPT.shape[1] >= NATIVE_DEQUANT_ROWS
     path, out = imported(recipe)
@@ -546,6 +547,7 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
         try:
             linears = {p: m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
             assert len(linears) == len(read_manifest(out).dense) > 0
+            dequantized_prefill = native_dequant_rows([m.wtype for m in linears.values()]) <= LONG_PROMPT.shape[1]
             for p, m in linears.items() if reference else ():
                 t = tensors[names[f"{p}.weight"]]
                 weight = _unpermuted(_deq(t.data, t.tensor_type).reshape(m.out_features, -1), f"{p}.weight", cfg)
@@ -562,7 +564,13 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
         finally:
             model.weightstream.close()
     (prefill, tokens, logits), (want_prefill, want_tokens, want_logits) = runs
-    assert torch.equal(prefill, want_prefill)
+    if dequantized_prefill:
+        assert torch.equal(prefill, want_prefill)
+    else:
+        # int8 activations at every position: about 1% typically; one position of mixtral's 24 measured 11% (its
+        # rows meet the blocks as decoding does, where one step is within 3%)
+        per_position = (prefill - want_prefill).abs().amax(-1) / want_prefill.abs().amax(-1)
+        assert float(per_position.median()) < 0.02 and float(per_position.max()) < 0.15, per_position.tolist()
     for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
         assert float((got - want).abs().max() / want.abs().max()) < 0.03
         if tokens[PROMPT.shape[1] + step] != want_tokens[PROMPT.shape[1] + step]:
