@@ -22,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'weightstream[ray]')")
 serve = pytest.importorskip("ray.serve")
 
+from weightstream.commands.serve import ray_app  # noqa: E402
 from weightstream.engine.loader import load_tokenizer  # noqa: E402
 from weightstream.engine.serve.replay import prompt_request  # noqa: E402
 from weightstream.engine.serve.service import ServeSettings  # noqa: E402
@@ -92,10 +93,13 @@ def cluster(chat_model, two_group_trace, reference):
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        # `plain` as Ray's own `serve run weightstream.commands.serve:ray_app model=... replicas=2 ...` builds it
+        plain = ray_app(
+            {"model": chat_model, "replicas": 2, "replica_cpus": 0.5, "expert_cache": "2x", "io_threads": 2}
+        )
         options = RayOptions(replicas=2, replica_cpus=0.5, stats_period_s=0.5)
-        plain = ServeSettings(chat_model, engine=ENGINE)
         traced = ServeSettings(chat_model, engine=ENGINE, routing_trace=two_group_trace)
-        serve.run(application(plain, options), name="plain", route_prefix="/")
+        serve.run(plain, name="plain", route_prefix="/")
         serve.run(application(traced, options), name="traced", route_prefix="/traced")
         ours = {p.pid for p in [psutil.Process(reference.pid), *psutil.Process(reference.pid).children(True)]}
         started = [p for p in psutil.Process().children(recursive=True) if p.pid not in ours]

@@ -135,23 +135,60 @@ RAY_ONLY = ("replicas", "replica_cpus", "router", "ray_address", "max_ongoing_re
 
 
 def run(args) -> int:
-    from weightstream.store.model_dir import resolve_model
-
     if not 0 <= args.port <= 65535:
         raise WeightstreamError(f"--port {args.port}: must be 0..65535")
-    model_dir = resolve_model(args.model)  # before the server's imports (torch, transformers: seconds)
-    if args.miss_copy:
-        print(miss_copy_note("serve"), file=sys.stderr)
+    settings = _settings(args)
+    if args.ray:
+        from weightstream.ray.local import serve_on_ray
 
+        serve_on_ray(settings, _ray_options(args), args.host, args.port, args.ray_address)
+        return 0
     from weightstream.engine.serve.server import serve
-    from weightstream.engine.serve.service import ServeSettings
+
+    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def ray_app(args: dict):
+    """Ray Serve's application builder: `serve run weightstream.commands.serve:ray_app model=MODEL replicas=2
+    expert_cache=2x` (or `import_path` and `args` in a `serve deploy` config). Keys are serve's options with
+    underscores; a flag takes true; Ray Serve's own `serve run` starts or joins the cluster."""
+    argv = [str(args.get("model", ""))]
+    for key, value in args.items():
+        if key == "model":
+            continue
+        flag, text = f"--{key.replace('_', '-')}", str(value)
+        if text.lower() in ("true", "false"):
+            argv += [flag] if text.lower() == "true" else []
+        else:
+            argv += [flag, text]
+    parser = argparse.ArgumentParser(prog="weightstream serve (ray_app)")
+    register(parser.add_subparsers())
+    parsed = parser.parse_args(["serve", *argv, "--ray"])
+    from weightstream.ray.app import application
+
+    return application(_settings(parsed), _ray_options(parsed))
+
+
+def _settings(args):
+    """ServeSettings from serve's options, checked (the model found, Ray's options only with --ray)."""
+    from weightstream.store.model_dir import resolve_model
 
     given = [name for name in RAY_ONLY if getattr(args, name) is not None]
     if given and not args.ray:
         raise WeightstreamError(f"--{given[0].replace('_', '-')} goes with --ray; add --ray or leave it out")
     if args.ray and args.step_log:
         raise WeightstreamError("--step-log writes one process's steps; with --ray read the replicas' metrics instead")
-    settings = ServeSettings(
+    if args.ray:
+        from weightstream.ray import require_ray
+
+        require_ray()  # before the model is looked for or anything loads: a missing extra is one line naming it
+    model_dir = resolve_model(args.model)  # before the server's imports (torch, transformers: seconds)
+    if args.miss_copy:
+        print(miss_copy_note("serve"), file=sys.stderr)
+    from weightstream.engine.serve.service import ServeSettings
+
+    return ServeSettings(
         model_dir=model_dir,
         engine=engine_kwargs(args),
         model_name=args.served_model_name or _default_name(args.model),
@@ -165,28 +202,18 @@ def run(args) -> int:
         routing_trace=args.routing_trace,
         step_log=args.step_log,
     )
-    if args.ray:
-        return _run_on_ray(args, settings)
-    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
-def _run_on_ray(args, settings) -> int:
-    from weightstream.ray import require_ray
-
-    require_ray()  # before the rest imports it: a missing extra is one line that names it
+def _ray_options(args):
     from weightstream.ray.app import RayOptions
-    from weightstream.ray.local import serve_on_ray
 
-    options = RayOptions(
+    return RayOptions(
         replicas=2 if args.replicas is None else args.replicas,
         replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
         router=args.router or "expert-affinity",
         max_ongoing_requests=args.max_ongoing_requests,
         log_level=args.log_level,
     )
-    serve_on_ray(settings, options, args.host, args.port, args.ray_address)
-    return 0
 
 
 def _default_name(model: str) -> str:
