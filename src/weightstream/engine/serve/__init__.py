@@ -14,4 +14,7 @@
 - service: the served model (loaded in the background), the scheduler, and a request turned into Sequences;
 - app: the Starlette routes;
 - server: loading, uvicorn, graceful shutdown.
+
+Under Ray Serve (`weightstream/ray/`, `serve --ray`) each replica runs this same app on the requests its ingress
+forwards.
 """
