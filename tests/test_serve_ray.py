@@ -142,6 +142,24 @@ def test_ray_replicas_answer_as_weightstream_serve(cluster, reference):
     assert httpx.get(cluster["url"] + "/metrics").json()["error"]["code"] == "metrics_in_ray"
 
 
+def test_a_client_gone_cancels_its_request_on_the_replica(cluster):
+    """Mid-stream or waiting for a whole answer: Ray Serve cancels the forwarded call, the replica's app sees the
+    disconnect and the sequence leaves the batch, as without Ray."""
+    url = f"{cluster['url']}/v1/completions"
+    body = {"model": NAME, "prompt": "Paris", "max_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as stream:
+        assert next(stream.iter_lines()).startswith("data: ")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=httpx.Timeout(60, read=0.5))
+
+    def settled() -> bool:
+        ended = _ray_metric(cluster, "ray_weightstream_sequences_ended_total", application="plain", outcome="cancelled")
+        running = _ray_metric(cluster, "ray_weightstream_running_batch_size", application="plain")
+        return sum(ended.values()) == 2 and sum(running.values()) == 0
+
+    _wait(settled, what="both requests cancelled on their replicas and out of the batch")
+
+
 def _prompts_by_trace_request(chat_model) -> dict[int, str]:
     tokenizer, found = load_tokenizer(chat_model, required=True), {}
     for i in range(100):
