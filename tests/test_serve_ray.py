@@ -202,16 +202,16 @@ def test_a_prompt_goes_to_the_replica_holding_its_experts(cluster, chat_model):
     time.sleep(1.5)  # the replicas' next reports name both prompts
     again = {r: {_served_by(base, prompts[r]) for _ in range(3)} for r in prompts}
     assert again == {r: {first[r]} for r in prompts}
-    decisions = _wait(
-        lambda: _ray_metric(cluster, "ray_weightstream_router_decisions_total", application="traced", reason="experts"),
-        what="the router's decisions in Ray's metrics export",
+    decisions = lambda reason: sum(  # noqa: E731
+        _ray_metric(cluster, "ray_weightstream_router_decisions_total", application="traced", reason=reason).values()
     )
-    assert sum(decisions.values()) >= 6 and set(decisions) <= set(first.values()), decisions
-    tokens = _wait(
-        lambda: _ray_metric(cluster, "ray_weightstream_generation_tokens_total", application="traced"),
-        what="the replicas' metrics in Ray's metrics export",
-    )
-    assert set(first.values()) <= set(tokens), tokens
+    reasons = ("experts", "prefix", "least_loaded", "imbalanced")
+    _wait(lambda: sum(decisions(r) for r in reasons) >= 8, what="the router's 8 decisions in Ray's metrics export")
+    # a repeat finds its prompt in the replicas' reports (`experts`) or, before the next report, in the router's
+    # own memory (`prefix`); reports every 0.5 s reach the router within the 1.5 s above on an idle machine
+    assert decisions("experts") + decisions("prefix") >= 6 and decisions("experts") >= 1
+    tokens = lambda: _ray_metric(cluster, "ray_weightstream_generation_tokens_total", application="traced")  # noqa: E731
+    _wait(lambda: set(first.values()) <= set(tokens()), what="the replicas' metrics in Ray's metrics export")
     ready = _ray_metric(cluster, "ray_weightstream_ready", application="traced")
     assert len(ready) == 2 and set(ready.values()) == {1.0}, ready
 
