@@ -1315,8 +1315,8 @@ WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, in
     for (int64_t tile = 0; tile < t.count; tile++) {
       tile_kernel<T, NW>(w, t, tile, out);
       const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16);
-      for (int64_t i = 0; i < nw; i++) {
-        for (int64_t r = 0; r < lanes; r++) emit(tile * 16 + r, j + i, out[16 * i + r]);
+      for (int64_t r = 0; r < lanes; r++) {  // row by row: a row's outputs j.. are neighbours in memory
+        for (int64_t i = 0; i < nw; i++) emit(tile * 16 + r, j + i, out[16 * i + r]);
       }
     }
   }
