@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ import threading
 import time
 
 import httpx
+from common.clients import run_clients
 from common.results import default, save
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -113,25 +113,8 @@ def request(url: str, prompt: str, max_tokens: int) -> dict:
 
 def phase(server: Server, prompts: list[str], clients: int, max_tokens: int, device: str) -> dict:
     """All `prompts`, `clients` at a time; what the clients, the device and the server measured meanwhile."""
-    todo: queue.Queue[str] = queue.Queue()
-    for p in prompts:
-        todo.put(p)
-    results: list[dict] = []
-
-    def client() -> None:
-        while True:
-            try:
-                prompt = todo.get_nowait()
-            except queue.Empty:
-                return
-            results.append(request(server.url, prompt, max_tokens))
-
     before, dev0, t0 = server.metrics(), device_bytes_read(device), time.time()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, _ = run_clients(prompts, clients, lambda prompt: request(server.url, prompt, max_tokens))
     after, dev1, t1 = server.metrics(), device_bytes_read(device), time.time()
     return summarize(results, clients, before, after, (dev0, dev1), (t0, t1))
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -37,6 +36,7 @@ import time
 from collections import Counter
 
 import httpx
+from common.clients import free_port
 from common.results import default, save
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,12 +49,6 @@ ROUTERS = ("expert-affinity", "default")
 
 def say(msg: str) -> None:
     print(f"[serve-ray] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def requests_of(args) -> list[str]:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp  # noqa: E402
+from common.clients import free_port, run_clients  # noqa: E402
 from common.results import default, save  # noqa: E402
 
 from weightstream.engine.prompts import BUILTIN_PROMPTS  # noqa: E402
@@ -42,12 +41,6 @@ MODEL = "bench"
 
 def say(msg: str) -> None:
     print(f"[serve-vs-llama.cpp] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Child:
@@ -89,32 +82,10 @@ def complete(url: str, prompt: str, max_tokens: int, extra: dict) -> int:
 
 
 def phase(url: str, prompts: list[str], clients: int, max_tokens: int, extra: dict) -> dict:
-    todo: queue.Queue[str] = queue.Queue()
-    for p in prompts:
-        todo.put(p)
-    tokens: list[int] = []
-    errors: list[str] = []
-
-    def client() -> None:
-        while True:
-            try:
-                prompt = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                tokens.append(complete(url, prompt, max_tokens, extra))
-            except httpx.HTTPError as e:
-                errors.append(str(e))
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise SystemExit(f"{url}: {len(errors)} requests failed, first: {errors[0]}")
+    try:
+        tokens, wall = run_clients(prompts, clients, lambda prompt: complete(url, prompt, max_tokens, extra))
+    except httpx.HTTPError as e:
+        raise SystemExit(f"{url}: a request failed: {e}") from e
     return {"completion_tokens": sum(tokens), "wall_s": wall, "aggregate_tokens_per_s": sum(tokens) / wall}
 
 
