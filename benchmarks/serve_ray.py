@@ -31,12 +31,11 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 
 import httpx
-from common.clients import free_port
+from common.clients import free_port, run_clients
 from common.results import default, save
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,37 +66,17 @@ def eos_ban(model_dir: str) -> dict[str, int]:
 
 def send_all(url: str, model: str, order: list[str], clients: int, max_tokens: int, bias: dict) -> dict:
     """The requests through `clients` concurrent clients; wall time, tokens, replicas, latencies."""
-    pending, lock = list(enumerate(order)), threading.Lock()
-    answers: dict[int, tuple[int, str, float]] = {}
 
-    def client() -> None:
-        with httpx.Client(timeout=600) as http:
-            while True:
-                with lock:
-                    if not pending:
-                        return
-                    i, prompt = pending.pop(0)
-                body = {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "logit_bias": bias,
-                }
-                start = time.perf_counter()
-                r = http.post(f"{url}/v1/completions", json=body)
-                r.raise_for_status()
-                tokens = r.json()["usage"]["completion_tokens"]
-                answers[i] = (tokens, r.headers["x-weightstream-replica"], time.perf_counter() - start)
+    def send(prompt: str) -> tuple[int, str, float]:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": bias}
+        start = time.perf_counter()
+        r = http.post(f"{url}/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], r.headers["x-weightstream-replica"], time.perf_counter() - start
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    assert len(answers) == len(order), "a client failed: see its exception above"
+    with httpx.Client(timeout=600) as http:  # one client, shared by the threads (httpx's is thread-safe)
+        done, wall = run_clients(order, clients, send)
+    answers = dict(enumerate(done))
     tokens = sum(a[0] for a in answers.values())
     return {
         "wall_s": round(wall, 2),
