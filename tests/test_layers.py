@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "weightstream"
 # top to bottom: a package may import the packages after it, never one before it. The root modules (errors, units,
 # the native kernels' wrappers, progress bars, the memory cgroup's reader) sit below every package.
-ORDER = ("cli", "commands", "bench", "engine", "sim", "trace", "prefetch", "clock", "cache", "store", "io")
+ORDER = ("cli", "commands", "ray", "bench", "engine", "sim", "trace", "prefetch", "clock", "cache", "store", "io")
 BASE = ("native", "errors", "units", "progress", "cgroup", "_native")
 TEST_MODULES = {p.stem for p in (REPO / "tests").glob("*.py")}
 

@@ -39,7 +39,7 @@ def test_memory_sizes_the_cache_from_the_measured_footprint(tiny_model):
         f = runtime.footprint
         assert f.memory == memory and f.context_tokens == 64 and f.warmup_tokens == 8
         assert f.libraries > 100 * MIB  # torch alone is more
-        assert 0 < f.kv_cache < MIB and f.dense > 0 and f.margin > 0
+        assert 0 < f.kv_cache < MIB and f.margin > 0
         assert f.runtime + f.expert_cache == memory
         assert runtime.cache.budget_bytes == f.expert_cache  # the cache is what is left (capped by the experts)
         with torch.inference_mode():
@@ -47,6 +47,17 @@ def test_memory_sizes_the_cache_from_the_measured_footprint(tiny_model):
         assert got == want
     finally:
         model.weightstream.close()
+    # the dense weights as RSS growth, in a fresh process as a user's is: in this long-lived one, heap freed by
+    # earlier tests can take them without the RSS growing (measured dense 0 in the full suite, once)
+    code = (
+        "import json, sys; from weightstream.engine.loader import load_streaming_model; "
+        "m = load_streaming_model(sys.argv[1], memory=8 * 2**30, context=64, warmup_tokens=8); "
+        "print(json.dumps(m.weightstream.footprint.to_dict())); m.weightstream.close()"
+    )
+    done = subprocess.run([sys.executable, "-c", code, model_dir], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fresh = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fresh["dense"] > 0 and fresh["libraries"] > 100 * MIB
 
 
 def test_a_memory_too_small_is_refused_with_a_size_that_works(tiny_model):
