@@ -141,13 +141,12 @@ struct Chain {
   float total() const { return tree(acc) + tree(rest); }
 };
 
-// A block's codes, unsigned (the stored code plus T::offset), its per-16 integer scales and mins, and its d and m:
-// the form the portable path and the multi-row tiles compute from.
-template <typename T>
-struct Unpacked {
-  uint8_t u[T::elements];
-  int32_t sc[T::elements / 16], mn[T::elements / 16];
-  float d, m;
+// A block's integer scales and mins per 16 weights and its d and m, written where the caller wants them (a block's
+// own arrays, or a whole row's): T::scales's output; T::codes gives the codes, unsigned (stored code + code_offset).
+struct ScalesOut {
+  int32_t* sc;
+  int32_t* mn;
+  float d = 0.f, m = 0.f;
 };
 
 inline void nibbles32(const uint8_t* qs, uint8_t* out) {  // Q4_0 / Q4_1 / MXFP4 element order
@@ -266,8 +265,7 @@ struct Q8_0 {  // w = d q
   static void codes(const Block& x, uint8_t* u) {
     for (int i = 0; i < 32; i++) u[i] = (uint8_t)(x.qs[i] + 128);
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     o.sc[0] = o.sc[1] = 1;
     o.mn[0] = o.mn[1] = 0;
     o.d = fp16(x.d);
@@ -325,8 +323,7 @@ struct Legacy32 {
       for (int i = 0; i < 32; i++) u[i] |= ((qh >> i) & 1) << 4;
     }
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     o.sc[0] = o.sc[1] = 1;
     o.mn[0] = o.mn[1] = 1;  // the offset term: m times the block's sum of qx
     o.d = fp16(x.d);
@@ -399,8 +396,7 @@ struct Q2_K {
       for (int l = 0; l < 32; l++) u[32 * sub + l] = code(x, sub, l);
     }
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     for (int g = 0; g < 16; g++) {
       o.sc[g] = x.scales[g] & 0xF;
       o.mn[g] = x.scales[g] >> 4;
@@ -482,8 +478,7 @@ struct Q3_K {
       for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 4);
     }
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     int8_t sc[16];
     scales16(x, sc);
     for (int g = 0; g < 16; g++) {
@@ -557,8 +552,8 @@ struct ScalesMinsK {
       for (int l = 0; l < 32; l++) u[32 * sub + l] = T::code(x, sub, l);
     }
   }
-  template <typename B, typename U>
-  static void scales(const B& x, U& o) {
+  template <typename B>
+  static void scales(const B& x, ScalesOut& o) {
     uint8_t sc[8], mn[8];
     scales_mins_k4(x.scales, sc, mn);
     for (int g = 0; g < 16; g++) {
@@ -701,8 +696,7 @@ struct Q6_K {
       for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 32);
     }
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     for (int g = 0; g < 16; g++) {
       o.sc[g] = scale(x, g / 2, g % 2);
       o.mn[g] = 0;
@@ -779,8 +773,7 @@ struct MXFP4 {
     values(x, sv);
     for (int i = 0; i < 32; i++) u[i] = (uint8_t)(sv[i] + 12);
   }
-  template <typename U>
-  static void scales(const Block& x, U& o) {
+  static void scales(const Block& x, ScalesOut& o) {
     o.sc[0] = o.sc[1] = 1;
     o.mn[0] = o.mn[1] = 0;
     o.d = scale(x);
@@ -894,14 +887,6 @@ int64_t row_bytes_of(int64_t wtype, int64_t k) {
 }
 
 // ---- rows: the portable reference and the AVX2 path ----
-
-// Sizes and scale outputs of one block's unpacking, written where the caller wants them (a block's own arrays, or a
-// whole row's).
-struct ScalesOut {
-  int32_t* sc;
-  int32_t* mn;
-  float d = 0.f, m = 0.f;
-};
 
 // The portable path: each block unpacked (codes, scales) and summed in integers, the reference every other path
 // equals.
