@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp  # noqa: E402
 from common.results import default, save  # noqa: E402
+from common.rounds import alternated  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS = 256, 32
 _OURS = """
@@ -82,17 +83,15 @@ def main() -> None:
     )
     ap.add_argument("--out", default=default("gguf-speed.json"))
     args = ap.parse_args()
-    runs = {"llama.cpp": [], "weightstream": []}
-    for r in range(args.rounds):
-        order = ("llama.cpp", "weightstream") if r % 2 == 0 else ("weightstream", "llama.cpp")
-        for who in order:
-            got = (
-                llama(args.gguf, args.threads, bool(args.repack))
-                if who == "llama.cpp"
-                else ours(args.imported, args.threads)
-            )
-            runs[who].append(got)
-            print(f"[gguf-speed] round {r + 1} {who}: {got}", file=sys.stderr, flush=True)
+    sides = {
+        "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack)),
+        "weightstream": lambda: ours(args.imported, args.threads),
+    }
+    runs = alternated(
+        args.rounds,
+        sides,
+        lambda r, who, got: print(f"[gguf-speed] round {r} {who}: {got}", file=sys.stderr, flush=True),
+    )
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "gguf": os.path.basename(args.gguf),

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp  # noqa: E402
 from common.bench_runs import MIB, bench_caches  # noqa: E402
 from common.results import default, save  # noqa: E402
+from common.rounds import alternated  # noqa: E402
 
 from weightstream.units import parse_size  # noqa: E402
 
@@ -84,13 +85,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=default("prefill-limit.json"))
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"llama.cpp": [], "weightstream": []}
-    for r in range(args.rounds):
-        order = ("llama.cpp", "weightstream") if r % 2 == 0 else ("weightstream", "llama.cpp")
-        for who in order:
-            got = llama(args) if who == "llama.cpp" else ours(args)
-            runs[who].append(got)
-            say(f"round {r + 1} {who}: {got['prompt_s']:.2f} s for {args.tokens} tokens")
+    runs = alternated(
+        args.rounds,
+        {"llama.cpp": lambda: llama(args), "weightstream": lambda: ours(args)},
+        lambda r, who, got: say(f"round {r} {who}: {got['prompt_s']:.2f} s for {args.tokens} tokens"),
+    )
     times = {who: [g["prompt_s"] for g in got] for who, got in runs.items()}
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp  # noqa: E402
 from common.clients import free_port, run_clients  # noqa: E402
 from common.results import default, save  # noqa: E402
+from common.rounds import alternated  # noqa: E402
 
 from weightstream.engine.prompts import BUILTIN_PROMPTS  # noqa: E402
 
@@ -123,13 +124,13 @@ def main() -> None:
     if llamacpp.tool("llama-server") is None:
         raise SystemExit("llama-server could not be built here (see above)")
     prompts = [f"Request {i}: {BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]}" for i in range(args.requests)]
-    runs: dict[str, list[dict]] = {"llama.cpp": [], "weightstream": []}
-    for r in range(args.rounds):
-        order = ("llama.cpp", "weightstream") if r % 2 == 0 else ("weightstream", "llama.cpp")
-        for who in order:
-            got = run(who, args, prompts)
-            runs[who].append(got)
-            say(f"round {r + 1} {who}: {got['aggregate_tokens_per_s']:.1f} tok/s ({got['completion_tokens']} tokens)")
+    runs = alternated(
+        args.rounds,
+        {who: lambda who=who: run(who, args, prompts) for who in ("llama.cpp", "weightstream")},
+        lambda r, who, got: say(
+            f"round {r} {who}: {got['aggregate_tokens_per_s']:.1f} tok/s ({got['completion_tokens']} tokens)"
+        ),
+    )
     rates = {who: [g["aggregate_tokens_per_s"] for g in got] for who, got in runs.items()}
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
