@@ -85,10 +85,13 @@ def native_dequant_rows(wtypes) -> float:
     return NATIVE_DEQUANT_ROWS
 
 
-def native_product(x: torch.Tensor, blocks: torch.Tensor, wtype: str, n: int, k: int) -> torch.Tensor:
+def native_product(
+    x: torch.Tensor, blocks: torch.Tensor, wtype: str, n: int, k: int, dequant_rows: float
+) -> torch.Tensor:
     """x (rows, k) times the (n, k) weight GGML blocks encode, in x's dtype: the native product below
-    `native_dequant_rows`, else the weight dequantized once and F.linear."""
-    if x.shape[0] >= native_dequant_rows((wtype,)):
+    `dequant_rows` (the caller's `native_dequant_rows`, decided at load), else the weight dequantized once and
+    F.linear."""
+    if x.shape[0] >= dequant_rows:
         return F.linear(x, native.dequantize(blocks, wtype, n, k).to(x.dtype))
     return native.qmm(x, blocks, wtype, n, k).to(x.dtype)
 
@@ -213,7 +216,7 @@ class BlockExperts(QuantizedExperts):
         return args
 
     def product(self, x: torch.Tensor, params: Params, name: str) -> torch.Tensor:
-        return native_product(x, params[f"{name}.qweight"], *self.blocks[f"{name}.qweight"])
+        return native_product(x, params[f"{name}.qweight"], *self.blocks[f"{name}.qweight"], self.dequant_rows)
 
     def dequantize(self, q: torch.Tensor, scales: torch.Tensor | None = None, name: str | None = None) -> torch.Tensor:
         return native.dequantize(q, *self.blocks[f"{name}.qweight"])
@@ -252,12 +255,13 @@ class NativeLinear(torch.nn.Module):
         self.register_buffer("blocks", blocks, persistent=False)
         self.wtype, self.in_features, self.out_features = wtype, k, n
         self.bias = bias
+        self.dequant_rows = native_dequant_rows((wtype,))  # decided once: forward is on every token's path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < native_dequant_rows((self.wtype,)) * self.in_features:  # one op, as native_product's product
+        if x.numel() < self.dequant_rows * self.in_features:  # one op, as native_product's product
             return native.linear(x, self.blocks, self.wtype, self.out_features, self.in_features, self.bias)
         rows = x.reshape(-1, self.in_features)
-        y = native_product(rows, self.blocks, self.wtype, self.out_features, self.in_features)
+        y = native_product(rows, self.blocks, self.wtype, self.out_features, self.in_features, self.dequant_rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
