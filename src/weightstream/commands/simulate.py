@@ -20,6 +20,8 @@ examples:
   weightstream simulate ds.npz --policies lru,slru --sizes 1x,1.5x,2GiB,4500MiB --plot ds.png
   weightstream simulate ds.npz --policies lru,slru --sizes 1x:4x:0.05x  # find where SLRU overtakes LRU
   weightstream simulate ds.npz --train-share 0 --json              # count every access (engine parity)
+  weightstream simulate ds.npz --policies lru --sizes 1x,2x --miss-copy-ratio 0.58 --upgrade-after 1,2,never
+                                                                   # what --miss-copy would read (not exact)
 """
 
 
@@ -65,6 +67,20 @@ def register(sub) -> None:
         default="auto",
         help="fast: compiled replays; reference: the runtime's own policy objects (slow, identical)",
     )
+    p.add_argument(
+        "--miss-copy-ratio",
+        metavar="R",
+        help="also report what `generate --miss-copy` would read (tokens not exact): every miss reads a small copy of "
+        "R x an expert's bytes into a full slot, every upgrade the full expert (R: 0.58 for Q2_K copies of Q4_K "
+        "experts, `quantize --miss-bits 2`; 0.76 for Q3_K). Hits and misses are exact mode's",
+    )
+    p.add_argument(
+        "--upgrade-after",
+        metavar="N[,M...|never]",
+        help="with --miss-copy-ratio: the upgrade settings to replay, comma-separated, as `generate --upgrade-after` "
+        "takes one (the hit on a small copy that reads its full blob; never: small copies stay until evicted); "
+        "default 1,2,4,never",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
     p.set_defaults(func=run)
@@ -78,6 +94,20 @@ def _policies(text: str) -> list[str]:
     if not names or unknown:
         raise WeightstreamError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(SIM_POLICIES)}")
     return list(dict.fromkeys(names))
+
+
+def _miss_copy(args):
+    """The MissCopy of --miss-copy-ratio / --upgrade-after, or None; refused before the trace is read."""
+    from weightstream.sim.miss_copy import MissCopy, parse_ratio, parse_upgrade_after
+
+    if args.miss_copy_ratio is None:
+        if args.upgrade_after is not None:
+            raise WeightstreamError(
+                "--upgrade-after goes with --miss-copy-ratio (a small copy's bytes over its blob's, e.g. 0.58): "
+                "without it every miss reads the full expert"
+            )
+        return None
+    return MissCopy(parse_ratio(args.miss_copy_ratio), parse_upgrade_after(args.upgrade_after or "1,2,4,never"))
 
 
 def _table(trace, results, w) -> None:
@@ -105,18 +135,49 @@ def _table(trace, results, w) -> None:
     console = Console()
     console.width = max(console.width, 100)  # keep every column readable in pipes and narrow terminals
     console.print(table)
+    if results and results[0].miss_copy:
+        console.print(_miss_copy_table(results, ws))
 
 
-def _print_json(trace, results, w) -> None:
-    json.dump(
-        {
-            "tokens": w.judged_tokens,
-            "accesses": trace.n_accesses - w.count_from,
-            "working_set_bytes": trace.shape.working_set_bytes,
-            "results": [r.to_json() for r in results],
-        },
-        sys.stdout,
+def _miss_copy_table(results, ws: int):
+    from rich.table import Table
+
+    from weightstream.sim.miss_copy import setting_name
+
+    ratio = results[0].miss_copy[0].ratio
+    table = Table(
+        title=f"--miss-copy, small copies {ratio:g}x an expert (NOT exact: tokens differ from the model's): a miss "
+        "reads a small copy, an upgrade the full expert"
     )
+    cols = ("policy", "cache MiB", "x WS", "upgrade after", "small reads", "upgrades", "small hits", "MiB/token")
+    for col in (*cols, "x exact"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in sorted(results, key=lambda r: (r.cache_bytes, r.policy)):
+        for m in r.miss_copy:
+            table.add_row(
+                r.policy,
+                f"{r.cache_bytes / MIB:.0f}",
+                f"{r.cache_bytes / ws:.2f}",
+                str(setting_name(m.upgrade_after)),
+                str(m.small_reads),
+                str(m.upgrades),
+                str(m.small_hits),
+                f"{m.bytes_per_token / MIB:.1f}",
+                f"{m.bytes_read / r.bytes_read:.2f}" if r.bytes_read else "-",
+            )
+    return table
+
+
+def _print_json(trace, results, w, miss_copy) -> None:
+    out = {
+        "tokens": w.judged_tokens,
+        "accesses": trace.n_accesses - w.count_from,
+        "working_set_bytes": trace.shape.working_set_bytes,
+        "results": [r.to_json() for r in results],
+    }
+    if miss_copy is not None:
+        out["miss_copy"] = {"ratio": miss_copy.ratio, "exact": False}
+    json.dump(out, sys.stdout)
     print()
 
 
@@ -132,6 +193,7 @@ def run(args) -> int:
 
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise WeightstreamError(f"--plot {args.plot}: its directory does not exist; create it or choose another")
+    miss_copy = _miss_copy(args)
     trace = load(args.trace)
     policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
     w = Workload(trace, args.train_share)
@@ -141,7 +203,7 @@ def run(args) -> int:
         task = progress.add_task(f"replaying {trace.n_accesses:,} lookups", total=len(policies) * len(sizes))
         for name in policies:
             for size in sizes:
-                results.append(run_one(w, name, size, opts, args.method))
+                results.append(run_one(w, name, size, opts, args.method, miss_copy))
                 progress.advance(task)
     if args.plot:
         plot_results(
@@ -151,7 +213,7 @@ def run(args) -> int:
             title=f"{trace.shape.name}, {w.judged_tokens} judged tokens",
         )
     if args.json:
-        _print_json(trace, results, w)
+        _print_json(trace, results, w, miss_copy)
     else:
         _table(trace, results, w)
         if args.plot:

@@ -51,6 +51,7 @@ class TuneSession:
         self.model_dir, self.io_threads = model_dir, io_threads
         mapped = map_model(model_dir)
         self.config, self.layout, self.ckpt = mapped.config, mapped.layout, mapped.ckpt
+        self.quant = mapped.quant  # small copies (`quantize --miss-bits`): tune prices `--miss-copy` too
         first_file = next(iter(self.layout.experts.values())).pieces[0].path
         self.facts = model_facts(self.layout, ties_embeddings(self.config), read_ahead_bytes(first_file))
         self.budget = checkpoint_budget(mapped, memory_bytes, context)

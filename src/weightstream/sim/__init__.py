@@ -5,6 +5,7 @@
 - kernels: numba replays (LRU distances, SLRU, pinned) held by tests to the reference's decisions;
 - kernels_heap: numba LFU and Belady replays on an indexed min-heap, held to the same;
 - belady: the optimum as a policy object (it reads the future);
+- miss_copy: `--miss-copy` over a replay's hits: small reads, upgrades, small hits (as `ExpertCache` counts them);
 - sizes: size lists and ranges;
 - cost_model: time per token from MiB read (bench's linear fit);
 - plot: bytes read (and tune's predicted tok/s) against cache size;
@@ -16,7 +17,8 @@ For `tune`:
 - advice: recommendation, page cache vs expert cache, llama.cpp lines.
 """
 
+from weightstream.sim.miss_copy import MissCopy
 from weightstream.sim.replay import SIM_POLICIES, Options, Result, replay, simulate
 from weightstream.sim.workload import Workload
 
-__all__ = ["SIM_POLICIES", "Options", "Result", "Workload", "replay", "simulate"]
+__all__ = ["SIM_POLICIES", "MissCopy", "Options", "Result", "Workload", "replay", "simulate"]

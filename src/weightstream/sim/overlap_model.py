@@ -82,13 +82,21 @@ def dense_seconds(p: CostParams, tokens: np.ndarray) -> np.ndarray:
     return p.dense_s + (np.asarray(tokens, float) - 1) * p.dense_per_token_s
 
 
-def expert_cache_step_s(p: CostParams, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
-    """[S] predicted seconds of each step through the expert cache."""
+def expert_cache_step_s(p: CostParams, load: StepLoad, read_mib_per_expert: float | np.ndarray) -> np.ndarray:
+    """[S] predicted seconds of each step through the expert cache. `read_mib_per_expert`: one figure, or [S, L] the
+    mean MiB of each layer's reads where they differ (`--miss-copy`: small copies and full blobs), whose sum is then
+    what the layer's last read waits for."""
     c = p.expert_call_s + load.rows_per_expert() * p.expert_row_s
     r = read_mib_per_expert * p.read_s_per_mib
     layers = layer_seconds(load.distinct, load.misses, c, p.read_latency_s, r).sum(axis=1) + _fixed(p, load)
-    missed_mib = load.misses.sum(axis=1) * read_mib_per_expert
-    return dense_seconds(p, load.tokens) + layers + p.nonoverlap_s_per_mib * missed_mib
+    return dense_seconds(p, load.tokens) + layers + p.nonoverlap_s_per_mib * _missed_mib(load, read_mib_per_expert)
+
+
+def _missed_mib(load: StepLoad, read_mib_per_expert: float | np.ndarray) -> np.ndarray:
+    """[S] MiB each step reads."""
+    if np.ndim(read_mib_per_expert) == 0:
+        return load.misses.sum(axis=1) * read_mib_per_expert
+    return (load.misses * read_mib_per_expert).sum(axis=1)
 
 
 def page_cache_step_s(p: CostParams, load: StepLoad, mib_per_expert: float) -> np.ndarray:
@@ -105,9 +113,9 @@ def _fixed(p: CostParams, load: StepLoad) -> np.ndarray:
     return p.layer_fixed_s * (load.distinct > 0).sum(axis=1)
 
 
-def linear_step_s(model: CostModel, load: StepLoad, read_mib_per_expert: float) -> np.ndarray:
+def linear_step_s(model: CostModel, load: StepLoad, read_mib_per_expert: float | np.ndarray) -> np.ndarray:
     """[S] the fallback: bench's fitted line, fixed + per MiB read (fitted on decode steps only)."""
-    return model.predict_s_per_token(load.misses.sum(axis=1) * read_mib_per_expert)
+    return model.predict_s_per_token(_missed_mib(load, read_mib_per_expert))
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ runtime's own code) and compiled fast paths that must decide exactly the same hi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -14,10 +14,41 @@ from weightstream.errors import WeightstreamError
 from weightstream.sim import kernels
 from weightstream.sim.belady import BeladyPolicy
 from weightstream.sim.kernels_heap import belady_hits, lfu_hits
+from weightstream.sim.miss_copy import NEVER, SMALL_HIT, UPGRADE, MissCopy, miss_copy_kinds, setting_name, small_bytes
 from weightstream.sim.workload import Workload
 from weightstream.trace import Trace
 
 SIM_POLICIES = ("lru", "slru", "lfu", "pinned", "adaptive", "belady")
+
+
+@dataclass(slots=True)
+class MissCopyResult:
+    """What `--miss-copy` would read at one upgrade setting, over the same judged lookups as exact mode: every miss
+    reads a small copy (`ratio` of a blob), every upgrade a full blob; small hits read nothing."""
+
+    upgrade_after: int | None  # None: never
+    ratio: float
+    small_reads: int  # = exact mode's misses
+    upgrades: int
+    small_hits: int  # hits computed with a small copy
+    tokens: int
+    bytes_read: int
+    upgrades_per_layer: list[int]
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.tokens if self.tokens else 0.0
+
+    def to_json(self, exact_bytes: int) -> dict:
+        return {
+            "upgrade_after": setting_name(self.upgrade_after),
+            "ratio": self.ratio,
+            "small_reads": self.small_reads,
+            "upgrades": self.upgrades,
+            "small_hits": self.small_hits,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_vs_exact": self.bytes_read / exact_bytes if exact_bytes else None,
+        }
 
 
 @dataclass(slots=True)
@@ -32,6 +63,7 @@ class Result:
     tokens: int
     bytes_read: int
     misses_per_layer: list[int]
+    miss_copy: list[MissCopyResult] = field(default_factory=list)  # one per upgrade setting asked for
 
     @property
     def accesses(self) -> int:
@@ -57,6 +89,7 @@ class Result:
             "misses": self.misses,
             "hit_rate": self.hit_rate,
             "bytes_per_token": self.bytes_per_token,
+            **({"miss_copy": [m.to_json(self.bytes_read) for m in self.miss_copy]} if self.miss_copy else {}),
         }
 
 
@@ -176,12 +209,6 @@ def _reference_hit_mask(w: Workload, policy) -> np.ndarray:
     return hit
 
 
-def _reference_misses(w: Workload, policy) -> tuple[int, np.ndarray]:
-    """Judged hits, and judged misses per layer, of the reference replay."""
-    hit = _reference_hit_mask(w, policy)[w.count_from :]
-    return int(hit.sum()), np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
-
-
 def access_hits(w: Workload, name: str, cache_bytes: int, opts: Options | None = None) -> np.ndarray:
     """Hit (True) or miss of every access of `w` (warm-up part included) for one policy at one size.
 
@@ -196,8 +223,50 @@ def access_hits(w: Workload, name: str, cache_bytes: int, opts: Options | None =
     return _reference_hit_mask(w, build_policy(w, name, slots, int(cache_bytes), opts))
 
 
-def run_one(w: Workload, name: str, cache_bytes: int, opts: Options | None = None, method: str = "auto") -> Result:
-    """One policy at one size over the judged part of `w`."""
+def access_calls(w: Workload, cache_bytes: int) -> np.ndarray:
+    """Access offsets of the lookup calls (`access_layer`; the engine's `fetch_layer`) a cache of `cache_bytes` makes:
+    the layer groups, cut into waves where one outgrows the slots (a byte budget is refused below the largest group
+    instead, so its calls are the groups)."""
+    slots = _capacity(w, int(cache_bytes))
+    return w.gstart if slots is None else w.waves(slots)
+
+
+def miss_copy_results(
+    w: Workload, hit: np.ndarray, calls: np.ndarray, miss_copy: MissCopy, misses_per_layer: np.ndarray
+) -> list[MissCopyResult]:
+    """`--miss-copy` at each upgrade setting from one replay's hit mask (every access, warm-up part included: a small
+    copy read there can be hit in the judged part) and its calls; counts the judged part."""
+    shape, out = w.trace.shape, []
+    blob = np.asarray(shape.expert_bytes, np.int64)
+    small_read = int(np.dot(misses_per_layer, small_bytes(miss_copy.ratio, shape.expert_bytes)))
+    for n in miss_copy.upgrade_after:
+        kind = miss_copy_kinds(w.keys, calls, hit, w.n_keys, NEVER if n is None else n)[w.count_from :]
+        upgrades = np.bincount(w.layer_pos[kind == UPGRADE], minlength=len(shape.layers))
+        out.append(
+            MissCopyResult(
+                n,
+                miss_copy.ratio,
+                int(misses_per_layer.sum()),
+                int(upgrades.sum()),
+                int((kind == SMALL_HIT).sum()),
+                w.judged_tokens,
+                small_read + int(np.dot(upgrades, blob)),
+                upgrades.tolist(),
+            )
+        )
+    return out
+
+
+def run_one(
+    w: Workload,
+    name: str,
+    cache_bytes: int,
+    opts: Options | None = None,
+    method: str = "auto",
+    miss_copy: MissCopy | None = None,
+) -> Result:
+    """One policy at one size over the judged part of `w`; with `miss_copy`, also what `--miss-copy` reads at each of
+    its upgrade settings (the policy decides the same hits: a small copy fills a whole slot and its hits are hits)."""
     opts = opts or Options()
     if name not in SIM_POLICIES:
         raise WeightstreamError(f"unknown policy {name!r}; choose from {', '.join(SIM_POLICIES)}")
@@ -207,22 +276,41 @@ def run_one(w: Workload, name: str, cache_bytes: int, opts: Options | None = Non
     if method == "fast" and slots is None:
         raise WeightstreamError("the fast path needs experts of one size; use method='reference' for byte budgets")
     if method != "reference" and slots is not None:
-        hit = _fast_hits(w, name, slots, int(cache_bytes), opts)[w.count_from :].astype(bool)
-        per_layer = np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
-        hits = int(hit.sum())
+        hit_all = _fast_hits(w, name, slots, int(cache_bytes), opts).astype(bool)
     else:
-        hits, per_layer = _reference_misses(w, build_policy(w, name, slots, int(cache_bytes), opts))
+        hit_all = _reference_hit_mask(w, build_policy(w, name, slots, int(cache_bytes), opts))
+    hit = hit_all[w.count_from :]
+    per_layer = np.bincount(w.layer_pos[~hit], minlength=len(w.trace.shape.layers))
     bytes_read = int(np.dot(per_layer, np.asarray(w.trace.shape.expert_bytes, np.int64)))
-    return Result(
-        name, int(cache_bytes), slots, hits, int(per_layer.sum()), w.judged_tokens, bytes_read, per_layer.tolist()
+    result = Result(
+        name,
+        int(cache_bytes),
+        slots,
+        int(hit.sum()),
+        int(per_layer.sum()),
+        w.judged_tokens,
+        bytes_read,
+        per_layer.tolist(),
     )
+    if miss_copy is not None:
+        calls = access_calls(w, int(cache_bytes))
+        result.miss_copy = miss_copy_results(w, hit_all, calls, miss_copy, per_layer)
+    return result
 
 
 def replay(
-    trace: Trace, policy_name: str, cache_bytes: int, *, train_share: float = 0.0, method: str = "auto", **opts
+    trace: Trace,
+    policy_name: str,
+    cache_bytes: int,
+    *,
+    train_share: float = 0.0,
+    method: str = "auto",
+    miss_copy: MissCopy | None = None,
+    **opts,
 ) -> Result:
-    """Replay `trace` through one policy with access_layer semantics (steps in order, layers ascending)."""
-    return run_one(Workload(trace, train_share), policy_name, cache_bytes, Options(**opts), method)
+    """Replay `trace` through one policy with access_layer semantics (steps in order, layers ascending); `miss_copy`
+    adds what `--miss-copy` reads (`Result.miss_copy`)."""
+    return run_one(Workload(trace, train_share), policy_name, cache_bytes, Options(**opts), method, miss_copy)
 
 
 def simulate(
@@ -233,13 +321,14 @@ def simulate(
     train_share: float = 0.0,
     method: str = "auto",
     on_result: Callable[[Result], None] | None = None,
+    miss_copy: MissCopy | None = None,
     **opts,
 ) -> list[Result]:
     """Every policy at every size (bytes); one workload is shared so LRU's distances are computed once."""
     w, options, results = Workload(trace, train_share), Options(**opts), []
     for name in policies:
         for size in sizes:
-            results.append(run_one(w, name, size, options, method))
+            results.append(run_one(w, name, size, options, method, miss_copy))
             if on_result:
                 on_result(results[-1])
     return results

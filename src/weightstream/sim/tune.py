@@ -3,7 +3,10 @@
 The routing is a trace in the model's shape (`trace.remap.onto_shape`), replayed from an empty cache with every
 access counted, as a fresh engine would run it. Each (policy, size) gives misses per step and layer; the cost model
 (`overlap_model`, or bench's linear fit) turns them into seconds per step. Decode figures count the single-token
-steps after each request's first step; prefill is each request's first step.
+steps after each request's first step; prefill is each request's first step. Where the checkpoint has small copies
+(`quantize --miss-bits`), each expert-cache configuration is also priced with `--miss-copy` at several upgrade
+settings, from the same replay (`sim.miss_copy`): those configurations are kept apart, since their tokens are not the
+model's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from weightstream.cache.policies import POLICY_NAMES
 from weightstream.sim.cost_model import CostModel
+from weightstream.sim.miss_copy import NEVER, SMALL_HIT, UPGRADE, MissCopy, miss_copy_kinds, setting_name
 from weightstream.sim.overlap_model import (
     CostParams,
     StepLoad,
@@ -25,7 +29,7 @@ from weightstream.sim.overlap_model import (
 )
 from weightstream.sim.page_cache_model import PageCacheModel, Readahead
 from weightstream.sim.page_cache_model import replay as replay_page_cache
-from weightstream.sim.replay import Options, access_hits
+from weightstream.sim.replay import Options, access_calls, access_hits
 from weightstream.sim.workload import Workload
 from weightstream.store.facts import is_lazy_dense
 from weightstream.trace import Trace
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
 TUNE_POLICIES = POLICY_NAMES  # lru, slru, lfu, pinned, adaptive; belady is the bound
 MULTIPLES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 ADAPTIVE_THRESHOLD = 1.8
+MISS_COPY_UPGRADES = (1, 2, 4, None)  # --upgrade-after settings tune prices where the checkpoint has small copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +63,9 @@ class ModelFacts:
     # dense weights each forward step reads, which share the page cache's lists with the experts: spans before each
     # routed layer's experts, then those after the last (`dense_spans`); None: left out
     dense_spans: tuple | None = None
+    # what the reader fetches for one small copy (`quantize --miss-bits`, read on a miss under `--miss-copy`); None:
+    # the checkpoint has none
+    small_read_bytes: int | None = None
 
     @property
     def total_experts(self) -> int:
@@ -70,7 +78,10 @@ def model_facts(layout: ModelLayout, tied: bool = False, readahead_window: int |
     `readahead_window`: the kernel's on the device the checkpoint is on (`bench.machine.read_ahead_bytes`)."""
     from weightstream.cache.slot_plan import expert_spans, plan_slot
 
-    file_sizes = {p.path: os.path.getsize(p.path) for e in layout.experts.values() for p in e.pieces}
+    small = layout.small_copies or {}
+    file_sizes = {
+        p.path: os.path.getsize(p.path) for e in (*layout.experts.values(), *small.values()) for p in e.pieces
+    }
     file_sizes.update({t.path: os.path.getsize(t.path) for t in layout.dense.values()})
     firsts = [layout.experts[(layer, 0)] for layer in layout.layers]
     file_ids = {path: i for i, path in enumerate(sorted(file_sizes))}
@@ -91,6 +102,9 @@ def model_facts(layout: ModelLayout, tied: bool = False, readahead_window: int |
         file_bytes=tuple(file_sizes[path] for path in file_ids),
         dense_spans=dense_spans(layout, file_ids, tied),
         readahead_window=readahead_window,
+        small_read_bytes=max(plan_slot(small[(layer, 0)], file_sizes).aligned_bytes for layer in layout.layers)
+        if small
+        else None,
     )
 
 
@@ -188,22 +202,70 @@ class Search:
         # the runtime's adaptive compares slots with the model's top-k working set, the simulator with the trace's
         ratio = facts.top_k * facts.layers / trace.shape.working_set_slots
         self.options = Options(threshold=ADAPTIVE_THRESHOLD * ratio)
+        self.miss_copy_configs: list[Config] = []  # `run` with miss_copy
 
     def expert_cache(self, policy: str, cache_bytes: int) -> Config:
         """`policy` at `cache_bytes` of runtime budget (slots as the runtime counts them)."""
+        slots, hit = self._replay(policy, cache_bytes)
+        return self._expert_config(policy, cache_bytes, slots, hit)
+
+    def miss_copy(self, policy: str, cache_bytes: int, miss_copy: MissCopy) -> list[Config]:
+        """`policy` at `cache_bytes` with `--miss-copy`, one configuration per upgrade setting of `miss_copy` (whose
+        ratio is a small copy's read bytes over a blob's): tokens not the model's."""
+        slots, hit = self._replay(policy, cache_bytes)
+        exact = self._expert_config(policy, cache_bytes, slots, hit)
+        return self._miss_copy_configs(exact, hit, miss_copy)
+
+    def _replay(self, policy: str, cache_bytes: int) -> tuple[int, np.ndarray]:
         slots = min(cache_bytes // self.facts.slot_bytes, self.facts.total_experts)
-        hit = access_hits(self.w, policy, slots * self.sim_expert_bytes, self.options)
+        return slots, access_hits(self.w, policy, slots * self.sim_expert_bytes, self.options)
+
+    def _seconds(self, load: StepLoad, read_mib: float | np.ndarray) -> np.ndarray | None:
+        if self.linear is not None:
+            return linear_step_s(self.linear, load, read_mib)
+        if self.params is not None:
+            return expert_cache_step_s(self.params, load, read_mib)
+        return None
+
+    def _expert_config(self, policy: str, cache_bytes: int, slots: int, hit: np.ndarray) -> Config:
         load = self.steps.load(hit)
         read_mib = self.facts.read_bytes / MIB
-        if self.linear is not None:
-            seconds = linear_step_s(self.linear, load, read_mib)
-        elif self.params is not None:
-            seconds = expert_cache_step_s(self.params, load, read_mib)
-        else:
-            seconds = None
+        seconds = self._seconds(load, read_mib)
         return self._config(
             "expert-cache", policy, cache_bytes, slots, hit, load, read_mib, seconds, policy == "belady"
         )
+
+    def _miss_copy_configs(self, exact: Config, hit: np.ndarray, miss_copy: MissCopy) -> list[Config]:
+        """`exact`'s replay (its hit mask) with small copies: each miss reads one (`ratio` of a blob), each upgrade a
+        full blob, awaited like a miss; the policy's hits and misses are exact mode's (`sim.miss_copy`)."""
+        steps, decode = self.steps, self.steps.decode
+        cells = (steps.n_steps, steps.n_layers)
+        calls = access_calls(self.w, exact.slots * self.sim_expert_bytes)
+        full_mib = self.facts.read_bytes / MIB
+        small = np.bincount(steps.cell[~hit], minlength=cells[0] * cells[1]).reshape(cells)
+        out = []
+        for n in miss_copy.upgrade_after:
+            kind = miss_copy_kinds(self.w.keys, calls, hit, self.w.n_keys, NEVER if n is None else n)
+            upgrade = kind == UPGRADE
+            load = self.steps.load(hit & ~upgrade)  # an upgrade is read before its layer computes, as a miss is
+            read = small * (miss_copy.ratio * full_mib) + (load.misses - small) * full_mib  # [S, L] MiB
+            seconds = self._seconds(load, read / np.maximum(load.misses, 1))
+            config = self._config("expert-cache", exact.policy, exact.cache_bytes, exact.slots, hit, load, 0.0, seconds)
+            config.mib_read_per_token = _decode_mean(read.sum(axis=1), decode)
+            per_step = np.bincount(steps.cell[kind == SMALL_HIT] // steps.n_layers, minlength=steps.n_steps)
+            config.extra = {
+                "miss_copy": True,
+                "exact": False,  # tokens differ from the model's
+                "upgrade_after": setting_name(n),
+                "small_copy_ratio": miss_copy.ratio,
+                "small_reads_per_token": _decode_mean(small.sum(axis=1), decode),
+                "upgrades_per_token": _decode_mean((load.misses - small).sum(axis=1), decode),
+                "small_hits_per_token": _decode_mean(per_step, decode),
+                "exact_mib_read_per_token": exact.mib_read_per_token,
+                "exact_predicted_decode_tokens_per_s": exact.predicted_decode_tokens_per_s,
+            }
+            out.append(config)
+        return out
 
     def page_cache(self, room_bytes: int) -> Config:
         """mmap with `room_bytes` of page cache for experts: the kernel's two lists over the checkpoint's real
@@ -293,19 +355,35 @@ class Search:
             bound,
         )
 
-    def run(self, expert_budget: int, policies=TUNE_POLICIES, sizes: list[int] | None = None) -> list[Config]:
-        """Every policy (and Belady) at every size, then the page cache with the whole expert budget."""
+    def run(
+        self,
+        expert_budget: int,
+        policies=TUNE_POLICIES,
+        sizes: list[int] | None = None,
+        miss_copy: MissCopy | None = None,
+    ) -> list[Config]:
+        """Every policy (and Belady) at every size, then the page cache with the whole expert budget. With `miss_copy`,
+        every policy at every size is also priced with small copies, from the same replay, into
+        `self.miss_copy_configs` (apart from the returned ones: their tokens are not the model's)."""
         sizes = sizes or cache_sizes(self.facts, expert_budget)
-        configs = []
+        configs, self.miss_copy_configs = [], []
         for size in sizes:
             bound = self.expert_cache("belady", size)
             for policy in policies:
-                config = self.expert_cache(policy, size)
+                slots, hit = self._replay(policy, size)
+                config = self._expert_config(policy, size, slots, hit)
                 config.extra = _distance(config, bound)
                 configs.append(config)
+                if miss_copy is not None:
+                    self.miss_copy_configs += self._miss_copy_configs(config, hit, miss_copy)
             configs.append(bound)
         configs.append(self.page_cache(expert_budget))
         return configs
+
+
+def _decode_mean(per_step: np.ndarray, decode: np.ndarray) -> float:
+    """Mean of a per-step figure over the decode steps (one token each)."""
+    return float(per_step[decode].mean()) if decode.any() else 0.0
 
 
 def _pow2_at_least(n: int) -> int:
