@@ -16,10 +16,13 @@ READY_TIMEOUT_S = 180
 
 
 class ServerProcess:
-    """`weightstream serve MODEL_DIR --port 0 ARGS...`; `url` once it listens, `wait_ready()` until /health is ok."""
+    """`weightstream serve MODEL_DIR --port 0 ARGS...`; `url` once it listens, `wait_ready()` until /health is ok.
+    With `cgroup` (a bench.cgroup.MemoryCgroup) the server runs inside it."""
 
-    def __init__(self, model_dir: str, *args: str, env: dict | None = None):
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None, cgroup=None):
         cmd = [sys.executable, "-m", "weightstream.cli", "serve", model_dir, "--port", "0", *args]
+        if cgroup is not None:
+            cmd = cgroup.enter_argv(cmd)  # a shell that moves itself in, then execs the server (same pid)
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )

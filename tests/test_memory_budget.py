@@ -16,7 +16,7 @@ import torch
 from cgroup_support import cgroup_or_skip
 
 from weightstream.cache.warm import read_state, state_path
-from weightstream.engine.footprint import machine_memory, size_cache
+from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK, machine_memory, margin_for, size_cache
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.units import MIB
@@ -175,15 +175,96 @@ def test_a_state_saved_for_other_files_is_not_applied(tiny_model, tmp_path, capf
 
 
 def test_serve_with_memory_keeps_room_for_its_kv_cache_budget(tiny_model):
+    """The KV budget is reserved, and what a chunk late in the longest context it holds needs more; the warm-up is
+    one prefill chunk, and the scheduler prefills in chunks that long."""
     from weightstream.engine.serve.metrics import ServeMetrics
-    from weightstream.engine.serve.service import SERVE_WARMUP_TOKENS, ModelService, ServeSettings
+    from weightstream.engine.serve.service import ModelService, ServeSettings
 
     settings = ServeSettings(tiny_model("qwen3_moe"), engine={"memory": "8GiB", "io_threads": 2}, kv_cache="64MiB")
     service = ModelService(settings, ServeMetrics())
     service.load()
     try:
         footprint = service.model.weightstream.footprint
-        assert footprint.kv_cache == 64 * MIB and footprint.warmup_tokens == SERVE_WARMUP_TOKENS
+        assert footprint.kv_cache == 64 * MIB and footprint.warmup_tokens == MEMORY_PREFILL_CHUNK
+        assert footprint.context_tokens == service.max_model_len  # 64 MiB holds more than the tiny model's 512
+        # one layer's keys and values (2 KV heads x 16 x 4 bytes x 2), repeated for 4 query heads: 2 of them
+        assert footprint.context_temporaries == 2 * (2 * 2 * 16 * 4) * 512
         assert service.model.weightstream.cache.budget_bytes == footprint.expert_cache
+        assert service.scheduler.prefill_chunk == MEMORY_PREFILL_CHUNK
     finally:
         service.close()
+
+
+def test_serve_refuses_a_batch_larger_than_what_memory_measures():
+    from weightstream.engine.serve.service import ServeSettings
+
+    with pytest.raises(WeightstreamError, match=r"--max-batch 300 with --memory: .* --max-batch 256 or less"):
+        ServeSettings("m", engine={"memory": "1GiB"}, max_batch=300)
+    assert ServeSettings("m", engine={"memory": "1GiB"}, max_batch=300, prefill_chunk=512).prefill_chunk == 512
+    assert ServeSettings("m", max_batch=300).prefill_chunk is None  # no --memory: a prompt in one forward
+    with pytest.raises(WeightstreamError, match="--prefill-chunk 0: must be at least 1 token"):
+        ServeSettings("m", prefill_chunk=0)
+
+
+# Many query heads sharing few KV heads (what a prompt's rows hold in attention grows with the heads, and a chunk late
+# in the context repeats the keys and values for every query head) and 512 small experts a layer (192 MiB: more than a
+# 900 MiB process has left for its cache, which a long prompt therefore fills)
+LONG_PROMPT_MODEL = dict(
+    hidden_size=512,
+    num_attention_heads=32,
+    head_dim=128,
+    num_key_value_heads=8,
+    moe_intermediate_size=32,
+    num_experts=512,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    max_position_embeddings=8192,
+)
+
+
+def test_serve_with_memory_answers_a_long_prompt_inside_a_cgroup_of_that_size(tiny_model):
+    """A prompt 16 times the warm-up's length through `serve --memory SIZE` in a real cgroup of SIZE: answered, not
+    killed, the cgroup's peak within SIZE, and the server's own peak resident set within what its footprint gave
+    the runtime and the cache, SIZE less the margin (half of it as tolerance; prefilled in one forward, as serve did
+    before, this prompt took the process 110 MiB past it, 870 MiB of 900); its tokens are `generate`'s under the
+    same chunk."""
+    import httpx
+
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_tokenizer
+
+    from serve_support import ServerProcess
+
+    model_dir = tiny_model("qwen3_moe", **LONG_PROMPT_MODEL)
+    limit = 900 * MIB
+    ids = [(i * 7919 + 11) % 500 + 5 for i in range(16 * MEMORY_PREFILL_CHUNK)]
+    group = cgroup_or_skip(limit)
+    server = None
+    try:
+        args = ("--memory", "900MiB", "--kv-cache", "72MiB", "--io-threads", "2")
+        server = ServerProcess(model_dir, *args, cgroup=group)
+        server.wait_ready()
+        body = {"model": "model", "prompt": ids, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert server.proc.poll() is None, server.stderr
+        peak_rss = _peak_rss(server.pid)
+        cgroup_peak, oom_kills = group.peak_bytes, group.oom_kills
+    finally:
+        if server is not None:
+            server.kill()
+        group.remove()
+    assert oom_kills in (0, None) and cgroup_peak <= limit
+    assert peak_rss <= limit - margin_for(limit) // 2, (peak_rss / MIB, margin_for(limit) / MIB)
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
+    try:
+        new, _ = generate(model, torch.tensor([ids]), 4, prefill_chunk=MEMORY_PREFILL_CHUNK)
+    finally:
+        model.weightstream.close()
+    tokenizer = load_tokenizer(model_dir, required=True)
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -127,6 +127,59 @@ def test_alone_the_scheduler_gives_generates_logits_bitwise(tiny_model):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_a_chunked_prefill_gives_generates_logits_under_the_same_chunk(tiny_model):
+    """serve --memory prefills in chunks: alone, a request gets bitwise the logits of `generate` given the same chunk
+    (prompts of 2 chunks and a bit, of exactly 2, and shorter than one). Unchunked, a prefill can round otherwise
+    in the last bits (attention's blocking follows the rows of a forward), which is why generate takes the chunk."""
+    model_dir = tiny_model("qwen3_moe")
+    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
+    tokenizer = load_tokenizer(model_dir, required=True)
+    prompts = [PROMPTS[0] * 2 + PROMPTS[1], PROMPTS[0] * 2, PROMPTS[1]]
+    sched = Scheduler(model, 1, 1 << 30, 1024, observer=Steps(), prefill_chunk=8)
+    try:
+        want = [_generate_logits(model, p, prefill_chunk=8) for p in prompts]
+        got = []
+        for prompt in prompts:
+            seq = Sequence(prompt, SamplingParams(NEW, temperature=0.0), tokenizer, frozenset(), lambda e: None)
+            rows, sample = [], seq.sampler
+            seq.sampler = lambda x, rows=rows, sample=sample: rows.append(x.clone()) or sample(x)
+            got.append((seq, rows))
+        sched.start()
+        for seq, _ in got:
+            sched.submit(seq)
+        _wait(lambda: all(seq.done for seq, _ in got))
+    finally:
+        sched.stop()
+        model.weightstream.close()
+    for (seq, rows), (tokens, logits) in zip(got, want):
+        assert seq.generated == tokens
+        assert len(rows) == len(logits) and all(torch.equal(a, b) for a, b in zip(rows, logits))
+
+
+def _generate_logits(model, prompt, prefill_chunk=None):
+    """`generate`'s (the engine's) greedy tokens and the logits each was picked from, EOS ignored."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from weightstream.engine.generate import generate
+
+    logits = []
+
+    class Keep(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            logits.append(scores[0].clone())
+            return scores
+
+    new, _ = generate(
+        model,
+        torch.tensor([prompt]),
+        NEW,
+        prefill_chunk=prefill_chunk,
+        eos_token_id=None,
+        logits_processor=LogitsProcessorList([Keep()]),
+    )
+    return new[0].tolist(), logits
+
+
 def test_kv_budget_makes_requests_wait_and_all_finish(tiny_model):
     """A budget for two padded rows of the longest reservation: the batch's KV bytes never exceed it, never more
     than two sequences run, and every request finishes with its solo tokens."""

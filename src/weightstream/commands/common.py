@@ -6,6 +6,7 @@ import argparse
 
 from weightstream.cache.sizes import CACHE_SIZE_HELP
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
+from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
 
 KERNEL_CHOICES = ("auto", "eager-linear", "eager-matmul-bias", "one-expert-eager")
@@ -105,6 +106,28 @@ def upgrade_after_of(args) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise WeightstreamError(f"--upgrade-after {text}: give a number of hits (1 or more) or never")
     return int(text)
+
+
+def add_prefill_chunk_option(p) -> None:
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="TOKENS",
+        help="prefill a prompt TOKENS positions per forward, so no forward holds more than TOKENS positions' "
+        "activations and temporaries whatever the prompt's length (default: the prompt in one forward; under "
+        f"--memory {MEMORY_PREFILL_CHUNK}, the warm-up's prompt, so what it measured bounds every forward). generate "
+        "and serve give the same tokens under the same chunk",
+    )
+
+
+def prefill_chunk_of(args) -> int | None:
+    """--prefill-chunk as given (checked), else MEMORY_PREFILL_CHUNK under --memory, else None (one forward)."""
+    chunk = args.prefill_chunk
+    if chunk is not None and chunk < 1:
+        raise WeightstreamError(f"--prefill-chunk {chunk}: must be at least 1 token")
+    if chunk is None and args.memory is not None:
+        return MEMORY_PREFILL_CHUNK
+    return chunk
 
 
 def miss_copy_note(command: str) -> str:

@@ -8,9 +8,11 @@ import sys
 
 from weightstream.commands.common import (
     add_engine_options,
+    add_prefill_chunk_option,
     engine_kwargs,
     miss_copy_note,
     parse_prompt_ids,
+    prefill_chunk_of,
     summary_line,
 )
 from weightstream.errors import WeightstreamError
@@ -37,6 +39,7 @@ def register(sub) -> None:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     add_engine_options(p)
+    add_prefill_chunk_option(p)
     p.add_argument(
         "--json", action="store_true", help='print one JSON object: {"token_ids": [...], "text": ..., "stats": {...}}'
     )
@@ -50,6 +53,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     ids = parse_prompt_ids(args.prompt_ids) if args.prompt is None else None
+    chunk = prefill_chunk_of(args)
     model_dir = resolve_model(args.model)
 
     import torch
@@ -60,8 +64,8 @@ def run(args) -> int:
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if ids is None else ids
     engine = engine_kwargs(args)
-    if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its prompt
-        engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), 512))
+    if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its longest forward
+        engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
     model = load_streaming_model(model_dir, **engine)
     if args.miss_copy:
         print(miss_copy_note("generate"), file=sys.stderr)
@@ -69,7 +73,7 @@ def run(args) -> int:
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
     try:
-        new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens)
+        new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
     finally:
         model.weightstream.close()
     token_ids = new[0].tolist()

@@ -6,7 +6,13 @@ import argparse
 import os
 import sys
 
-from weightstream.commands.common import add_engine_options, engine_kwargs, miss_copy_note
+from weightstream.commands.common import (
+    add_engine_options,
+    add_prefill_chunk_option,
+    engine_kwargs,
+    miss_copy_note,
+    prefill_chunk_of,
+)
 from weightstream.errors import WeightstreamError
 
 API_KEY_ENV = "WEIGHTSTREAM_API_KEY"
@@ -19,7 +25,8 @@ def register(sub) -> None:
         description="Serve a Mixture-of-Experts checkpoint with experts streamed from disk: POST /v1/completions and "
         "/v1/chat/completions (streaming or not), GET /v1/models, /health and /metrics (Prometheus). "
         "Concurrent requests decode together, one forward per step, so each layer reads the union of the "
-        "batch's experts once. Greedy output (temperature 0) equals `weightstream generate`.",
+        "batch's experts once. Greedy output (temperature 0) equals `weightstream generate` given the same --memory "
+        "or --prefill-chunk.",
         epilog="examples:\n  weightstream serve models/olmoe-4l --expert-cache 2x --port 8000\n"
         "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
         '       -d \'{"model": "olmoe-4l", "prompt": "Hello", "max_tokens": 16, "temperature": 0}\'',
@@ -93,6 +100,7 @@ def register(sub) -> None:
         help="uvicorn's log level (with --ray: Ray Serve's, per-request logs at debug)",
     )
     add_engine_options(p)
+    add_prefill_chunk_option(p)
     add_ray_options(p)
     p.set_defaults(func=run)
 
@@ -197,6 +205,7 @@ def _settings(args):
         batch_beyond_cache=args.batch_beyond_cache,
         max_model_len=args.max_model_len,
         kv_cache=args.kv_cache,
+        prefill_chunk=prefill_chunk_of(args),
         api_key=args.api_key or None,
         shutdown_grace_s=args.shutdown_grace,
         routing_trace=args.routing_trace,

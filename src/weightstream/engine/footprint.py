@@ -21,6 +21,10 @@ from weightstream.units import MIB, format_bytes
 # files read at start (config, tokenizer), and the allocator's slack after growth. Measured in docs/memory.md.
 MARGIN_BYTES = 96 * MIB
 MARGIN_SHARE = 0.05  # of SIZE, for the slack that grows with the heap
+# Under --memory (generate and serve alike, so their tokens stay equal) a prompt is prefilled this many positions
+# per forward unless --prefill-chunk says otherwise, and the warm-up runs a prompt that long: what it measured then
+# bounds every forward, whatever the prompt's length
+MEMORY_PREFILL_CHUNK = 256
 
 
 def rss() -> tuple[int, int]:
@@ -83,7 +87,8 @@ class Footprint:
     transformers); `dense`: the dense weights resident after load (mapped checkpoint pages and any copy), of which
     `embedding` is the input embedding's rows touched so far; `temporaries`: the warm-up forward's peak above the
     steady state; `kv_cache`: reserved for `context_tokens`; `margin`: what RSS does not show; `expert_cache`: the
-    rest, what the cache holds."""
+    rest, what the cache holds; `context_temporaries`: what a forward late in that context holds beyond the warm-up's
+    (`store.facts.context_temporaries`: one layer's KV copied as it grows, repeated for shared KV heads)."""
 
     memory: int
     libraries: int
@@ -95,11 +100,12 @@ class Footprint:
     expert_cache: int
     context_tokens: int
     warmup_tokens: int
+    context_temporaries: int = 0
 
     @property
     def runtime(self) -> int:
         """Everything but the expert cache."""
-        return self.libraries + self.dense + self.temporaries + self.kv_cache + self.margin
+        return self.libraries + self.dense + self.temporaries + self.context_temporaries + self.kv_cache + self.margin
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,14 +132,16 @@ def size_cache(
     context_tokens: int,
     warmup_tokens: int,
     working_set: int,
+    context_temporaries: int = 0,
 ) -> Footprint:
     """The footprint whose expert cache is what `memory` leaves, from the measured RSS figures (`steady` and
-    `peak` after the warm-up, `cache_resident` of them the warm-up cache's pages); refuses a `memory` that leaves
-    less than one token's experts (`working_set`), naming the size that would do."""
+    `peak` after the warm-up, `cache_resident` of them the warm-up cache's pages) and the reserved `kv_cache` and
+    `context_temporaries`; refuses a `memory` that leaves less than one token's experts (`working_set`), naming the
+    size that would do."""
     dense = max(0, steady - cache_resident - libraries)
     temporaries = max(0, peak - steady)
     margin = margin_for(memory)
-    cache = memory - libraries - dense - temporaries - kv_cache - margin
+    cache = memory - libraries - dense - temporaries - context_temporaries - kv_cache - margin
     if cache < working_set:
         need = memory - cache + working_set
         need += margin_for(need) - margin  # the margin grows with SIZE
@@ -142,10 +150,21 @@ def size_cache(
             f"--memory {format_bytes(memory)}: too small for this model here. Measured after loading it and a warm-up "
             f"of {warmup_tokens} tokens: libraries {format_bytes(libraries)}, dense weights "
             f"{format_bytes(dense)}, temporaries {format_bytes(temporaries)}, plus the KV cache of "
-            f"{context_tokens} tokens ({format_bytes(kv_cache)}) and a margin of {format_bytes(margin)}, which "
+            f"{context_tokens} tokens ({format_bytes(kv_cache)}), what a forward that late in it holds more "
+            f"({format_bytes(context_temporaries)}) and a margin of {format_bytes(margin)}, which "
             f"leave {format_bytes(max(cache, 0))} where one token's experts need {format_bytes(working_set)}. "
             f"Give --memory {-(-need // MIB)}MiB or more (or a shorter context)"
         )
     return Footprint(
-        memory, libraries, dense, embedding, temporaries, kv_cache, margin, cache, context_tokens, warmup_tokens
+        memory,
+        libraries,
+        dense,
+        embedding,
+        temporaries,
+        kv_cache,
+        margin,
+        cache,
+        context_tokens,
+        warmup_tokens,
+        context_temporaries,
     )

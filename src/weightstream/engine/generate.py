@@ -9,6 +9,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+from weightstream.errors import WeightstreamError
 
 
 @dataclass(slots=True)
@@ -86,9 +87,12 @@ class StepClock(StoppingCriteria):
 
 
 def generate(
-    model, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs
+    model, input_ids: torch.Tensor, max_new_tokens: int = 32, prefill_chunk: int | None = None, **kwargs
 ) -> tuple[torch.Tensor, GenerationStats]:
-    """Greedy by default; returns (generated ids only, stats of this call)."""
+    """Greedy by default; returns (generated ids only, stats of this call). With `prefill_chunk`, the prompt goes
+    through the model that many positions per forward, as `serve` prefills it under the same chunk (so the two
+    give the same tokens, bitwise), and no forward holds more than a chunk's temporaries whatever the prompt's
+    length. A model that builds a cache of its own (`engine_cache` None) takes its prompt in one forward."""
     runtime = model.weightstream
     snap = lambda: _snapshot(runtime)  # noqa: E731
     clock = StepClock(snap)
@@ -96,6 +100,8 @@ def generate(
     if "past_key_values" not in kwargs:  # written in place, not concatenated every step (engine/kv_cache.py)
         kwargs["past_key_values"] = engine_cache(model, input_ids.shape[1] + max_new_tokens)  # None: its own
     with torch.inference_mode(), quiet_cache_kwarg():
+        if prefill_chunk is not None and kwargs["past_key_values"] is not None:
+            prefill_all_but_last(model, input_ids, kwargs["past_key_values"], prefill_chunk)
         out = model.generate(
             input_ids,
             max_new_tokens=max_new_tokens,
@@ -105,6 +111,24 @@ def generate(
         )
     new = out[:, input_ids.shape[1] :]
     return new, _stats(runtime, input_ids.shape[1], new.shape[1], start, clock.marks)
+
+
+def prefill_all_but_last(model, input_ids: torch.Tensor, cache, chunk: int) -> None:
+    """Runs the prompt's chunks of `chunk` positions into `cache`, all but the last: `model.generate` then runs
+    the last one (the positions the cache lacks) and samples from it."""
+    if chunk < 1:
+        raise WeightstreamError(f"--prefill-chunk {chunk}: must be at least 1 token")
+    n = input_ids.shape[1]
+    for begin in range(0, (n - 1) // chunk * chunk, chunk):
+        end = begin + chunk
+        model(
+            input_ids=input_ids[:, begin:end],
+            attention_mask=torch.ones(input_ids.shape[0], end, dtype=torch.long),
+            position_ids=torch.arange(begin, end).expand(input_ids.shape[0], -1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
 
 def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float, float, int]:

@@ -38,7 +38,7 @@ from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
-from weightstream.store.facts import is_lazy_dense, ties_embeddings
+from weightstream.store.facts import context_temporaries, is_lazy_dense, longest_context, ties_embeddings
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
@@ -73,9 +73,12 @@ def load_streaming_model(
     The cache is `expert_cache` ("1.5x" when neither it nor `memory` is given), or with `memory` (bytes or a size
     such as "1GiB") the largest that keeps the process within it: the engine loads with one token's experts,
     runs a `warmup_tokens`-token prompt and a decode step, measures its own footprint (engine/footprint.py),
-    reserves the KV cache of `context` tokens (default 4096, at most the model's positions) or `kv_cache_bytes`,
-    and gives the cache the rest; a `memory` that leaves less than one token's experts is refused with the size
-    that would do. `model.weightstream.footprint` holds the figures.
+    reserves the KV cache of `context` tokens (default 4096, at most the model's positions) or `kv_cache_bytes`
+    (one sequence then reaches what it holds, at most `context`) and what a forward late in that context holds
+    beyond the warm-up's, and gives the cache the rest; a `memory` that leaves less than one token's experts is
+    refused with the size that would do. What the warm-up measured bounds a forward of at most `warmup_tokens`
+    positions: a longer prompt is prefilled in chunks that long (`generate(prefill_chunk=...)`, serve's
+    scheduler). `model.weightstream.footprint` holds the figures.
     `warm_restart=True` reads back the experts the cache held when this model last ran with it (saved under
     MODEL/.weightstream at exit and every minute), hottest first, in the background, within the budget.
     `miss_copy=True` (a checkpoint `quantize --miss-bits` wrote): a miss reads the expert's small copy (Q2_K / Q3_K)
@@ -152,13 +155,17 @@ def load_streaming_model(
         return model
     footprint = None
     if memory_bytes is not None:
+        text, itemsize, positions = model.config.get_text_config(), model.dtype.itemsize, _positions(model.config)
         kv = kv_cache_bytes
         if kv is None:
-            context = context or min(DEFAULT_CONTEXT, _positions(model.config))
-            kv = kv_cache_for(model.config.get_text_config(), context, model.dtype.itemsize)
-        footprint = _measure(
-            model, install(cache_of(layout.working_set_bytes)), memory_bytes, libraries, kv, context or 0, warmup_tokens
-        )
+            context = context or min(DEFAULT_CONTEXT, positions)
+            kv = kv_cache_for(text, context, itemsize)
+        else:  # the longest context one sequence reaches in it (serve: --kv-cache, within --max-model-len)
+            context = longest_context(text, kv, itemsize, min(context or positions, positions))
+        eager = getattr(model.config, "_attn_implementation", None) == "eager"
+        late = context_temporaries(text, context, warmup_tokens, itemsize, eager)
+        runtime = install(cache_of(layout.working_set_bytes))
+        footprint = _measure(model, runtime, memory_bytes, libraries, kv, context, warmup_tokens, late)
         budget = footprint.expert_cache
     else:
         budget = parse_cache_size(expert_cache if expert_cache is not None else "1.5x", layout.working_set_bytes)
@@ -202,9 +209,12 @@ def _positions(config) -> int:
     return int(getattr(config.get_text_config(), "max_position_embeddings", None) or DEFAULT_CONTEXT)
 
 
-def _measure(model, runtime, memory: int, libraries: int, kv: int, context: int, warmup_tokens: int) -> Footprint:
+def _measure(
+    model, runtime, memory: int, libraries: int, kv: int, context: int, warmup_tokens: int, late: int
+) -> Footprint:
     """The footprint `memory` allows, from this process measured after load and a warm-up (a `warmup_tokens`
-    prompt and one decode step through the 1x cache `runtime` serves from, which is then closed)."""
+    prompt and one decode step through the 1x cache `runtime` serves from, which is then closed), with `kv` and what
+    a forward late in the context holds more (`late`) reserved."""
     vocab = model.config.get_text_config().vocab_size
     prompt = (torch.arange(max(1, warmup_tokens)) * 7919 + 11).remainder(max(1, vocab - 10)).add(5)
     cache = runtime.cache
@@ -227,6 +237,7 @@ def _measure(model, runtime, memory: int, libraries: int, kv: int, context: int,
             context,
             warmup_tokens,
             runtime.layout.working_set_bytes,
+            late,
         )
     finally:
         cache.close()

@@ -60,6 +60,35 @@ def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
     return total
 
 
+def longest_context(text_config, kv_bytes: int, dtype_bytes: int, positions: int) -> int:
+    """The most positions one sequence can hold in `kv_bytes` of KV cache (`kv_cache_bytes`), at most `positions`."""
+    low, high = 0, positions
+    while low < high:
+        mid = (low + high + 1) // 2
+        if kv_cache_bytes(text_config, mid, dtype_bytes) <= kv_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def context_temporaries(text_config, context: int, chunk: int, dtype_bytes: int, eager: bool) -> int:
+    """Bytes a forward of `chunk` positions after `context` cached ones holds that a first forward of `chunk`
+    positions (--memory's warm-up) does not, since they grow with the context: a layer's keys and values copied
+    while it appends (DynamicCache concatenates: the old and the new tensor live together), or, where query heads
+    share KV heads, the layer's keys and values repeated for every query head (transformers' sdpa repeats them for a
+    masked forward, every chunk after the first; eager attention always), whichever is more (the copy is freed
+    before attention runs); and eager attention's scores, heads x chunk x context, in float32 for the softmax and
+    twice in the model's dtype."""
+    layer = _kv_elements_per_token(text_config) * dtype_bytes * context
+    heads = int(text_config.num_attention_heads)
+    groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
+    total = max(layer, groups * layer)
+    if eager:
+        total += heads * chunk * context * (4 + 2 * dtype_bytes)
+    return total
+
+
 def _kv_elements_per_token(cfg) -> int:
     if getattr(cfg, "kv_lora_rank", None):
         return int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)

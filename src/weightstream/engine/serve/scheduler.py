@@ -11,6 +11,9 @@ prompt and the tokens it has so far once there is room (its sampler and its text
 fits: one whose own prompt + max_tokens exceeds the budget is refused before it is queued (`check_fits`). At most
 `max_queue` requests wait; more are refused (429) at once.
 
+A prompt is prefilled in one forward, as `generate` runs it, or with `prefill_chunk` that many positions per
+forward (`serve --memory`: what its warm-up measured then bounds every forward, whatever the prompt's length).
+
 With an expert cache smaller than the model, a third bound (`ExpertCacheFit`): a row joins only while the batch's
 expected distinct experts per step fit the cache's slots. A step that needs more evicts, within the step, what the
 next step needs again, and every step rereads most of its experts (docs/serving.md, "The batch and the expert
@@ -69,7 +72,9 @@ class ExpertCacheFit:
 class Scheduler:
     """Runs submitted sequences to completion on `model`; `hooks` see each step (routing replay, step records);
     `expert_fit` (an `ExpertCacheFit`, or None for no such bound) caps the batch by the expert cache; `max_queue`
-    bounds the requests waiting for admission; `kv_headroom` is what admission reserves past a sequence's length."""
+    bounds the requests waiting for admission; `kv_headroom` is what admission reserves past a sequence's length;
+    `prefill_chunk` (None: a prompt in one forward) the positions a prefill runs per forward; `prompt_chunk` bounds
+    it for a prompt to score, whose every position's logits a chunk holds."""
 
     def __init__(
         self,
@@ -83,10 +88,12 @@ class Scheduler:
         max_queue: int = 128,
         kv_headroom: int = KV_HEADROOM,
         prompt_chunk: int = PROMPT_CHUNK,
+        prefill_chunk: int | None = None,
     ):
         self.model, self.max_batch, self.expert_fit = model, max_batch, expert_fit
         self.kv_budget_bytes, self.kv_bytes_per_token = kv_budget_bytes, kv_bytes_per_token
         self.max_queue, self.kv_headroom, self.prompt_chunk = max_queue, kv_headroom, prompt_chunk
+        self.prefill_chunk = prefill_chunk
         self.hooks, self.observer = list(hooks), observer
         self.batch = DecodeBatch()
         self.kv_bytes = 0  # the batch's KV bytes after the last step (read by metrics from other threads)
@@ -231,9 +238,10 @@ class Scheduler:
             self.preemptions += 1
 
     def _prefill(self, seq: Sequence) -> None:
-        """The prompt alone through the model, as `generate` runs it; the sequence then joins the batch. A preempted
-        sequence comes back with its prompt and the tokens it has so far (a routing replay's cursor moves on). A
-        prompt to score (echo with logprobs) runs in chunks whose every position's logits are kept."""
+        """The prompt alone through the model, as `generate` runs it (in `prefill_chunk` chunks as `generate` given
+        the same chunk); the sequence then joins the batch. A preempted sequence comes back with its prompt and the
+        tokens it has so far (a routing replay's cursor moves on). A prompt to score (echo with logprobs) runs in
+        chunks of at most `prompt_chunk` whose every position's logits are kept."""
         cache = DynamicCache(config=self.model.config)
         ids = seq.prompt_ids + seq.generated
         n = len(ids)
@@ -242,8 +250,9 @@ class Scheduler:
             seq.finish("length")
             self._ended(seq, "finished")
             return
+        chunk = self.prefill_chunk or n
         start = time.perf_counter()
-        logits = self._scored_prefill(seq, cache) if scoring else self._forward(_inputs(ids, 0, cache), [seq.id], [n])
+        logits = self._chunked_prefill(seq, ids, cache, min(chunk, self.prompt_chunk) if scoring else chunk, scoring)
         if self.observer is not None:
             self.observer.prefilled(n, time.perf_counter() - start, int(seq.params.max_tokens > 0))
         if seq.params.max_tokens == 0:
@@ -254,17 +263,23 @@ class Scheduler:
         else:
             self.batch.join(seq, cache)
 
-    def _scored_prefill(self, seq: Sequence, cache: DynamicCache) -> torch.Tensor:
-        """Prefill the prompt `prompt_chunk` positions per forward, scoring each token under the logits of the
-        position before it; (1, V) logits of its last position."""
-        ids, top = seq.prompt_ids, seq.params.logprobs or 0
+    def _chunked_prefill(
+        self, seq: Sequence, ids: list[int], cache: DynamicCache, chunk: int, scoring: bool
+    ) -> torch.Tensor:
+        """Prefill `ids` `chunk` positions per forward; (1, V) logits of the last position. `scoring`: every
+        position's logits of a chunk are kept, to score each token under the logits of the position before it."""
+        top = seq.params.logprobs or 0
         scored = [TokenLogprob(ids[0], None, None)]
-        for begin in range(0, len(ids), self.prompt_chunk):
-            end = min(len(ids), begin + self.prompt_chunk)
-            logits = self._forward(_inputs(ids[begin:end], begin, cache), [seq.id], [end - begin], all_positions=True)
-            targets = ids[begin + 1 : end + 1]
-            scored += score(logits[: len(targets)], targets, top)
-        seq.scored_prompt(scored)
+        for begin in range(0, len(ids), chunk):
+            end = min(len(ids), begin + chunk)
+            logits = self._forward(
+                _inputs(ids[begin:end], begin, cache), [seq.id], [end - begin], all_positions=scoring
+            )
+            if scoring:
+                targets = ids[begin + 1 : end + 1]
+                scored += score(logits[: len(targets)], targets, top)
+        if scoring:
+            seq.scored_prompt(scored)
         return logits[-1:]
 
     def _decode_step(self) -> None:

@@ -112,6 +112,7 @@ def ready_line(service: ModelService) -> str:
         f"ready: model {service.model_name!r}, expert cache {cache.memory_bytes / mib:.0f} MiB, KV budget "
         f"{kv / mib:.0f} MiB ({kv // service.kv_bytes_per_token} positions of {service.kv_bytes_per_token} bytes), "
         f"max batch {service.settings.max_batch}, context {service.max_model_len} tokens"
+        + (f", prefill {chunk} tokens a forward" if (chunk := service.settings.prefill_chunk) else "")
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import DynamicCache
 
+from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
 from weightstream.engine.serve.affinity import ExpertAffinity
 from weightstream.engine.serve.batch import batchable
@@ -58,11 +59,22 @@ class ServeSettings:
     step_log: str | None = None  # one JSON line per forward step
     replay_by_prompt: bool = False  # routing_trace: a prompt replays the trace request it hashes to (replay.py)
     expert_affinity: bool = False  # record each prompt's prefill experts and the cache's for a router (affinity.py)
+    prefill_chunk: int | None = None  # positions per prefill forward (None: one forward; --memory: 256)
     kv_budget_bytes: int = 0
 
     def __post_init__(self):
         if self.max_batch < 1:
             raise WeightstreamError(f"--max-batch {self.max_batch}: must be at least 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise WeightstreamError(f"--prefill-chunk {self.prefill_chunk}: must be at least 1 token")
+        if self.engine.get("memory") is not None:
+            self.prefill_chunk = self.prefill_chunk or MEMORY_PREFILL_CHUNK
+            if self.max_batch > self.prefill_chunk:  # a decode step is a forward of max_batch rows
+                raise WeightstreamError(
+                    f"--max-batch {self.max_batch} with --memory: a decode step of {self.max_batch} rows holds more "
+                    f"than the {self.prefill_chunk}-token forward --memory measures (--prefill-chunk); give "
+                    f"--max-batch {self.prefill_chunk} or less, or --prefill-chunk {self.max_batch} or more"
+                )
         if self.max_queue < 1:
             raise WeightstreamError(f"--max-queue {self.max_queue}: must be at least 1 (every request waits briefly)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -72,8 +84,6 @@ class ServeSettings:
         self.kv_budget_bytes = parse_size(self.kv_cache, "--kv-cache")
         self.model_name = self.model_name or os.path.basename(os.path.normpath(self.model_dir))
 
-
-SERVE_WARMUP_TOKENS = 256  # the prompt --memory's warm-up runs with in `serve` (generate uses its own prompt)
 
 # generation_config.json settings that `generate` applies even when greedy and serve does not: (field, neutral value)
 _IGNORED_SETTINGS = (
@@ -130,8 +140,8 @@ class ModelService:
         self.token_text = TokenText(self.tokenizer)
         engine = dict(s.engine)
         if engine.get("memory") is not None:  # --memory keeps room for the KV cache the batch may hold, and
-            # measures with a prompt as long as a common one (a longer prompt's temporaries are not counted)
-            engine.update(kv_cache_bytes=s.kv_budget_bytes, warmup_tokens=SERVE_WARMUP_TOKENS)
+            # measures with a prompt of one prefill chunk: no forward runs more positions (a longer prompt is chunked)
+            engine.update(kv_cache_bytes=s.kv_budget_bytes, context=s.max_model_len, warmup_tokens=s.prefill_chunk)
         self.model = load_streaming_model(s.model_dir, **engine)
         try:
             self._configure()
@@ -183,6 +193,7 @@ class ModelService:
             self.observer,
             self._expert_fit(),
             max_queue=s.max_queue,
+            prefill_chunk=s.prefill_chunk,
         )
         self.scheduler.start()
 
