@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 from weightstream.errors import WeightstreamError
 from weightstream.units import MIB, format_bytes
 
-# What a cgroup charges beyond the resident set: page tables, socket and pipe buffers, the page cache of the small
-# files read at start (config, tokenizer), and the allocator's slack after growth. Measured in docs/memory.md.
-MARGIN_BYTES = 96 * MIB
-MARGIN_SHARE = 0.05  # of SIZE, for the slack that grows with the heap
+# What a cgroup charges beyond the resident set once the file pages are settled (`settle_file_pages`): kernel
+# memory (page tables, slab: 17-18 MiB at 1 GiB), the page cache of small files read later, and the allocator's
+# slack after growth. Measured in docs/memory.md.
+MARGIN_BYTES = 48 * MIB
+MARGIN_SHARE = 0.02  # of SIZE, for the slack that grows with the heap
 # Under --memory (generate and serve alike, so their tokens stay equal) a prompt is prefilled this many positions
 # per forward unless --prefill-chunk says otherwise, and the warm-up runs a prompt that long: what it measured then
 # bounds every forward, whatever the prompt's length
@@ -70,6 +71,51 @@ def bound_heap() -> bool:
         return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     except (OSError, AttributeError):
         return False
+
+
+_MADV_RANDOM = 1
+
+
+def settle_file_pages() -> dict[str, int]:
+    """Readies this process's file pages for life at a memory limit: every file mapping (the libraries' code,
+    mapped checkpoint pages such as an untied embedding) is marked MADV_RANDOM, so a fault on one reads its own
+    page and not the device's readahead window around it, and the mapped files' pages that no mapping holds (what
+    readahead brought in around the code at import) are dropped from the page cache. Returns the bytes marked and
+    the files dropped.
+
+    Measured in a 1 GiB cgroup (docs/memory.md): without either, the kernel kept about 120 MiB of such cold pages
+    charged to the process and evicted hot mapped pages instead; each fault back read up to 8 MiB around the page
+    (a virtio disk's read_ahead_kb), which evicted more: 40-100k file refaults and 180 major faults a decoded
+    token, as long as a token's reads. With both, none. Either alone did not do it."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        madvise = None
+    marked, paths = 0, set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith("/"):
+                continue  # anonymous, heap, stack, vdso
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            paths.add(fields[5].rstrip("\n"))
+            if madvise is not None and madvise(start, end - start, _MADV_RANDOM) == 0:
+                marked += end - start
+    dropped = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # deleted since it was mapped, or not ours to open
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean, unmapped pages only: mapped ones stay
+            dropped += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return {"marked_bytes": marked, "files_dropped": dropped}
 
 
 def machine_memory() -> int:

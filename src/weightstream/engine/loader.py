@@ -22,6 +22,7 @@ from weightstream.engine.footprint import (
     release_heap,
     reset_peak,
     rss,
+    settle_file_pages,
     size_cache,
 )
 from weightstream.engine.fused import fuse_dense_ops
@@ -220,6 +221,7 @@ def _measure(
     cache = runtime.cache
     try:
         generate(model, prompt[None, :], max_new_tokens=2)
+        settle_file_pages()  # what decode touches is mapped by now; cold file pages go before they crowd it out
         peak = rss()[1]
         release_heap()  # the warm-up's temporaries: counted in `peak`, not held in between
         steady = rss()[0]
