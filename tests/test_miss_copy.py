@@ -97,9 +97,11 @@ def test_a_weight_whose_inputs_are_not_whole_super_blocks_falls_back_and_says_so
     assert len(tokens) == PROMPT.shape[1] + 4
 
 
-def _cache(model_dir: str, miss_copy: bool, io_threads: int = 2) -> ExpertCache:
+def _cache(model_dir: str, miss_copy: bool, io_threads: int = 2, upgrade_after: int | None = 1) -> ExpertCache:
     layout = read_layout(model_dir)[1]
-    return ExpertCache(layout, 100 * layout.working_set_bytes, io_threads=io_threads, miss_copy=miss_copy)
+    return ExpertCache(
+        layout, 100 * layout.working_set_bytes, io_threads=io_threads, miss_copy=miss_copy, upgrade_after=upgrade_after
+    )
 
 
 def _fetch(cache: ExpertCache, layer: int, experts: list[int]):
@@ -172,7 +174,7 @@ def test_upgrade_after_counts_the_hits_a_small_copy_takes_first(with_copies, upg
 
 def _upgraded_run(model_dir: str, io_threads: int = 2):
     """Greedy logits with every expert read twice into a cache that holds them all (small copy, then upgraded)."""
-    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=io_threads, miss_copy=True)
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=io_threads, miss_copy=True, upgrade_after=1)
     try:
         cache = model.weightstream.cache
         warm_every_expert(cache)
@@ -215,7 +217,7 @@ def _reference(kernel, cache, layer, x, index, weights) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [8, 64])  # the one-call layer (few rows an expert), expert by expert (many)
 def test_a_layer_computes_each_expert_with_the_block_types_of_the_copy_it_holds(with_copies, tokens):
     model_dir = with_copies("qwen3_moe", 2)
-    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2, miss_copy=True)
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2, miss_copy=True, upgrade_after=1)
     try:
         runtime = model.weightstream
         module, part = next((m, p) for m, p in runtime._parts.items() if p.layer == 1)
@@ -239,11 +241,13 @@ def test_results_do_not_depend_on_the_io_threads(with_copies):
     model_dir = with_copies("qwen3_moe", 2)
     for size in ("1x", "1.5x"):
         want_tokens, want_logits, runtime = greedy_run(
-            model_dir, PROMPT, expert_cache=size, io_threads=1, miss_copy=True
+            model_dir, PROMPT, expert_cache=size, io_threads=1, miss_copy=True, upgrade_after=1
         )
         assert runtime.cache.stats.miss_copy_reads > 0 and runtime.cache.stats.upgrades > 0
         for threads in (2, 8):
-            tokens, logits, _ = greedy_run(model_dir, PROMPT, expert_cache=size, io_threads=threads, miss_copy=True)
+            tokens, logits, _ = greedy_run(
+                model_dir, PROMPT, expert_cache=size, io_threads=threads, miss_copy=True, upgrade_after=1
+            )
             assert tokens == want_tokens, (size, threads)
             assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True)), (size, threads)
 
@@ -251,7 +255,7 @@ def test_results_do_not_depend_on_the_io_threads(with_copies):
 def test_generate_stats_count_small_reads_and_upgrades(with_copies):
     model_dir = with_copies("qwen3_moe", 3)
     exact = load_streaming_model(model_dir, expert_cache="1x")
-    model = load_streaming_model(model_dir, expert_cache="1x", miss_copy=True)
+    model = load_streaming_model(model_dir, expert_cache="1x", miss_copy=True, upgrade_after=1)
     try:
         _, plain = generate(exact, PROMPT, 6)
         _, stats = generate(model, PROMPT, 6)
@@ -367,3 +371,22 @@ def _cli(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "weightstream.cli", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_the_default_upgrade_waits_for_the_eighth_hit(with_copies):
+    """Without --upgrade-after a small copy serves its first seven hits and the eighth reads the full blob: the
+    default that replayed real routing at 0.59-0.60x exact mode's bytes, where the first hit read 0.81-1.02x."""
+    from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
+
+    assert DEFAULT_UPGRADE_AFTER == 8
+    layout = read_layout(with_copies("qwen3_moe", 2))[1]
+    cache = ExpertCache(layout, 100 * layout.working_set_bytes, io_threads=2, miss_copy=True)
+    try:
+        _fetch(cache, 1, [4])  # the miss: its small copy
+        for hit in range(1, DEFAULT_UPGRADE_AFTER):
+            again = _fetch(cache, 1, [4])
+            assert again.resident == [4] and cache.stats.upgrades == 0 and cache.holds_small_copy(1, 4), hit
+        eighth = _fetch(cache, 1, [4])
+        assert eighth.missing == [4] and cache.stats.upgrades == 1 and not cache.holds_small_copy(1, 4)
+    finally:
+        cache.close()

@@ -216,7 +216,7 @@ def test_tune_prices_miss_copy_apart_and_recommends_it_separately(quantized, tmp
     small = report["miss_copy"]
     assert small["available"] and small["exact"] is False and "NOT exact" in small["label"]
     assert small["small_copy_bits"] == 2 and 0.5 < small["small_copy_ratio"] < 0.65
-    assert small["upgrade_after"] == [1, 2, 4, "never"]
+    assert small["upgrade_after"] == [1, 2, 4, 8, "never"]
     # never among the exact configurations, never the exact recommendation
     assert not any(c.get("miss_copy") for c in report["configs"])
     assert "--miss-copy" not in report["recommendation"]["command"]

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
+
 
 def peak_rss() -> int:
     with open("/proc/self/status") as f:
@@ -45,7 +47,7 @@ def run_streaming(cfg: dict) -> dict:
         expert_source="page-cache" if cfg["mode"] == "page-cache" else "expert-cache",
         predict_next=cfg.get("predict_next", False),
         miss_copy=cfg.get("miss_copy", False),
-        upgrade_after=cfg.get("upgrade_after", 1),
+        upgrade_after=cfg.get("upgrade_after", DEFAULT_UPGRADE_AFTER),
         expert_kernel=cfg.get("expert_kernel", "auto"),
     )
     load_s = time.perf_counter() - start

@@ -18,6 +18,7 @@ from weightstream.bench.coldstart import drop_page_cache
 from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
 from weightstream.bench.overlap import OVERLAP_TARGET, judge_overlap, reader_bandwidth
 from weightstream.bench.reclaim import paused_proactive_reclaim
+from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
 from weightstream.errors import WeightstreamError
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint
@@ -43,7 +44,9 @@ class BenchConfig:
     reference: bool = True
     predict_next: bool = False
     miss_copy: bool = False  # expert-cache runs read small copies on a miss (`--miss-copy`)
-    upgrade_after: int | None = 1  # --miss-copy: the hit on a small copy that reads the full blob (None: never)
+    upgrade_after: int | None = (
+        DEFAULT_UPGRADE_AFTER  # --miss-copy: the hit on a small copy that reads the full blob (None: never)
+    )
     expert_kernel: str = "auto"
     long_prompt: list[int] | None = None  # its prefill is timed in expert-cache and page-cache runs
     overlap: bool = True  # measure the reader's bandwidth and compute-only decode, and judge each expert-cache run

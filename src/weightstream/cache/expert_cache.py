@@ -14,6 +14,7 @@ import torch
 from weightstream.cache.inflight import InFlightReadAheads
 from weightstream.cache.policies import make_policy
 from weightstream.cache.policy import AllPinnedError, Key, LayerAccess, access_layer, insert_read_ahead
+from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
 from weightstream.cache.slot_plan import SlotPlan, plan_slot
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import AlignedArena
@@ -98,9 +99,10 @@ class ExpertCache:
 
     With `miss_copy` (the checkpoint's `layout.small_copies`, `quantize --miss-bits`) a miss reads the expert's small
     copy into its slot instead, and the slot remembers it (`small`, with the hits it has had); the `upgrade_after`-th
-    lookup that finds it there (default 1, the next one: the expert came back while resident, so it is hot; None:
-    never) reads the full blob into the same slot as a demand read, awaited like a miss before the layer computes
-    with it, and the expert is full precision from then until evicted. Hits before that compute with the small copy.
+    lookup that finds it there (default `cache.sizes.DEFAULT_UPGRADE_AFTER`, 8: the expert kept coming back while
+    resident, so it is hot; None: never) reads the full blob into the same slot as a demand read, awaited like a miss
+    before the layer computes with it, and the expert is full precision from then until evicted. Hits before that
+    compute with the small copy.
     Read-aheads and a warm restart read full blobs. Slots keep the full blob's size.
     """
 
@@ -114,7 +116,7 @@ class ExpertCache:
         o_direct: bool = True,
         policy_options: dict | None = None,
         miss_copy: bool = False,
-        upgrade_after: int | None = 1,
+        upgrade_after: int | None = DEFAULT_UPGRADE_AFTER,
     ):
         if upgrade_after is not None and upgrade_after < 1:
             raise WeightstreamError(f"--upgrade-after {upgrade_after}: give 1 or more hits, or never")

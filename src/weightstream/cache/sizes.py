@@ -7,6 +7,13 @@ import re
 from weightstream.errors import WeightstreamError
 from weightstream.units import SIZE_HELP, parse_size
 
+# --miss-copy: the hit on a small copy that reads its full blob. Replayed on DeepSeek-V2-Lite's routing (`simulate
+# --miss-copy-ratio`, docs/cache-policies.md), upgrading at the first hit read 0.81x-1.02x of exact mode's bytes at 1x
+# to 3.35x caches (a hit then reads a blob where exact mode read nothing), at the eighth 0.59x-0.60x, near never's
+# 0.58x, while the experts hit that often still become full precision.
+DEFAULT_UPGRADE_AFTER = 8
+
+
 _MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)\s*x")
 CACHE_SIZE_HELP = f"{SIZE_HELP}, or a multiple of one token's working set (1.5x)"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from weightstream.cache.sizes import CACHE_SIZE_HELP
+from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
@@ -79,26 +79,26 @@ def add_miss_copy_option(p) -> None:
         action="store_true",
         help="fewer bytes a miss, tokens no longer exact (opt-in): on a cache miss read the expert's small copy (Q2_K "
         "or Q3_K, written by `quantize --miss-bits`) and compute with it; when the expert is looked up again while "
-        "that copy is in the cache (--upgrade-after: the first time, by default), it is hot: its full blob is read "
-        "into the slot before it computes, and it stays full until evicted. Slots keep the full blob's size. Stats say "
-        "miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies "
-        "for misses')",
+        "that copy is in the cache often enough (--upgrade-after: 8 hits, by default), it is hot: its full blob is "
+        "read into the slot before it computes, and it stays full until evicted. Slots keep the full blob's size. "
+        "Stats say miss_copy_bits, small reads and upgrades (docs/quantization.md, 'Small copies for misses')",
     )
     p.add_argument(
         "--upgrade-after",
         metavar="{N,never}",
-        help="--miss-copy: the hit on an expert's small copy that reads its full blob (default 1: the first time it "
-        "comes back); until then its hits compute with the small copy and read nothing. never: small copies stay "
-        "until evicted (the fewest bytes, the most error)",
+        help=f"--miss-copy: the hit on an expert's small copy that reads its full blob (default "
+        f"{DEFAULT_UPGRADE_AFTER}: replayed on real routing, 1 read nearly as much as exact mode, 8 nearly as little "
+        "as never); until then its hits compute with the small copy and read nothing. 1: the first time it comes "
+        "back. never: small copies stay until evicted (the fewest bytes, the most error)",
     )
 
 
 def upgrade_after_of(args) -> int | None:
-    """--upgrade-after as `load_streaming_model` takes it (1 when not given, None for never); refused without
-    --miss-copy."""
+    """--upgrade-after as `load_streaming_model` takes it (DEFAULT_UPGRADE_AFTER when not given, None for never);
+    refused without --miss-copy."""
     text = args.upgrade_after
     if text is None:
-        return 1
+        return DEFAULT_UPGRADE_AFTER
     if not args.miss_copy:
         raise WeightstreamError("--upgrade-after goes with --miss-copy: without it every expert is read in full")
     if text == "never":

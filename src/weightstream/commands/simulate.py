@@ -79,7 +79,7 @@ def register(sub) -> None:
         metavar="N[,M...|never]",
         help="with --miss-copy-ratio: the upgrade settings to replay, comma-separated, as `generate --upgrade-after` "
         "takes one (the hit on a small copy that reads its full blob; never: small copies stay until evicted); "
-        "default 1,2,4,never",
+        "default 1,2,4,8,never",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
@@ -107,7 +107,7 @@ def _miss_copy(args):
                 "without it every miss reads the full expert"
             )
         return None
-    return MissCopy(parse_ratio(args.miss_copy_ratio), parse_upgrade_after(args.upgrade_after or "1,2,4,never"))
+    return MissCopy(parse_ratio(args.miss_copy_ratio), parse_upgrade_after(args.upgrade_after or "1,2,4,8,never"))
 
 
 def _table(trace, results, w) -> None:

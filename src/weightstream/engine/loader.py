@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from weightstream import native
 from weightstream.cache.expert_cache import ExpertCache
-from weightstream.cache.sizes import parse_cache_size
+from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, parse_cache_size
 from weightstream.cache.warm import StateSaver, read_state, state_path
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine import experts as ws_experts
@@ -67,7 +67,7 @@ def load_streaming_model(
     warmup_tokens: int = 32,
     warm_restart: bool = False,
     miss_copy: bool = False,
-    upgrade_after: int | None = 1,
+    upgrade_after: int | None = DEFAULT_UPGRADE_AFTER,
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
@@ -84,7 +84,7 @@ def load_streaming_model(
     MODEL/.weightstream at exit and every minute), hottest first, in the background, within the budget.
     `miss_copy=True` (a checkpoint `quantize --miss-bits` wrote): a miss reads the expert's small copy (Q2_K / Q3_K)
     and computes with it; an expert looked up again while its small copy is resident is read in full precision
-    into its slot before the layer computes with it (`upgrade_after`: at its N-th hit, default the first; None:
+    into its slot before the layer computes with it (`upgrade_after`: at its N-th hit, default the eighth; None:
     never). Fewer bytes a miss, but tokens are not the model's exact ones.
     `expert_source="page-cache"` is the baseline instead: experts through mmap, no cache of our own.
     `predict_next=True` reads ahead each next MoE layer's experts as guessed by its router from this layer's input.

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 TUNE_POLICIES = POLICY_NAMES  # lru, slru, lfu, pinned, adaptive; belady is the bound
 MULTIPLES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 ADAPTIVE_THRESHOLD = 1.8
-MISS_COPY_UPGRADES = (1, 2, 4, None)  # --upgrade-after settings tune prices where the checkpoint has small copies
+MISS_COPY_UPGRADES = (1, 2, 4, 8, None)  # --upgrade-after settings tune prices where the checkpoint has small copies
 
 
 @dataclass(frozen=True, slots=True)
