@@ -12,6 +12,19 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED = 1 << 60
+_MIB = 1 << 20
+
+# What a cgroup charges beyond the resident set once the file pages are settled (`settle_file_pages`): kernel
+# memory (page tables, slab: 17-18 MiB at 1 GiB), the page cache of small files read later, and the allocator's
+# slack after growth. Measured in docs/memory.md.
+MARGIN_BYTES = 48 * _MIB
+MARGIN_SHARE = 0.02  # of SIZE, for the slack that grows with the heap
+
+
+def margin_for(memory: int) -> int:
+    """What a process given `memory` bytes keeps free of its resident set for what a cgroup of that size charges
+    beyond it (`--memory` sizes its cache with it; `tune` budgets with it)."""
+    return MARGIN_BYTES + int(MARGIN_SHARE * memory)
 
 
 def _read_int(path: Path) -> int | None:

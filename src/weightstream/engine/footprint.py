@@ -14,14 +14,10 @@ import ctypes
 import os
 from dataclasses import asdict, dataclass
 
+from weightstream.cgroup import margin_for
 from weightstream.errors import WeightstreamError
 from weightstream.units import MIB, format_bytes
 
-# What a cgroup charges beyond the resident set once the file pages are settled (`settle_file_pages`): kernel
-# memory (page tables, slab: 17-18 MiB at 1 GiB), the page cache of small files read later, and the allocator's
-# slack after growth. Measured in docs/memory.md.
-MARGIN_BYTES = 48 * MIB
-MARGIN_SHARE = 0.02  # of SIZE, for the slack that grows with the heap
 # Under --memory (generate and serve alike, so their tokens stay equal) a prompt is prefilled this many positions
 # per forward unless --prefill-chunk says otherwise, and the warm-up runs a prompt that long: what it measured then
 # bounds every forward, whatever the prompt's length
@@ -121,10 +117,6 @@ def settle_file_pages() -> dict[str, int]:
 def machine_memory() -> int:
     """Bytes of RAM on this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def margin_for(memory: int) -> int:
-    return MARGIN_BYTES + int(MARGIN_SHARE * memory)
 
 
 @dataclass(frozen=True, slots=True)

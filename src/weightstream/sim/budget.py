@@ -6,19 +6,22 @@ kernel's page cache gets for expert pages on the page-cache path. Both count aga
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from weightstream.cgroup import MARGIN_SHARE, margin_for
 from weightstream.errors import WeightstreamError
 from weightstream.store.facts import is_lazy_dense, kv_cache_bytes, ties_embeddings
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
-# and heap), the tokenizer, activations and the reader's bookkeeping. Measured with `benchmarks/tune_proof.py overhead`
-# (docs/tune.md), peak RSS less the checkpoint pages the process maps (an untied input embedding's unused rows
-# never come in): 660 MiB on the 16-layer OLMoE-shaped model, 561 MiB on the 4-layer gpt-oss-shaped one, 256-token
-# prompt. Stated with 10% headroom. (It was 512 MiB while the formula subtracted every dense byte, embedding
-# included, which hid 196 MiB on OLMoE and 1.08 GiB on gpt-oss.)
-RUNTIME_OVERHEAD_BYTES = 726 * MIB
+# and heap), the model's objects, activations and the reader's bookkeeping. Measured with `benchmarks/tune_proof.py
+# overhead` (docs/tune.md), peak RSS less the checkpoint pages the process maps (an untied input embedding's unused
+# rows never come in), 256-token prompt, 2026-12-04: 459 MiB on the 16-layer OLMoE-shaped model, 436 MiB on the
+# 4-layer one; stated with 5% headroom. A budget adds what a cgroup charges beyond the resident set, the margin
+# `--memory` keeps (`cgroup.margin_for`), so tune divides SIZE as `--memory SIZE` does. (It was 726 MiB, margin
+# included, measured 660 in November before the engine stopped importing the simulator and trimmed its heap.)
+RUNTIME_OVERHEAD_BYTES = 482 * MIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,7 @@ class Budget:
     working_set_bytes: int  # one decode token's experts as the cache holds them (the runtime's 1x)
     context_tokens: int
     lazy_dense_bytes: int = 0  # of dense_bytes, mapped but hardly ever touched, so not counted (`lazy_dense_bytes`)
+    overhead_share: float = 0.0  # of memory_bytes, the part of runtime_overhead_bytes that grows with it (the margin)
 
     @property
     def resident_dense_bytes(self) -> int:
@@ -45,7 +49,9 @@ class Budget:
     @property
     def min_memory_bytes(self) -> int:
         """The smallest memory limit whose expert budget holds one token's working set."""
-        return self.memory_bytes - self.expert_bytes + self.working_set_bytes
+        fixed = self.runtime_overhead_bytes - self.overhead_share * self.memory_bytes
+        need = self.resident_dense_bytes + self.kv_cache_bytes + fixed + self.working_set_bytes
+        return math.ceil(need / (1 - self.overhead_share))
 
     def check(self) -> None:
         """Raise a clear error when the expert budget is below one token's working set."""
@@ -92,19 +98,21 @@ def budget_of(
     dense_nbytes: dict[str, int],
     working_set_bytes: int,
     activation_bytes: int,
-    overhead: int = RUNTIME_OVERHEAD_BYTES,
+    overhead: int | None = None,
 ) -> Budget:
     """The budget of a model: its transformers config (the KV cache's shape, a tied head), the bytes of each dense
     tensor, one token's working set as the cache holds it, and the bytes of one element of the dtype its attention
-    computes in (what the KV cache holds)."""
+    computes in (what the KV cache holds). `overhead`: the runtime's, by default RUNTIME_OVERHEAD_BYTES and the
+    margin of `memory_bytes`."""
     return Budget(
         memory_bytes,
         sum(dense_nbytes.values()),
         kv_cache_bytes(config.get_text_config(), context, activation_bytes),
-        overhead,
+        RUNTIME_OVERHEAD_BYTES + margin_for(memory_bytes) if overhead is None else overhead,
         working_set_bytes,
         context,
         lazy_dense_bytes(dense_nbytes, ties_embeddings(config)),
+        MARGIN_SHARE if overhead is None else 0.0,
     )
 
 
