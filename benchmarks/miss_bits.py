@@ -21,7 +21,7 @@ cached under $WEIGHTSTREAM_CACHE (~/.cache/weightstream)/small-moe[-ARCH]/bf16 (
 model is skipped, never trained here); each is quantized to `int4_miss2` / `int4_miss3` beside it (--bits 4
 --miss-bits B, seconds) unless there already. Exact mode is scored at every size, for its bytes a token (its
 perplexity is the same at every size: the engine computes the same bits, tests/test_quantize.py; the report checks
-it); miss-copy at every size and `--upgrade-after` (default 1,2,never), with the bytes each read a token (the trained
+it); miss-copy at every size and `--upgrade-after` (default 1,2,8,never), with the bytes each read a token (the trained
 model's own routing: a bytes figure without timing) and its small reads, upgrades and small hits. Target: within 2%
 of exact.
 `100x` holds every expert: what `--memory` gives models this small.
@@ -246,13 +246,15 @@ def main() -> None:
     t.add_argument("--trace", help="routing trace to replay (e.g. the shared DeepSeek-V2-Lite one)")
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--max-new-tokens", type=int, default=32)
-    t.add_argument("--upgrade-after", default="1", help="--miss-copy runs, one each (default 1; e.g. 1,2,never)")
+    t.add_argument(
+        "--upgrade-after", default="8", help="--miss-copy runs, one each (default 8, the engine's; e.g. 1,8,never)"
+    )
     t.add_argument("--out", default=default("miss-bits-timing.json"))
     p = sub.add_parser("perplexity", help="held-out perplexity of the trained small MoEs, decode by decode")
     p.add_argument("--arch", default="qwen3_moe,olmoe,deepseek_v3,gpt_oss", help="trained models to score")
     p.add_argument("--miss-bits", default="2,3")
     p.add_argument("--caches", default="1x,2x,100x")
-    p.add_argument("--upgrade-after", default="1,2,never", help="--miss-copy runs, one each (default 1,2,never)")
+    p.add_argument("--upgrade-after", default="1,2,8,never", help="--miss-copy runs, one each (default 1,2,8,never)")
     p.add_argument("--chunks", type=int, default=32, help="held-out windows of 256 tokens (default 32)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--out", default=default("miss-bits-perplexity.json"))
