@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_support import refused_in_process
 
 from weightstream.bench.child import run_streaming, warm_every_expert
 from weightstream.bench.runner import summarize
@@ -305,8 +306,10 @@ def test_refusals_are_clear(tiny_model, with_copies, tmp_path):
         ),
     ]
     for args, message in cases:
-        r = _cli(*args)
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        code, stderr = refused_in_process(*args)
+        assert code == 2 and message in stderr, (args, stderr)
+    r = _cli(*cases[-1][0])  # and one through a new process, as a user runs it
+    assert r.returncode == 2 and cases[-1][1] in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # nothing written by a refusal
 
 

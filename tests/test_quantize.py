@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from cli_support import refused_in_process
 
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
@@ -178,24 +179,6 @@ def _cli(*args, timeout=300):
     )
 
 
-def _refused_in_process(*args) -> tuple[int, str]:
-    """(exit code, stderr) of `weightstream ARGS` run by the CLI's own `main` in this process: what the command
-    refuses, it refuses before any work, so this sees the same message a new process would, in a fraction of the
-    time (no interpreter, torch or transformers to start). An uncaught exception propagates: a traceback fails."""
-    import contextlib
-    import io
-
-    from weightstream.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as exc:  # argparse's refusals
-            code = exc.code
-    return code, err.getvalue()
-
-
 def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_path):
     src = tiny_model("olmoe", "bf16")
     existing = tmp_path / "taken"
@@ -229,7 +212,7 @@ def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_pa
         (("synth", "--preset", "tiny", "--out", str(existing), "--force"), "weightstream did not write it"),
     ]
     for args, message in cases:
-        code, stderr = _refused_in_process(*args)
+        code, stderr = refused_in_process(*args)
         assert code == 2 and message in stderr, (args, stderr)
     r = _cli(*cases[0][0])  # and one through a new process, as a user runs it
     assert r.returncode == 2 and cases[0][1] in r.stderr and "Traceback" not in r.stderr, r.stderr
