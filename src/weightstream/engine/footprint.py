@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from weightstream.cgroup import margin_for
 from weightstream.errors import WeightstreamError
+from weightstream.io.pagecache import evict
 from weightstream.units import MIB, format_bytes
 
 # Under --memory (generate and serve alike, so their tokens stay equal) a prompt is prefilled this many positions
@@ -105,7 +106,7 @@ def settle_file_pages() -> dict[str, int]:
         except OSError:  # deleted since it was mapped, or not ours to open
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean, unmapped pages only: mapped ones stay
+            evict(fd)  # clean, unmapped pages only: mapped ones stay
             dropped += 1
         except OSError:
             pass
