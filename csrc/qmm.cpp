@@ -31,6 +31,7 @@
 #include <cstring>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -563,6 +564,20 @@ struct ScalesMinsK {
     o.d = fp16(x.d);
     o.m = -fp16(x.dmin);
   }
+#ifdef WS_X86
+  // The tiles' form of scales(): a scale per 32 as int32, the mins as the int16 pairs of neighbouring sub-blocks
+  // (which is their order in memory), d and m; the same integers and floats, a few vector instructions.
+  template <typename B>
+  WS_AVX2_INLINE static void tile_scales_avx2(const B& x, int32_t* sc, int32_t* mn2, float& d, float& m) {
+    __m256i scales;
+    __m128i mins;
+    scales_mins_k4_avx2(x.scales, scales, mins);
+    _mm256_storeu_si256((__m256i*)sc, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(scales)));
+    _mm_storeu_si128((__m128i*)mn2, mins);
+    d = fp16_hw(x.d);
+    m = -fp16_hw(x.dmin);
+  }
+#endif
   template <typename B>
   static void dequantize(const B& x, float* o) {
     uint8_t sc[8], mn[8];
@@ -1133,18 +1148,21 @@ struct QRows {
 
 // Rows of quantized activations laid out for the tiles: lane r of tile t is row list[16 t + r] (lanes past the end
 // hold zeros); per 4 inputs one 64-byte vector of the 16 rows' codes, per block the 16 rows' scales, and the sums of
-// qx the offset terms (code_offset times the sum over each scale group) and the min terms (over each min group) take.
+// qx the offset terms (code_offset times the sum over each scale group) and the min terms (over each min group) take:
+// as int32 for the legacy types (a min of 1), as int16 pairs of neighbouring groups for the K types (one VNNI
+// instruction multiplies two groups' sums by their two mins). A tile of 8 or fewer rows reads lanes 0-7 alone.
 struct Tiles {
   int64_t k = 0, m = 0, count = 0, blocks = 0, ogroups = 0, mgroups = 0;
   std::vector<int8_t> xs;   // count x k/4 x 64
   std::vector<float> dx;    // count x blocks x 16
   std::vector<int32_t> os;  // count x ogroups x 16
-  std::vector<int32_t> ms;  // count x mgroups x 16
+  std::vector<int32_t> ms;  // count x mgroups x 16 (legacy types), or count x mgroups/2 x 16 pairs of int16
 };
 
 template <typename T>
 Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
   constexpr int E = T::elements, OG = T::scale_group ? T::scale_group : E, MG = T::min_group;
+  constexpr bool paired = MG != 0 && T::scale_group != 0;
   Tiles t;
   t.k = a.k;
   t.m = m;
@@ -1156,7 +1174,7 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
   t.xs.assign(t.count * groups * 64, 0);
   t.dx.assign(t.count * t.blocks * 16, 0.f);
   t.os.assign(t.count * t.ogroups * 16, 0);
-  t.ms.assign(t.count * t.mgroups * 16, 0);
+  t.ms.assign(t.count * (paired ? t.mgroups / 2 : t.mgroups) * 16, 0);
   for (int64_t p = 0; p < m; p++) {
     const int64_t tile = p / 16, lane = p % 16;
     const QAct x = a.row(list[p]);
@@ -1169,121 +1187,212 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
       t.os[(tile * t.ogroups + g) * 16 + lane] = T::code_offset * sum;
     }
     for (int64_t g = 0; g < t.mgroups; g++) {
-      int32_t sum = 0;
+      int32_t sum = 0;  // at most MG x 127 in size: an int16
       for (int i = 0; i < MG / 16; i++) sum += x.s16[g * (MG / 16) + i];
-      t.ms[(tile * t.mgroups + g) * 16 + lane] = sum;
+      if constexpr (paired) {
+        int16_t* pair = reinterpret_cast<int16_t*>(t.ms.data() + (tile * t.mgroups / 2 + g / 2) * 16 + lane);
+        pair[g % 2] = (int16_t)sum;
+      } else {
+        t.ms[(tile * t.mgroups + g) * 16 + lane] = sum;
+      }
     }
   }
   return t;
 }
 
 #ifdef WS_X86
-// One weight row unpacked for the tiles: codes (plus code_offset, unsigned), per-16 scales and mins, per-block d, m.
+#define WS_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline)) inline
+
+// One weight row unpacked for the tiles: codes (plus code_offset, unsigned), a scale per scale group, the mins of
+// the K types as int16 pairs of neighbouring min groups (their sums' layout in Tiles), and per block d and m.
 template <typename T>
 struct RowCodes {
+  static constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group ? T::min_group : E;
   std::vector<uint8_t> u;
-  std::vector<int32_t> sc, mn;
+  std::vector<int32_t> sc, mn2;
   std::vector<float> d, m;
-  explicit RowCodes(int64_t k) : u(k), sc(k / 16), mn(k / 16), d(k / T::elements), m(k / T::elements) {}
+  explicit RowCodes(int64_t k) : u(k), sc(k / SG), mn2(k / MG / 2 + 1), d(k / E), m(k / E) {}
+};
+
+template <typename T>
+concept HasTileScales = requires(const typename T::Block& x, int32_t* p, float& f) {
+  T::tile_scales_avx2(x, p, p, f, f);
 };
 
 template <typename T>
 WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
-  constexpr int E = T::elements;
+  constexpr int E = T::elements, SG = RowCodes<T>::SG, MG = RowCodes<T>::MG;
   const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
   for (int64_t b = 0; b < k / E; b++) {
     T::codes_avx2(blocks[b], out.u.data() + b * E);
-    ScalesOut o{out.sc.data() + b * E / 16, out.mn.data() + b * E / 16};
+    if constexpr (HasTileScales<T>) {
+      T::tile_scales_avx2(blocks[b], out.sc.data() + b * E / SG, out.mn2.data() + b * E / MG / 2, out.d[b], out.m[b]);
+      continue;
+    }
+    int32_t sc16[E / 16 > 0 ? E / 16 : 1], mn16[E / 16 > 0 ? E / 16 : 1];
+    ScalesOut o{sc16, mn16};
     T::scales(blocks[b], o);
     out.d[b] = o.d;
     out.m[b] = o.m;
+    if constexpr (T::scale_group != 0) {
+      for (int g = 0; g < E / SG; g++) out.sc[b * E / SG + g] = sc16[g * SG / 16];
+    }
+    if constexpr (T::min_group != 0 && T::scale_group != 0) {
+      for (int p = 0; p < E / MG / 2; p++) {
+        const uint32_t lo = (uint16_t)mn16[2 * p * MG / 16], hi = (uint16_t)mn16[(2 * p + 1) * MG / 16];
+        out.mn2[b * E / MG / 2 + p] = (int32_t)(lo | hi << 16);
+      }
+    }
   }
 }
 
-// Chain::tree of 8 chains, 16 lanes at a time.
-WS_AVX512 inline __m512 tree16(const float (*v)[16]) {
-  const __m512 a0 = _mm512_load_ps(v[0]), a1 = _mm512_load_ps(v[1]), a2 = _mm512_load_ps(v[2]);
-  const __m512 a3 = _mm512_load_ps(v[3]), a4 = _mm512_load_ps(v[4]), a5 = _mm512_load_ps(v[5]);
-  const __m512 a6 = _mm512_load_ps(v[6]), a7 = _mm512_load_ps(v[7]);
-  return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a4), _mm512_add_ps(a2, a6)),
-                       _mm512_add_ps(_mm512_add_ps(a1, a5), _mm512_add_ps(a3, a7)));
+// A tile's lanes as one vector: 16 (AVX-512) or 8 (its 256-bit half, for a tile of 8 rows or fewer: the same
+// layout's lanes 0-7). The same operations lane by lane, so a row's result does not depend on which computes it.
+struct Lanes16 {
+  static constexpr int n = 16;
+  using I = __m512i;
+  using F = __m512;
+  WS_AVX512_INLINE static I izero() { return _mm512_setzero_si512(); }
+  WS_AVX512_INLINE static F fzero() { return _mm512_setzero_ps(); }
+  WS_AVX512_INLINE static I load(const void* p) { return _mm512_loadu_si512(p); }
+  WS_AVX512_INLINE static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  WS_AVX512_INLINE static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  WS_AVX512_INLINE static F set1f(float v) { return _mm512_set1_ps(v); }
+  WS_AVX512_INLINE static I dpbusd(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  WS_AVX512_INLINE static I dpwssd(I acc, I w, I x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  WS_AVX512_INLINE static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  WS_AVX512_INLINE static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  WS_AVX512_INLINE static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  WS_AVX512_INLINE static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  WS_AVX512_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  WS_AVX512_INLINE static F addf(F a, F b) { return _mm512_add_ps(a, b); }
+  WS_AVX512_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  WS_AVX512_INLINE static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
+struct Lanes8 {
+  static constexpr int n = 8;
+  using I = __m256i;
+  using F = __m256;
+  WS_AVX512_INLINE static I izero() { return _mm256_setzero_si256(); }
+  WS_AVX512_INLINE static F fzero() { return _mm256_setzero_ps(); }
+  WS_AVX512_INLINE static I load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  WS_AVX512_INLINE static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  WS_AVX512_INLINE static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  WS_AVX512_INLINE static F set1f(float v) { return _mm256_set1_ps(v); }
+  WS_AVX512_INLINE static I dpbusd(I acc, I w, I x) { return _mm256_dpbusd_epi32(acc, w, x); }
+  WS_AVX512_INLINE static I dpwssd(I acc, I w, I x) { return _mm256_dpwssd_epi32(acc, w, x); }
+  WS_AVX512_INLINE static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  WS_AVX512_INLINE static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  WS_AVX512_INLINE static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  WS_AVX512_INLINE static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  WS_AVX512_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  WS_AVX512_INLINE static F addf(F a, F b) { return _mm256_add_ps(a, b); }
+  WS_AVX512_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  WS_AVX512_INLINE static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// Chain::tree of 8 chains, a vector of lanes at a time.
+template <typename V>
+WS_AVX512_INLINE typename V::F tree_lanes(const float (*v)[16]) {
+  const typename V::F a0 = V::loadf(v[0]), a1 = V::loadf(v[1]), a2 = V::loadf(v[2]), a3 = V::loadf(v[3]);
+  const typename V::F a4 = V::loadf(v[4]), a5 = V::loadf(v[5]), a6 = V::loadf(v[6]), a7 = V::loadf(v[7]);
+  return V::addf(V::addf(V::addf(a0, a4), V::addf(a2, a6)), V::addf(V::addf(a1, a5), V::addf(a3, a7)));
 }
 
-// NW weight rows against one tile: out[16 i + r] is weight row i's output for lane r.
+// NW weight rows against one tile, V::n of its lanes: out[16 i + r] is weight row i's output for lane r.
+// A scale group's integer sum runs as two independent chains of VNNI steps a weight row (even and odd steps: more
+// instructions in flight; integers, so the same sum), and the K types' mins meet their sums two groups a step.
 // (GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() may be used uninitialized: it is not.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <typename T, int NW>
-WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t tile, float* out) {
+template <typename T, int NW, typename V>
+WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t tile, float* out,
+                           const uint8_t* ahead, int64_t ahead_bytes) {
+  using I = typename V::I;
+  using F = typename V::F;
   constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group;
+  constexpr bool paired = MG != 0 && T::scale_group != 0;
+  static_assert(SG % 8 == 0, "a scale group is whole pairs of VNNI steps");
   const int64_t nb = t.blocks;
   const int8_t* xs = t.xs.data() + tile * (t.k / 4) * 64;
   const float* dx = t.dx.data() + tile * nb * 16;
   const int32_t* os = t.os.data() + tile * t.ogroups * 16;
-  const int32_t* ms = t.ms.data() + tile * t.mgroups * 16;
+  const int32_t* ms = t.ms.data() + tile * (paired ? t.mgroups / 2 : t.mgroups) * 16;
+  // `ahead`: the next weight rows' bytes, fetched from memory a share a block while this tile computes (the
+  // hardware's prefetcher, seeing a few kilobytes read between long stretches of arithmetic, does not run ahead)
+  const int64_t share = (ahead_bytes + nb * 64 - 1) / (nb * 64) * 64;
   alignas(64) float chains[NW][8][16], rests[NW][8][16];
   for (int l = 0; l < 8; l++) {  // chain l: blocks l, l + 8, ... (each lane's Chain, one chain at a time)
-    __m512 acc[NW], rest[NW];
-    for (int i = 0; i < NW; i++) acc[i] = rest[i] = _mm512_setzero_ps();
+    F acc[NW], rest[NW];
+    for (int i = 0; i < NW; i++) acc[i] = rest[i] = V::fzero();
     for (int64_t b = l; b < nb; b += 8) {
-      __m512i isum[NW];
-      for (int i = 0; i < NW; i++) isum[i] = _mm512_setzero_si512();
+      for (int64_t at = b * share; at < std::min(ahead_bytes, (b + 1) * share); at += 64) {
+        _mm_prefetch((const char*)(ahead + at), _MM_HINT_T0);
+      }
+      I isum[NW];
+      for (int i = 0; i < NW; i++) isum[i] = V::izero();
       for (int g0 = 0; g0 < E; g0 += SG) {
         const int64_t e0 = b * E + g0;
-        __m512i tt[NW];
-        for (int i = 0; i < NW; i++) tt[i] = _mm512_setzero_si512();
-        for (int e = 0; e < SG; e += 4) {
-          const __m512i xv = _mm512_loadu_si512(xs + (e0 + e) * 16);
+        I even[NW], odd[NW];
+        for (int i = 0; i < NW; i++) even[i] = odd[i] = V::izero();
+        for (int e = 0; e < SG; e += 8) {
+          const I x0 = V::load(xs + (e0 + e) * 16), x1 = V::load(xs + (e0 + e + 4) * 16);
           for (int i = 0; i < NW; i++) {
-            int32_t c;
-            std::memcpy(&c, w[i]->u.data() + e0 + e, 4);
-            tt[i] = _mm512_dpbusd_epi32(tt[i], _mm512_set1_epi32(c), xv);
+            int32_t c0, c1;
+            std::memcpy(&c0, w[i]->u.data() + e0 + e, 4);
+            std::memcpy(&c1, w[i]->u.data() + e0 + e + 4, 4);
+            even[i] = V::dpbusd(even[i], V::set1(c0), x0);
+            odd[i] = V::dpbusd(odd[i], V::set1(c1), x1);
           }
         }
+        I tt[NW];
+        for (int i = 0; i < NW; i++) tt[i] = V::add(even[i], odd[i]);
         if constexpr (T::code_offset != 0) {
-          const __m512i o = _mm512_loadu_si512(os + e0 / SG * 16);
-          for (int i = 0; i < NW; i++) tt[i] = _mm512_sub_epi32(tt[i], o);
+          const I o = V::load(os + e0 / SG * 16);
+          for (int i = 0; i < NW; i++) tt[i] = V::sub(tt[i], o);
         }
         for (int i = 0; i < NW; i++) {
           if constexpr (T::scale_group != 0) {
-            isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(tt[i], _mm512_set1_epi32(w[i]->sc[e0 / 16])));
+            isum[i] = V::add(isum[i], V::mullo(tt[i], V::set1(w[i]->sc[e0 / SG])));
           } else {
-            isum[i] = _mm512_add_epi32(isum[i], tt[i]);
+            isum[i] = V::add(isum[i], tt[i]);
           }
         }
       }
-      const __m512 dxv = _mm512_loadu_ps(dx + b * 16);
+      const F dxv = V::loadf(dx + b * 16);
       for (int i = 0; i < NW; i++) {
-        const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->d[b]), dxv);
-        acc[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(isum[i]), acc[i]);
+        const F f = V::mul(V::set1f(w[i]->d[b]), dxv);
+        acc[i] = V::fmadd(f, V::cvt(isum[i]), acc[i]);
       }
       if constexpr (T::has_min) {
         for (int i = 0; i < NW; i++) {
-          __m512i msum;
-          if constexpr (T::scale_group == 0) {  // the legacy types: one min group a block, its min 1
-            msum = _mm512_loadu_si512(ms + b * 16);
+          I msum;
+          if constexpr (!paired) {  // the legacy types: one min group a block, its min 1
+            msum = V::load(ms + b * 16);
           } else {
-            msum = _mm512_setzero_si512();
-            for (int g = 0; g < E; g += MG) {
-              const __m512i sums = _mm512_loadu_si512(ms + (b * E + g) / MG * 16);
-              msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(_mm512_set1_epi32(w[i]->mn[(b * E + g) / 16]), sums));
+            msum = V::izero();
+            for (int p = 0; p < E / MG / 2; p++) {
+              const int64_t at = b * E / MG / 2 + p;
+              msum = V::dpwssd(msum, V::set1(w[i]->mn2[at]), V::load(ms + at * 16));
             }
           }
-          const __m512 f = _mm512_mul_ps(_mm512_set1_ps(w[i]->m[b]), dxv);
-          rest[i] = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(msum), rest[i]);
+          const F f = V::mul(V::set1f(w[i]->m[b]), dxv);
+          rest[i] = V::fmadd(f, V::cvt(msum), rest[i]);
         }
       }
     }
     for (int i = 0; i < NW; i++) {
-      _mm512_store_ps(chains[i][l], acc[i]);
-      _mm512_store_ps(rests[i][l], rest[i]);
+      V::store(chains[i][l], acc[i]);
+      V::store(rests[i][l], rest[i]);
     }
   }
-  for (int i = 0; i < NW; i++) _mm512_storeu_ps(out + 16 * i, _mm512_add_ps(tree16(chains[i]), tree16(rests[i])));
+  for (int i = 0; i < NW; i++) V::store(out + 16 * i, V::addf(tree_lanes<V>(chains[i]), tree_lanes<V>(rests[i])));
 }
 #pragma GCC diagnostic pop
 
-// Outputs j0..j1 of the tiles' rows: emit(p, j, y) for row p of the list the tiles were made from.
+// Outputs j0..j1 of the tiles' rows: emit(p, j, y) for row p of the list the tiles were made from. A last tile of
+// 8 rows or fewer runs on 8 lanes: as many instructions as its rows need, not 16 rows' worth.
 template <typename T, typename Emit>
 WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, const Tiles& t,
                             Emit&& emit) {
@@ -1297,9 +1406,15 @@ WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, in
       if (i < nw) unpack_row<T>(wp + (j + i) * row_bytes, t.k, rc[i]);
       w[i] = &rc[i < nw ? i : 0];
     }
+    const uint8_t* ahead = wp + (j + NW) * row_bytes;  // the next rows, fetched during the first tile
+    const int64_t ahead_bytes = std::min<int64_t>(NW, std::max<int64_t>(0, j1 - j - NW)) * row_bytes;
     for (int64_t tile = 0; tile < t.count; tile++) {
-      tile_kernel<T, NW>(w, t, tile, out);
-      const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16);
+      const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16), fetch = tile == 0 ? ahead_bytes : 0;
+      if (lanes > 8) {
+        tile_kernel<T, NW, Lanes16>(w, t, tile, out, ahead, fetch);
+      } else {
+        tile_kernel<T, NW, Lanes8>(w, t, tile, out, ahead, fetch);
+      }
       for (int64_t r = 0; r < lanes; r++) {  // row by row: a row's outputs j.. are neighbours in memory
         for (int64_t i = 0; i < nw; i++) emit(tile * 16 + r, j + i, out[16 * i + r]);
       }
@@ -1540,8 +1655,15 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   // schedules give the same bits: whole experts per task when there are enough of them to share out (one parallel
   // region, no barrier between an expert's gate/up and its down), else each projection split across the threads.
   if (ne >= 2 * (int64_t)at::get_num_threads()) {
-    at::parallel_for(0, ne, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; i++) {
+    // Each thread takes the next expert left, largest first (parallel_for would hand each thread a fixed run of
+    // experts, and the one with the larger share would keep the other waiting).
+    std::vector<int64_t> order(ne);
+    for (int64_t i = 0; i < ne; i++) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count(a) > count(b); });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t taken; (taken = next.fetch_add(1)) < ne;) {
+        const int64_t i = order[taken];
         const int64_t* xrows = tokens.data() + first[i];
         const std::optional<Tiles> gu_tiles = tiles_of(path, gu_type, ax, xrows, count(i));
         gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr);
