@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -1301,8 +1302,8 @@ WS_AVX512_INLINE typename V::F tree_lanes(const float (*v)[16]) {
 }
 
 // NW weight rows against one tile, V::n of its lanes: out[16 i + r] is weight row i's output for lane r.
-// A scale group's integer sum runs as two independent chains of VNNI steps a weight row (even and odd steps: more
-// instructions in flight; integers, so the same sum), and the K types' mins meet their sums two groups a step.
+// NW = 8 rows: eight independent chains of VNNI steps in flight (four left each chain's latency showing), each
+// broadcast code meeting one load of the tile's activations; the K types' mins meet their sums two groups a step.
 // (GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() may be used uninitialized: it is not.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -1334,20 +1335,16 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
       for (int i = 0; i < NW; i++) isum[i] = V::izero();
       for (int g0 = 0; g0 < E; g0 += SG) {
         const int64_t e0 = b * E + g0;
-        I even[NW], odd[NW];
-        for (int i = 0; i < NW; i++) even[i] = odd[i] = V::izero();
-        for (int e = 0; e < SG; e += 8) {
-          const I x0 = V::load(xs + (e0 + e) * 16), x1 = V::load(xs + (e0 + e + 4) * 16);
+        I tt[NW];
+        for (int i = 0; i < NW; i++) tt[i] = V::izero();
+        for (int e = 0; e < SG; e += 4) {
+          const I x0 = V::load(xs + (e0 + e) * 16);
           for (int i = 0; i < NW; i++) {
-            int32_t c0, c1;
+            int32_t c0;
             std::memcpy(&c0, w[i]->u.data() + e0 + e, 4);
-            std::memcpy(&c1, w[i]->u.data() + e0 + e + 4, 4);
-            even[i] = V::dpbusd(even[i], V::set1(c0), x0);
-            odd[i] = V::dpbusd(odd[i], V::set1(c1), x1);
+            tt[i] = V::dpbusd(tt[i], V::set1(c0), x0);
           }
         }
-        I tt[NW];
-        for (int i = 0; i < NW; i++) tt[i] = V::add(even[i], odd[i]);
         if constexpr (T::code_offset != 0) {
           const I o = V::load(os + e0 / SG * 16);
           for (int i = 0; i < NW; i++) tt[i] = V::sub(tt[i], o);
@@ -1396,7 +1393,7 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
 template <typename T, typename Emit>
 WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, const Tiles& t,
                             Emit&& emit) {
-  constexpr int NW = 4;
+  constexpr int NW = 8;
   std::vector<RowCodes<T>> rc(NW, RowCodes<T>(t.k));
   const RowCodes<T>* w[NW];
   alignas(64) float out[NW * 16];
@@ -1620,7 +1617,6 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
   const int64_t gu_rows = 2 * inter, gu_bytes = row_bytes_of(gu_type, hidden);
   const int64_t down_bytes = row_bytes_of(down_type, inter);
   const DotFn gu_dot = dot_fn(row_path(path), gu_type), down_dot = dot_fn(row_path(path), down_type);
-  std::vector<float> g(np * gu_rows), h(np * inter);
   const bool gu_biased = !gate.gate_up_bias.empty(), down_biased = !gate.down_bias.empty();
   // the rows of x each expert takes (its tokens), and of h (its pairs, from first[i])
   std::vector<int64_t> tokens(np), hrows(np);
@@ -1631,15 +1627,14 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     }
   }
   auto count = [&](int64_t i) { return first[i + 1] - first[i]; };
-  // expert i's gate/up outputs j0..j1 for its rows (tiles: its rows of x as tiles, or none)
-  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1, const Tiles* tiles) {
+  // expert i's gate/up outputs j0..j1 for its rows, into gi (tiles: its rows of x as tiles, or none)
+  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1, const Tiles* tiles, float* gi) {
     const float* bias = gu_biased ? gate.gate_up_bias[i].data_ptr<float>() : nullptr;
-    float* gi = g.data() + first[i] * gu_rows;
     rows_product(gu_type, gu_ptr[i], gu_bytes, hidden, j0, j1, ax, tokens.data() + first[i], count(i), tiles, gu_dot,
                  [&](int64_t p, int64_t j, float y) { gi[p * gu_rows + j] = bias ? y + bias[j] : y; });
   };
-  auto gated = [&](int64_t p0, int64_t p1) {  // the gate of rows p0..p1
-    for (int64_t p = p0; p < p1; p++) gate.apply(g.data() + p * gu_rows, h.data() + p * inter, inter);
+  auto gated = [&](const float* g, float* h, int64_t rows) {  // the gate of `rows` rows of g, into h
+    for (int64_t p = 0; p < rows; p++) gate.apply(g + p * gu_rows, h + p * inter, inter);
   };
   // expert i's down outputs j0..j1 for its rows, their quantized h in ah (expert i's alone: hrows; all: first[i] on)
   auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, const int64_t* list, const Tiles* tiles) {
@@ -1662,13 +1657,16 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count(a) > count(b); });
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      // one expert's gate/up outputs and gate at a time: the largest expert's rows, reused (they stay in cache,
+      // and a prompt's temporaries are a few of its experts' rows, not every pair's)
+      const std::unique_ptr<float[]> g(new float[count(order[0]) * gu_rows]), h(new float[count(order[0]) * inter]);
       for (int64_t taken; (taken = next.fetch_add(1)) < ne;) {
         const int64_t i = order[taken];
         const int64_t* xrows = tokens.data() + first[i];
         const std::optional<Tiles> gu_tiles = tiles_of(path, gu_type, ax, xrows, count(i));
-        gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr);
-        gated(first[i], first[i + 1]);
-        const QRows ah(h.data() + first[i] * inter, count(i), inter, down_type, path);
+        gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr, g.get());
+        gated(g.get(), h.get(), count(i));
+        const QRows ah(h.get(), count(i), inter, down_type, path);
         const int64_t* own = hrows.data() + first[i];
         const std::optional<Tiles> down_tiles = tiles_of(path, down_type, ah, own, count(i));
         down_rows(i, 0, hidden, ah, own, down_tiles ? &*down_tiles : nullptr);
@@ -1676,17 +1674,19 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
     });
     return;
   }
+  const std::unique_ptr<float[]> g(new float[np * gu_rows]), h(new float[np * inter]);  // every element written
   std::vector<std::optional<Tiles>> gu_tiles(ne), down_tiles(ne);
   for (int64_t i = 0; i < ne; i++) gu_tiles[i] = tiles_of(path, gu_type, ax, tokens.data() + first[i], count(i));
   at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end;) {  // the run of outputs of one expert at a time
       const int64_t i = u / gu_rows, stop = std::min(end, (i + 1) * gu_rows);
-      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows, gu_tiles[i] ? &*gu_tiles[i] : nullptr);
+      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows, gu_tiles[i] ? &*gu_tiles[i] : nullptr,
+                   g.get() + first[i] * gu_rows);
       u = stop;
     }
   });
-  gated(0, np);
-  const QRows ah(h.data(), np, inter, down_type, path);
+  gated(g.get(), h.get(), np);
+  const QRows ah(h.get(), np, inter, down_type, path);
   std::vector<int64_t> all(np);
   for (int64_t p = 0; p < np; p++) all[p] = p;
   for (int64_t i = 0; i < ne; i++) down_tiles[i] = tiles_of(path, down_type, ah, all.data() + first[i], count(i));
@@ -1751,10 +1751,22 @@ at::Tensor moe_layer(const at::Tensor& x, const at::Tensor& index, const at::Ten
                      at::TensorList gate_up_bias, at::TensorList down_bias, int64_t gate, double alpha, double limit,
                      int64_t path) {
   check_routing(x, index, weights);
-  std::vector<float> contrib(index.size(0) * index.size(1) * x.size(1), 0.f);
+  // contribute writes every (token, choice) row routed to one of `experts`; only the others are zeroed here (a
+  // prompt's contributions are many megabytes, and filling them twice cost more than the additions)
+  const int64_t slots = index.size(0) * index.size(1), hidden = x.size(1);
+  const std::unique_ptr<float[]> contrib(new float[slots * hidden]);
+  std::vector<int64_t> given = experts.vec();
+  std::sort(given.begin(), given.end());
+  const at::Tensor idx = index.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t slot = 0; slot < slots; slot++) {
+    if (!std::binary_search(given.begin(), given.end(), ip[slot])) {
+      std::fill(contrib.get() + slot * hidden, contrib.get() + (slot + 1) * hidden, 0.f);
+    }
+  }
   contribute(x, index, weights, experts.vec(), gate_up.vec(), gu_type, down.vec(), down_type,
-             gate_of(gate_up_bias, down_bias, gate, alpha, limit), path, contrib.data());
-  return sum_contributions(contrib.data(), index, x.size(1), x.scalar_type());
+             gate_of(gate_up_bias, down_bias, gate, alpha, limit), path, contrib.get());
+  return sum_contributions(contrib.get(), index, hidden, x.scalar_type());
 }
 
 // W (N, K) float32, every weight as its block encodes it (the reference the products are checked against).
