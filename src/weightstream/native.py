@@ -55,7 +55,7 @@ def row_bytes(wtype: str, k: int) -> int:
     return k // BLOCK_TYPES[wtype].elements * BLOCK_TYPES[wtype].bytes
 
 
-# auto: the best this CPU runs (AVX-512 tiles from 6 rows where it has them, else AVX2 rows, else portable rows);
+# auto: the best this CPU runs (AVX-512 tiles from 4 rows where it has them, else AVX2 rows, else portable rows);
 # avx512: tiles at every row count. Every path gives the same bits (docs/kernels.md).
 PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 
@@ -110,7 +110,7 @@ def best_path() -> str:
 
 
 def tiles_available() -> bool:
-    """Whether this CPU runs the multi-row tiles (AVX-512 with VNNI), which auto takes from 6 rows."""
+    """Whether this CPU runs the multi-row tiles (AVX-512 with VNNI), which auto takes from 4 rows."""
     return available() and _module.tiles()
 
 
@@ -164,7 +164,7 @@ def moe_layer(
     With `into` (float32 (tokens, top_k, hidden)), only these experts' (token, choice) rows of the contributions are
     filled, and nothing is summed: `moe_sum` then adds the rows as the single call does, so a layer computed in
     groups (resident experts first, each missing one as it arrives) gives the same bits. `path` as `qmm`'s: auto
-    computes an expert's rows as tiles from 6 of them where the CPU runs tiles, every path the same bits."""
+    computes an expert's rows as tiles from 4 of them where the CPU runs tiles, every path the same bits."""
     args = (experts, gate_up, TYPE_IDS[gate_up_type], down, TYPE_IDS[down_type], gate_up_bias or [], down_bias or [])
     args += (GATES.index(gate), alpha, limit, PATHS[path])
     if into is None:
