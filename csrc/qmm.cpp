@@ -737,18 +737,26 @@ struct Q6_K {
       _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
     }
   }
+  // The stored 6 bits (code + 32, unsigned) against the activations, and the offset as 32 times the per-16 scales
+  // against the rows' per-16 sums of qx: the same integers as signed codes, without making them signed (two
+  // instructions a sub-block), each 32 bytes of codes loaded once.
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
-    const Scales16 sc = scales16_avx2(_mm_loadu_si128((const __m128i*)x.scales), true);
-    __m256i isum = _mm256_setzero_si256();
-    for (int sub = 0; sub < 8; sub++) {
-      const int n = sub / 4, r = sub % 4;
-      const __m256i l4 = load256(x.ql + 64 * n + 32 * (r & 1));
-      const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), m2);
-      const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
-      const __m256i xv = load256(a.q + b * 256 + sub * 32);
-      isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i*)x.scales);
+    const Scales16 sc = scales16_avx2(sc8, true);
+    const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), load256(a.s16 + b * 16));
+    __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+    for (int n = 0; n < 2; n++) {
+      const __m256i qh = load256(x.qh + 32 * n), l0 = load256(x.ql + 64 * n), l1 = load256(x.ql + 64 * n + 32);
+      for (int r = 0; r < 4; r++) {
+        const int sub = 4 * n + r;
+        const __m256i l4 = r & 1 ? l1 : l0;
+        const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), m2);
+        const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        const __m256i xv = load256(a.q + b * 256 + sub * 32);
+        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(u, xv, per16(sc, sub)));
+      }
     }
     return {isum, 0, fp16_hw(x.d), 0.f};
   }
