@@ -411,3 +411,15 @@ def test_a_layer_computed_in_groups_equals_the_layer_in_one_call():
     contrib = torch.zeros(*index.shape, x.shape[1])  # an expert left out: its rows stay zero, the sum differs
     contribute(contrib, experts[1:])
     assert not torch.equal(native.moe_sum(contrib, index, x), whole)
+    # and the one call over the same experts leaves the same rows zero (it zeroes only what no given expert writes)
+    part = native.moe_layer(
+        x,
+        index,
+        weights,
+        experts[1:],
+        [gate_up[e] for e in experts[1:]],
+        "Q4_K",
+        [down[e] for e in experts[1:]],
+        "Q6_K",
+    )
+    assert torch.equal(part, native.moe_sum(contrib, index, x))
