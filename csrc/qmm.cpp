@@ -1323,7 +1323,7 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
   using F = typename V::F;
   constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group;
   constexpr bool paired = MG != 0 && T::scale_group != 0;
-  static_assert(SG % 8 == 0, "a scale group is whole pairs of VNNI steps");
+  static_assert(SG % 4 == 0, "a scale group is whole VNNI steps of 4 inputs");
   const int64_t nb = t.blocks;
   const int8_t* xs = t.xs.data() + tile * (t.k / 4) * 64;
   const float* dx = t.dx.data() + tile * nb * 16;
@@ -1412,8 +1412,9 @@ WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, in
       if (i < nw) unpack_row<T>(wp + (j + i) * row_bytes, t.k, rc[i]);
       w[i] = &rc[i < nw ? i : 0];
     }
-    const uint8_t* ahead = wp + (j + NW) * row_bytes;  // the next rows, fetched during the first tile
+    // the next rows, fetched during the first tile (none past j1)
     const int64_t ahead_bytes = std::min<int64_t>(NW, std::max<int64_t>(0, j1 - j - NW)) * row_bytes;
+    const uint8_t* ahead = ahead_bytes > 0 ? wp + (j + NW) * row_bytes : wp;
     for (int64_t tile = 0; tile < t.count; tile++) {
       const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16), fetch = tile == 0 ? ahead_bytes : 0;
       if (lanes > 8) {
