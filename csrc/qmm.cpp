@@ -1162,17 +1162,21 @@ struct QRows {
 // as int32 for the legacy types (a min of 1), as int16 pairs of neighbouring groups for the K types (one VNNI
 // instruction multiplies two groups' sums by their two mins). A tile of 8 or fewer rows reads lanes 0-7 alone.
 struct Tiles {
-  int64_t k = 0, m = 0, count = 0, blocks = 0, ogroups = 0, mgroups = 0;
+  int64_t k = 0, m = 0, count = 0, blocks = 0, ogroups = 0, mgroups = 0, mvectors = 0;  // mvectors: of ms, a tile
   std::vector<int8_t> xs;   // count x k/4 x 64
   std::vector<float> dx;    // count x blocks x 16
   std::vector<int32_t> os;  // count x ogroups x 16
-  std::vector<int32_t> ms;  // count x mgroups x 16 (legacy types), or count x mgroups/2 x 16 pairs of int16
+  std::vector<int32_t> ms;  // count x mvectors x 16: mgroups of int32 (legacy types), or mgroups/2 int16 pairs
 };
+
+// The types whose mins meet the rows' sums as int16 pairs of neighbouring min groups (the K types with a min; the
+// legacy types' min is 1 a block, its sum taken as it is).
+template <typename T>
+constexpr bool kPairedMins = T::min_group != 0 && T::scale_group != 0;
 
 template <typename T>
 Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
   constexpr int E = T::elements, OG = T::scale_group ? T::scale_group : E, MG = T::min_group;
-  constexpr bool paired = MG != 0 && T::scale_group != 0;
   Tiles t;
   t.k = a.k;
   t.m = m;
@@ -1180,11 +1184,12 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
   t.blocks = a.k / E;
   t.ogroups = T::code_offset ? a.k / OG : 0;
   t.mgroups = MG ? a.k / MG : 0;
+  t.mvectors = kPairedMins<T> ? t.mgroups / 2 : t.mgroups;
   const int64_t groups = a.k / 4;
   t.xs.assign(t.count * groups * 64, 0);
   t.dx.assign(t.count * t.blocks * 16, 0.f);
   t.os.assign(t.count * t.ogroups * 16, 0);
-  t.ms.assign(t.count * (paired ? t.mgroups / 2 : t.mgroups) * 16, 0);
+  t.ms.assign(t.count * t.mvectors * 16, 0);
   for (int64_t p = 0; p < m; p++) {
     const int64_t tile = p / 16, lane = p % 16;
     const QAct x = a.row(list[p]);
@@ -1199,11 +1204,11 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
     for (int64_t g = 0; g < t.mgroups; g++) {
       int32_t sum = 0;  // at most MG x 127 in size: an int16
       for (int i = 0; i < MG / 16; i++) sum += x.s16[g * (MG / 16) + i];
-      if constexpr (paired) {
-        int16_t* pair = reinterpret_cast<int16_t*>(t.ms.data() + (tile * t.mgroups / 2 + g / 2) * 16 + lane);
+      if constexpr (kPairedMins<T>) {
+        int16_t* pair = reinterpret_cast<int16_t*>(t.ms.data() + (tile * t.mvectors + g / 2) * 16 + lane);
         pair[g % 2] = (int16_t)sum;
       } else {
-        t.ms[(tile * t.mgroups + g) * 16 + lane] = sum;
+        t.ms[(tile * t.mvectors + g) * 16 + lane] = sum;
       }
     }
   }
@@ -1211,7 +1216,8 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
 }
 
 #ifdef WS_X86
-#define WS_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline)) inline
+#define WS_AVX512_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline)) inline
 
 // One weight row unpacked for the tiles: codes (plus code_offset, unsigned), a scale per scale group, the mins of
 // the K types as int16 pairs of neighbouring min groups (their sums' layout in Tiles), and per block d and m.
@@ -1239,7 +1245,7 @@ WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
       T::tile_scales_avx2(blocks[b], out.sc.data() + b * E / SG, out.mn2.data() + b * E / MG / 2, out.d[b], out.m[b]);
       continue;
     }
-    int32_t sc16[E / 16 > 0 ? E / 16 : 1], mn16[E / 16 > 0 ? E / 16 : 1];
+    int32_t sc16[E / 16], mn16[E / 16];
     ScalesOut o{sc16, mn16};
     T::scales(blocks[b], o);
     out.d[b] = o.d;
@@ -1247,7 +1253,7 @@ WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
     if constexpr (T::scale_group != 0) {
       for (int g = 0; g < E / SG; g++) out.sc[b * E / SG + g] = sc16[g * SG / 16];
     }
-    if constexpr (T::min_group != 0 && T::scale_group != 0) {
+    if constexpr (kPairedMins<T>) {
       for (int p = 0; p < E / MG / 2; p++) {
         const uint32_t lo = (uint16_t)mn16[2 * p * MG / 16], hi = (uint16_t)mn16[(2 * p + 1) * MG / 16];
         out.mn2[b * E / MG / 2 + p] = (int32_t)(lo | hi << 16);
@@ -1258,49 +1264,32 @@ WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
 
 // A tile's lanes as one vector: 16 (AVX-512) or 8 (its 256-bit half, for a tile of 8 rows or fewer: the same
 // layout's lanes 0-7). The same operations lane by lane, so a row's result does not depend on which computes it.
-struct Lanes16 {
-  static constexpr int n = 16;
-  using I = __m512i;
-  using F = __m512;
-  WS_AVX512_INLINE static I izero() { return _mm512_setzero_si512(); }
-  WS_AVX512_INLINE static F fzero() { return _mm512_setzero_ps(); }
-  WS_AVX512_INLINE static I load(const void* p) { return _mm512_loadu_si512(p); }
-  WS_AVX512_INLINE static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-  WS_AVX512_INLINE static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-  WS_AVX512_INLINE static F set1f(float v) { return _mm512_set1_ps(v); }
-  WS_AVX512_INLINE static I dpbusd(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  WS_AVX512_INLINE static I dpwssd(I acc, I w, I x) { return _mm512_dpwssd_epi32(acc, w, x); }
-  WS_AVX512_INLINE static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  WS_AVX512_INLINE static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  WS_AVX512_INLINE static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  WS_AVX512_INLINE static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
-  WS_AVX512_INLINE static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  WS_AVX512_INLINE static F addf(F a, F b) { return _mm512_add_ps(a, b); }
-  WS_AVX512_INLINE static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  WS_AVX512_INLINE static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-
-struct Lanes8 {
-  static constexpr int n = 8;
-  using I = __m256i;
-  using F = __m256;
-  WS_AVX512_INLINE static I izero() { return _mm256_setzero_si256(); }
-  WS_AVX512_INLINE static F fzero() { return _mm256_setzero_ps(); }
-  WS_AVX512_INLINE static I load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
-  WS_AVX512_INLINE static F loadf(const float* p) { return _mm256_loadu_ps(p); }
-  WS_AVX512_INLINE static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  WS_AVX512_INLINE static F set1f(float v) { return _mm256_set1_ps(v); }
-  WS_AVX512_INLINE static I dpbusd(I acc, I w, I x) { return _mm256_dpbusd_epi32(acc, w, x); }
-  WS_AVX512_INLINE static I dpwssd(I acc, I w, I x) { return _mm256_dpwssd_epi32(acc, w, x); }
-  WS_AVX512_INLINE static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  WS_AVX512_INLINE static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  WS_AVX512_INLINE static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  WS_AVX512_INLINE static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  WS_AVX512_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  WS_AVX512_INLINE static F addf(F a, F b) { return _mm256_add_ps(a, b); }
-  WS_AVX512_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  WS_AVX512_INLINE static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
+// Both widths from one definition: the intrinsics of width P (512 or 256) on its integer and float vectors.
+#define WS_LANES(NAME, N, P, I_, F_)                                                                        \
+  struct NAME {                                                                                            \
+    static constexpr int n = N;                                                                            \
+    using I = I_;                                                                                          \
+    using F = F_;                                                                                          \
+    WS_AVX512_INLINE static I izero() { return _mm##P##_setzero_si##P(); }                                 \
+    WS_AVX512_INLINE static F fzero() { return _mm##P##_setzero_ps(); }                                    \
+    WS_AVX512_INLINE static I load(const void* p) { return _mm##P##_loadu_si##P((const I*)p); }            \
+    WS_AVX512_INLINE static F loadf(const float* p) { return _mm##P##_loadu_ps(p); }                       \
+    WS_AVX512_INLINE static I set1(int32_t v) { return _mm##P##_set1_epi32(v); }                           \
+    WS_AVX512_INLINE static F set1f(float v) { return _mm##P##_set1_ps(v); }                               \
+    WS_AVX512_INLINE static I dpbusd(I acc, I w, I x) { return _mm##P##_dpbusd_epi32(acc, w, x); }         \
+    WS_AVX512_INLINE static I dpwssd(I acc, I w, I x) { return _mm##P##_dpwssd_epi32(acc, w, x); }         \
+    WS_AVX512_INLINE static I add(I a, I b) { return _mm##P##_add_epi32(a, b); }                           \
+    WS_AVX512_INLINE static I sub(I a, I b) { return _mm##P##_sub_epi32(a, b); }                           \
+    WS_AVX512_INLINE static I mullo(I a, I b) { return _mm##P##_mullo_epi32(a, b); }                       \
+    WS_AVX512_INLINE static F cvt(I a) { return _mm##P##_cvtepi32_ps(a); }                                 \
+    WS_AVX512_INLINE static F mul(F a, F b) { return _mm##P##_mul_ps(a, b); }                              \
+    WS_AVX512_INLINE static F addf(F a, F b) { return _mm##P##_add_ps(a, b); }                             \
+    WS_AVX512_INLINE static F fmadd(F a, F b, F c) { return _mm##P##_fmadd_ps(a, b, c); }                  \
+    WS_AVX512_INLINE static void store(float* p, F v) { _mm##P##_storeu_ps(p, v); }                        \
+  };
+WS_LANES(Lanes16, 16, 512, __m512i, __m512)
+WS_LANES(Lanes8, 8, 256, __m256i, __m256)
+#undef WS_LANES
 
 // Chain::tree of 8 chains, a vector of lanes at a time.
 template <typename V>
@@ -1322,13 +1311,12 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
   using I = typename V::I;
   using F = typename V::F;
   constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group;
-  constexpr bool paired = MG != 0 && T::scale_group != 0;
   static_assert(SG % 4 == 0, "a scale group is whole VNNI steps of 4 inputs");
   const int64_t nb = t.blocks;
   const int8_t* xs = t.xs.data() + tile * (t.k / 4) * 64;
   const float* dx = t.dx.data() + tile * nb * 16;
   const int32_t* os = t.os.data() + tile * t.ogroups * 16;
-  const int32_t* ms = t.ms.data() + tile * (paired ? t.mgroups / 2 : t.mgroups) * 16;
+  const int32_t* ms = t.ms.data() + tile * t.mvectors * 16;
   // `ahead`: the next weight rows' bytes, fetched from memory a share a block while this tile computes (the
   // hardware's prefetcher, seeing a few kilobytes read between long stretches of arithmetic, does not run ahead)
   const int64_t share = (ahead_bytes + nb * 64 - 1) / (nb * 64) * 64;
@@ -1374,7 +1362,7 @@ WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t 
       if constexpr (T::has_min) {
         for (int i = 0; i < NW; i++) {
           I msum;
-          if constexpr (!paired) {  // the legacy types: one min group a block, its min 1
+          if constexpr (!kPairedMins<T>) {  // the legacy types: one min group a block, its min 1
             msum = V::load(ms + b * 16);
           } else {
             msum = V::izero();
