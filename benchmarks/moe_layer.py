@@ -1,0 +1,131 @@
+"""The native MoE layer and the rows/tiles crossover, alone: what issue 39's kernel changes were measured with.
+
+`layer`: one `moe_layer` call of the OLMoE shape (64 experts of random Q4_K blocks, hidden 2048, intermediate
+1024, top-8) on --tokens rows, routed by a seeded softmax; median and best of --calls calls, G multiply-adds a
+second, and a checksum of the output (equal across builds: the kernels keep their bits). With --against DIR (the
+`src` folder of another checkout whose extension is built), each round runs that build and this one in separate
+processes, alternating.
+
+`crossover`: one 2048 x 2048 product per block type at 1-8 rows by AVX2 rows and by tiles (`qmm` paths avx2 and
+avx512), medians in ms: where `auto` should switch to tiles (`kTileRows` in csrc/qmm.cpp).
+
+    .venv/bin/python benchmarks/moe_layer.py layer [--threads 2] [--tokens 256] [--calls 9] [--rounds 3]
+        [--against OLD/src]
+    .venv/bin/python benchmarks/moe_layer.py crossover [--types Q4_K Q6_K Q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+_LAYER = """
+import json, statistics, sys, time
+sys.path.insert(0, {src!r})
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+from weightstream import native
+assert native.available(), native.why_not()
+torch.set_num_threads({threads})
+hidden, inter, n_experts, top_k, tokens = 2048, 1024, 64, 8, {tokens}
+rng = np.random.default_rng(0)
+def blocks(n, k):
+    block, size = quants.GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for at in (0, 2):  # d and dmin: sane scales
+        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(-1).copy())
+gate_up = [blocks(2 * inter, hidden) for _ in range(n_experts)]
+down = [blocks(hidden, inter) for _ in range(n_experts)]
+gen = torch.Generator().manual_seed(1)
+x = torch.randn(tokens, hidden, generator=gen)
+weights, index = torch.randn(tokens, n_experts, generator=gen).softmax(-1).topk(top_k)
+experts = list(range(n_experts))
+run = lambda: native.moe_layer(x, index, weights, experts, gate_up, "Q4_K", down, "Q4_K")
+for _ in range(2):
+    run()
+times = []
+for _ in range({calls}):
+    start = time.perf_counter()
+    y = run()
+    times.append(time.perf_counter() - start)
+counts = torch.bincount(index.reshape(-1), minlength=n_experts)
+macs = tokens * top_k * 3 * hidden * inter
+print(json.dumps({{"ms_median": 1e3 * statistics.median(times), "ms_best": 1e3 * min(times),
+                  "g_macs_per_s": macs / min(times) / 1e9, "rows_per_expert": [int(counts.min()), int(counts.max())],
+                  "checksum": y.double().sum().item()}}))
+"""
+_CROSSOVER = """
+import json, statistics, time
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+from weightstream import native
+assert native.tiles_available(), "this CPU has no AVX-512 with VNNI: there are no tiles to compare"
+torch.set_num_threads(1)
+rng, out, n = np.random.default_rng(0), {{}}, 2048
+scales = {{"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}}
+for wtype in {types!r}:
+    block, size = quants.GGML_QUANT_SIZES[getattr(GGMLQuantizationType, wtype)]
+    raw = rng.integers(0, 256, size=(n, n // block, size), dtype=np.uint8)
+    for at in scales.get(wtype, ()):
+        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    w = torch.from_numpy(raw.reshape(-1).copy())
+    out[wtype] = {{}}
+    for rows in range(1, 9):
+        x = torch.randn(rows, n)
+        got = {{}}
+        for path in ("avx2", "avx512"):
+            for _ in range(3):
+                native.qmm(x, w, wtype, n, n, path)
+            times = []
+            for _ in range(15):
+                start = time.perf_counter()
+                native.qmm(x, w, wtype, n, n, path)
+                times.append(time.perf_counter() - start)
+            got["rows_ms" if path == "avx2" else "tiles_ms"] = 1e3 * statistics.median(times)
+        out[wtype][rows] = got
+print(json.dumps(out))
+"""
+
+
+def child(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the timed process failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    layer = sub.add_parser("layer", help="one MoE layer call, optionally against another build")
+    layer.add_argument("--threads", type=int, default=2)
+    layer.add_argument("--tokens", type=int, default=256)
+    layer.add_argument("--calls", type=int, default=9)
+    layer.add_argument("--rounds", type=int, default=3)
+    layer.add_argument("--against", help="the src folder of another checkout with its extension built")
+    cross = sub.add_parser("crossover", help="rows against tiles at 1-8 rows")
+    cross.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    args = ap.parse_args()
+    if args.what == "crossover":
+        print(json.dumps(child(_CROSSOVER.format(types=args.types)), indent=1))
+        return
+    builds = {"this": SRC} | ({"against": os.path.abspath(args.against)} if args.against else {})
+    rounds = []
+    for r in range(args.rounds):
+        order = list(builds) if r % 2 == 0 else list(reversed(builds))
+        rounds.append(
+            {
+                name: child(_LAYER.format(src=builds[name], threads=args.threads, tokens=args.tokens, calls=args.calls))
+                for name in order
+            }
+        )
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "rounds": rounds}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
