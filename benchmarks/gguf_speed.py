@@ -1,11 +1,14 @@
 """In-memory speed on the same GGUF file, weightstream against llama.cpp, back to back: a 256-token prompt and
 32 decoded tokens, every weight resident on both sides.
 
-Each round runs `llama-bench -m FILE -p 256 -n 32 -t THREADS -r 1` and, in its own process, weightstream on the
-file's import (`weightstream import FILE --out DIR`, every expert read into the cache before timing): the prefill
-of a 256-token prompt, then 32 greedy tokens. The order alternates between rounds (these machines drift by 15-25%
-between runs minutes apart), and the figures are medians with the spread of the rounds; the ratio of medians is
-ours / llama.cpp's.
+Each round runs `llama-bench -m FILE -p 256 -n 32 -d 0,256 -t THREADS -r 1` and, in its own process, weightstream
+on the file's import (`weightstream import FILE --out DIR`, every expert read into the cache before timing): the
+prefill of a 256-token prompt, then 32 greedy tokens. llama.cpp's decode is its tg test at depth 256 (`-d`: 256
+tokens in the context first), since ours decodes after its 256-token prompt; its prompt is the pp test at depth 0.
+`--decode-depth 0` compares with llama-bench's default, a decode from an empty context (the figures before
+2026-12-05 did, against our decode at positions 256-287). The order alternates between rounds (these machines
+drift by 15-25% between runs minutes apart), and the figures are medians with the spread of the rounds; the ratio
+of medians is ours / llama.cpp's.
 
     .venv/bin/python benchmarks/gguf_speed.py FILE.gguf IMPORTED_DIR [--rounds 4] [--threads 2]
         [--out benchmarks/results/gguf-speed-NAME.json]
@@ -53,8 +56,17 @@ def ours(model_dir: str, threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llama(gguf: str, threads: int, repack: bool = True) -> dict:
-    got = llamacpp.bench(gguf, threads, NEW_TOKENS, repeats=1, timeout=3600, repack=repack, prompt_tokens=PROMPT_TOKENS)
+def llama(gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKENS) -> dict:
+    got = llamacpp.bench(
+        gguf,
+        threads,
+        NEW_TOKENS,
+        repeats=1,
+        timeout=3600,
+        repack=repack,
+        prompt_tokens=PROMPT_TOKENS,
+        decode_depth=depth,
+    )
     if "decode_tokens_per_s" not in got:
         raise SystemExit(f"llama-bench: {got.get('error') or got.get('skipped')}")
     return {key: got[key] for key in ("prompt_tokens_per_s", "decode_tokens_per_s")}
@@ -81,10 +93,17 @@ def main() -> None:
         default=1,
         help="llama-bench --repack (default 1, its own; its repacked path asserts on some small MoE files)",
     )
+    ap.add_argument(
+        "--decode-depth",
+        type=int,
+        default=PROMPT_TOKENS,
+        help=f"tokens in llama.cpp's context before its decode (default {PROMPT_TOKENS}: where ours decodes, after "
+        "the prompt; 0: llama-bench's own default, an empty context)",
+    )
     ap.add_argument("--out", default=default("gguf-speed.json"))
     args = ap.parse_args()
     sides = {
-        "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack)),
+        "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack), args.decode_depth),
         "weightstream": lambda: ours(args.imported, args.threads),
     }
     runs = alternated(
@@ -98,6 +117,7 @@ def main() -> None:
         "gguf_bytes": os.path.getsize(args.gguf),
         "threads": args.threads,
         "llama_repack": bool(args.repack),
+        "llama_decode_depth": args.decode_depth,
         "rounds": args.rounds,
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS,
