@@ -1015,11 +1015,11 @@ WS_AVX2 float dot_row_avx2(const uint8_t* row, const QAct& a, int64_t k) {
   return dot_row_body<T>(row, a, k);
 }
 
-// The same instructions where the CPU has AVX-512: its 32 vector registers hold a group's eight blocks without
-// spilling them to the stack (the same bits: only the registers differ). Taken for the K types' 256-element blocks
+// The same code compiled for a CPU with AVX-512: with its 32 vector registers a group's eight blocks stay in
+// registers instead of spilling to the stack (the same arithmetic, so the same bits). Taken for the K types' blocks
 // (`kWideRows`), whose bodies spilled: one 4096 x 4096 row product, 1 thread, 7 pairs alternated with the AVX2
 // registers: Q6_K 30.6-34.5 -> 36.5-39.7 GB/s (+9 to +21% in every pair), Q4_K +4 to +17% in 6 of 7, the other
-// K types unchanged. The 32-element types gained nothing and Q4_0 lost 15% (19.1 -> 16.5): they stay on AVX2's.
+// K types unchanged. The 32-element types gained nothing and Q4_0 lost 15% (19.1 -> 16.5): they keep the AVX2 build.
 template <typename T>
 constexpr bool kWideRows = T::elements == 256 && T::act != 0;
 
