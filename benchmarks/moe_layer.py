@@ -9,9 +9,14 @@ processes, alternating.
 `crossover`: one 2048 x 2048 product per block type at 1-8 rows by AVX2 rows and by tiles (`qmm` paths avx2 and
 avx512), medians in ms: where `auto` should switch to tiles (`kTileRows` in csrc/qmm.cpp).
 
+`dequant`: one 2048 x 2048 product per block type at --rows rows, the native product (rows or tiles, as `auto`
+takes them) against the weight dequantized once and F.linear, medians in ms at --threads: where a projection
+should switch (`NATIVE_DEQUANT_ROWS`, `BF16_DEQUANT_ROWS` in engine/kernels.py).
+
     .venv/bin/python benchmarks/moe_layer.py layer [--threads 2] [--tokens 256] [--calls 9] [--rounds 3]
         [--against OLD/src]
     .venv/bin/python benchmarks/moe_layer.py crossover [--types Q4_K Q6_K Q8_0]
+    .venv/bin/python benchmarks/moe_layer.py dequant [--types BF16] [--rows 8 16 24 32 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -91,6 +96,35 @@ for wtype in {types!r}:
 print(json.dumps(out))
 """
 
+_DEQUANT = """
+import json, statistics, time
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+from weightstream import native
+from weightstream.engine.kernels import native_product
+assert native.available(), native.why_not()
+torch.set_num_threads({threads})
+rng, out, n = np.random.default_rng(0), {{}}, 2048
+for wtype in {types!r}:
+    kind = getattr(GGMLQuantizationType, wtype)
+    w = torch.from_numpy(quants.quantize((rng.standard_normal((n, n)) * 0.05).astype(np.float32), kind))
+    out[wtype] = {{}}
+    for rows in {rows!r}:
+        x = torch.randn(rows, n)
+        got = {{}}
+        for route, switch in (("native_ms", float("inf")), ("dequantized_ms", 0)):
+            for _ in range(3):
+                native_product(x, w, wtype, n, n, switch)
+            times = []
+            for _ in range(15):
+                start = time.perf_counter()
+                native_product(x, w, wtype, n, n, switch)
+                times.append(time.perf_counter() - start)
+            got[route] = 1e3 * statistics.median(times)
+        out[wtype][rows] = got
+print(json.dumps(out))
+"""
+
 
 def child(code: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -110,9 +144,17 @@ def main() -> None:
     layer.add_argument("--against", help="the src folder of another checkout with its extension built")
     cross = sub.add_parser("crossover", help="rows against tiles at 1-8 rows")
     cross.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    deq = sub.add_parser("dequant", help="the native product against the dequantized weight and F.linear")
+    deq.add_argument("--types", nargs="+", default=["BF16"], help="types gguf can encode (BF16, Q8_0, Q4_0, ...)")
+    deq.add_argument("--rows", nargs="+", type=int, default=[8, 16, 24, 32, 64])
+    deq.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.what == "crossover":
         print(json.dumps(child(_CROSSOVER.format(types=args.types)), indent=1))
+        return
+    if args.what == "dequant":
+        code = _DEQUANT.format(types=args.types, rows=args.rows, threads=args.threads)
+        print(json.dumps({"threads": args.threads, "ms": child(code)}, indent=1))
         return
     builds = {"this": SRC} | ({"against": os.path.abspath(args.against)} if args.against else {})
     rounds = []

@@ -423,3 +423,24 @@ def test_a_layer_computed_in_groups_equals_the_layer_in_one_call():
         "Q6_K",
     )
     assert torch.equal(part, native.moe_sum(contrib, index, x))
+
+
+def test_a_bf16_projection_takes_its_rows_below_its_switch_and_the_dequantized_weight_from_it():
+    """BF16 products stay native (each row its one-row product, bitwise) below BF16_DEQUANT_ROWS and are F.linear
+    on the dequantized weight from it; integer block types keep their own switch (every row count native with the
+    tiles, else NATIVE_DEQUANT_ROWS)."""
+    from weightstream.engine.kernels import BF16_DEQUANT_ROWS, NATIVE_DEQUANT_ROWS, native_dequant_rows, native_product
+
+    n, k = 64, 256
+    w = torch.from_numpy(_blocks("BF16", n, k, seed=8)).reshape(n, -1)
+    switch = native_dequant_rows(["BF16"])
+    assert switch == BF16_DEQUANT_ROWS > NATIVE_DEQUANT_ROWS
+    assert native_dequant_rows(["Q4_K"]) == (float("inf") if native.tiles_available() else NATIVE_DEQUANT_ROWS)
+    dense = native.dequantize(w.reshape(-1), "BF16", n, k)
+    for rows in (switch - 1, switch):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        got = native_product(x, w, "BF16", n, k, switch)
+        by_row = torch.cat([native.qmm(x[r : r + 1], w.reshape(-1), "BF16", n, k) for r in range(rows)])
+        dequantized = torch.nn.functional.linear(x, dense)
+        assert not torch.equal(by_row, dequantized)  # the routes differ in their last bits: the test tells them apart
+        assert torch.equal(got, by_row if rows < switch else dequantized)

@@ -73,14 +73,22 @@ class OneExpertEager:
 DEQUANT_ROWS = {"int8": 32, "int4": 128}
 # GGML blocks: where the CPU runs the native multi-row tiles (AVX-512 with VNNI), every row count stays native (the
 # tiles ran 256 rows of Q4_K at 2.3x, 32 rows at 2.7x the dequantize-and-F.linear route:
-# benchmarks/block_types.py --rows); BF16, whose products are float and rows only, and a CPU without the tiles
-# dequantize from this many rows.
+# benchmarks/block_types.py --rows); a CPU without the tiles dequantizes from this many rows.
 NATIVE_DEQUANT_ROWS = 16
+# BF16 weights, whose products are float and rows only, cross later: one 2048 x 2048 product, 2 threads (AMD EPYC,
+# AVX-512; `benchmarks/moe_layer.py dequant`, two runs), rows / dequantized and F.linear in ms: 16 rows 1.11 / 1.38
+# and 1.13 / 1.40, 24 rows 1.63 / 1.69 and 1.64 / 1.65, 28 rows 1.91 / 1.91 and 1.89 / 1.90, 32 rows 2.26 / 2.05 and
+# 2.20 / 2.04. A multi-row BF16 product (each weight widened once for 2-4 rows) gained nothing: the rows re-read the
+# activations from L2 for every weight row, whatever widens the weights.
+BF16_DEQUANT_ROWS = 24
 
 
 def native_dequant_rows(wtypes) -> float:
     """Rows from which products of these block types dequantize the weight and call F.linear (inf: never)."""
-    if native.tiles_available() and "BF16" not in set(wtypes):
+    types = set(wtypes)
+    if types == {"BF16"}:
+        return BF16_DEQUANT_ROWS
+    if native.tiles_available() and "BF16" not in types:
         return math.inf
     return NATIVE_DEQUANT_ROWS
 
