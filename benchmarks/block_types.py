@@ -22,32 +22,27 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+from common.child import json_child  # noqa: E402
 from common.results import default, save  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(BENCH), "src")
 _CHILD = """
 import json, statistics, sys, time
 sys.path.insert(0, {src!r})
+sys.path.insert(0, {bench!r})
 import numpy as np, torch
-from gguf import GGMLQuantizationType, quants
+from common.blocks import random_blocks
 try:
     from weightstream import native
 except ImportError:  # builds from before native.py moved below the packages
     from weightstream.engine import native
 torch.set_num_threads({threads})
 assert native.available(), native.why_not()
-scales = {{"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,),
-          "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}}
 rng, out = np.random.default_rng(0), {{}}
 for wtype in [t for t in {types!r} if t in native.TYPE_IDS and t != "BF16"]:
-    block, size = quants.GGML_QUANT_SIZES[getattr(GGMLQuantizationType, wtype)]
-    raw = rng.integers(0, 256, size=({n}, {k} // block, size), dtype=np.uint8)
-    if wtype == "MXFP4":
-        raw[..., 0] = rng.integers(118, 134, size=raw.shape[:2], dtype=np.uint8)
-    for at in scales.get(wtype, ()):
-        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    w, x = torch.from_numpy(raw.reshape(-1).copy()), torch.randn({rows}, {k})
+    w, x = torch.from_numpy(random_blocks(wtype, {n}, {k}, rng)), torch.randn({rows}, {k})
     for _ in range(5):
         native.qmm(x, w, wtype, {n}, {k})
     times = []
@@ -64,12 +59,16 @@ TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
 
 def run(src: str, args) -> dict:
     code = _CHILD.format(
-        src=src, threads=args.threads, types=args.types, n=args.n, k=args.k, rows=args.rows, calls=args.calls
+        src=src,
+        bench=BENCH,
+        threads=args.threads,
+        types=args.types,
+        n=args.n,
+        k=args.k,
+        rows=args.rows,
+        calls=args.calls,
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"{src}: {done.stderr[-1500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_child(code, src, timeout=1800)
 
 
 def run_llamacpp(tool: str, args) -> dict:

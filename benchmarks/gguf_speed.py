@@ -20,12 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llamacpp  # noqa: E402
+from common.child import json_child  # noqa: E402
 from common.results import default, save  # noqa: E402
 from common.rounds import alternated  # noqa: E402
 
@@ -50,10 +50,7 @@ model.weightstream.close()
 
 def ours(model_dir: str, threads: int) -> dict:
     code = _OURS.format(model=model_dir, threads=threads, prompt=PROMPT_TOKENS, new=NEW_TOKENS)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"weightstream run failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_child(code, "weightstream run failed", timeout=3600)
 
 
 def llama(gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKENS) -> dict:

@@ -24,26 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+from common.child import json_child  # noqa: E402
+from common.rounds import alternated  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(BENCH), "src")
+FAILED = "the timed process failed"
+
 _LAYER = """
 import json, statistics, sys, time
 sys.path.insert(0, {src!r})
+sys.path.insert(0, {bench!r})
 import numpy as np, torch
-from gguf import GGMLQuantizationType, quants
+from common.blocks import random_blocks
 from weightstream import native
 assert native.available(), native.why_not()
 torch.set_num_threads({threads})
 hidden, inter, n_experts, top_k, tokens = 2048, 1024, 64, 8, {tokens}
 rng = np.random.default_rng(0)
-def blocks(n, k):
-    block, size = quants.GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
-    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for at in (0, 2):  # d and dmin: sane scales
-        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    return torch.from_numpy(raw.reshape(-1).copy())
+blocks = lambda n, k: torch.from_numpy(random_blocks("Q4_K", n, k, rng))
 gate_up = [blocks(2 * inter, hidden) for _ in range(n_experts)]
 down = [blocks(hidden, inter) for _ in range(n_experts)]
 gen = torch.Generator().manual_seed(1)
@@ -65,20 +67,16 @@ print(json.dumps({{"ms_median": 1e3 * statistics.median(times), "ms_best": 1e3 *
                   "checksum": y.double().sum().item()}}))
 """
 _CROSSOVER = """
-import json, statistics, time
+import json, statistics, sys, time
+sys.path.insert(0, {bench!r})
 import numpy as np, torch
-from gguf import GGMLQuantizationType, quants
+from common.blocks import random_blocks
 from weightstream import native
 assert native.tiles_available(), "this CPU has no AVX-512 with VNNI: there are no tiles to compare"
 torch.set_num_threads(1)
 rng, out, n = np.random.default_rng(0), {{}}, 2048
-scales = {{"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}}
 for wtype in {types!r}:
-    block, size = quants.GGML_QUANT_SIZES[getattr(GGMLQuantizationType, wtype)]
-    raw = rng.integers(0, 256, size=(n, n // block, size), dtype=np.uint8)
-    for at in scales.get(wtype, ()):
-        raw[..., at : at + 2] = rng.uniform(1e-4, 1e-2, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    w = torch.from_numpy(raw.reshape(-1).copy())
+    w = torch.from_numpy(random_blocks(wtype, n, n, rng))
     out[wtype] = {{}}
     for rows in range(1, 9):
         x = torch.randn(rows, n)
@@ -126,13 +124,6 @@ print(json.dumps(out))
 """
 
 
-def child(code: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the timed process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -150,22 +141,23 @@ def main() -> None:
     deq.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.what == "crossover":
-        print(json.dumps(child(_CROSSOVER.format(types=args.types)), indent=1))
+        print(json.dumps(json_child(_CROSSOVER.format(bench=BENCH, types=args.types), FAILED), indent=1))
         return
     if args.what == "dequant":
         code = _DEQUANT.format(types=args.types, rows=args.rows, threads=args.threads)
-        print(json.dumps({"threads": args.threads, "ms": child(code)}, indent=1))
+        print(json.dumps({"threads": args.threads, "ms": json_child(code, FAILED)}, indent=1))
         return
     builds = {"this": SRC} | ({"against": os.path.abspath(args.against)} if args.against else {})
-    rounds = []
-    for r in range(args.rounds):
-        order = list(builds) if r % 2 == 0 else list(reversed(builds))
-        rounds.append(
-            {
-                name: child(_LAYER.format(src=builds[name], threads=args.threads, tokens=args.tokens, calls=args.calls))
-                for name in order
-            }
-        )
+    code = {
+        name: _LAYER.format(src=src, bench=BENCH, threads=args.threads, tokens=args.tokens, calls=args.calls)
+        for name, src in builds.items()
+    }
+    runs = alternated(
+        args.rounds,
+        {name: (lambda name=name: json_child(code[name], FAILED)) for name in builds},
+        lambda r, name, got: print(f"[moe-layer] round {r} {name}: {got}", file=sys.stderr, flush=True),
+    )
+    rounds = [{name: runs[name][r] for name in builds} for r in range(args.rounds)]
     print(json.dumps({"threads": args.threads, "tokens": args.tokens, "rounds": rounds}, indent=1))
 
 

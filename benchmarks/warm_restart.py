@@ -17,11 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.child import json_child  # noqa: E402
 from common.results import default, save  # noqa: E402
 
 _RUN = """
@@ -62,10 +62,7 @@ def run(args, warm: bool, cursor: int, warmup: int) -> dict:
         warmup=warmup,
         tokens=args.tokens,
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(done.stderr[-2000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_child(code, "the timed run failed", timeout=1800)
 
 
 def main() -> None:
