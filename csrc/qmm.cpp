@@ -40,9 +40,12 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define WS_X86 1
-#define WS_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define WS_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-#define WS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define WS_AVX2_TARGET "avx2,fma,f16c"
+#define WS_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni," WS_AVX2_TARGET
+#define WS_AVX2 __attribute__((target(WS_AVX2_TARGET)))
+#define WS_AVX2_INLINE __attribute__((target(WS_AVX2_TARGET), always_inline)) inline
+#define WS_AVX512 __attribute__((target(WS_AVX512_TARGET)))
+#define WS_AVX512_INLINE __attribute__((target(WS_AVX512_TARGET), always_inline)) inline
 #endif
 
 namespace {
@@ -1236,9 +1239,6 @@ Tiles make_tiles(const QRows& a, const int64_t* list, int64_t m) {
 }
 
 #ifdef WS_X86
-#define WS_AVX512_INLINE \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline)) inline
-
 // One weight row unpacked for the tiles: codes (plus code_offset, unsigned), a scale per scale group, the mins of
 // the K types as int16 pairs of neighbouring min groups (their sums' layout in Tiles), and per block d and m.
 template <typename T>
