@@ -18,6 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from transformers import AutoConfig, GenerationConfig
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'weightstream[ray]')")
 serve = pytest.importorskip("ray.serve")
@@ -51,7 +52,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("ray") / NAME
-    shutil.copytree(tiny_model("qwen3_moe"), model_dir)
+    # a context of 4096 positions: the cancellation test's request must still be decoding when its client goes
+    shutil.copytree(tiny_model("qwen3_moe", max_position_embeddings=4096), model_dir)
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
     return str(model_dir)
 
@@ -142,11 +144,15 @@ def test_ray_replicas_answer_as_weightstream_serve(cluster, reference):
     assert httpx.get(cluster["url"] + "/metrics").json()["error"]["code"] == "metrics_in_ray"
 
 
-def test_a_client_gone_cancels_its_request_on_the_replica(cluster):
+def test_a_client_gone_cancels_its_request_on_the_replica(cluster, chat_model):
     """Mid-stream or waiting for a whole answer: Ray Serve cancels the forwarded call, the replica's app sees the
-    disconnect and the sequence leaves the batch, as without Ray."""
+    disconnect and the sequence leaves the batch, as without Ray. The requests cannot end on their own before their
+    clients go: end of sequence is banned and 4000 tokens take seconds on any CPU (400 once ended within the 0.5 s
+    read timeout on a CI machine)."""
     url = f"{cluster['url']}/v1/completions"
-    body = {"model": NAME, "prompt": "Paris", "max_tokens": 400, "temperature": 0}
+    eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(chat_model)).eos_token_id  # as serve's
+    banned = {str(token): -100 for token in ([eos] if isinstance(eos, int) else eos)}
+    body = {"model": NAME, "prompt": "Paris", "max_tokens": 4000, "temperature": 0, "logit_bias": banned}
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as stream:
         assert next(stream.iter_lines()).startswith("data: ")
     with pytest.raises(httpx.ReadTimeout):
