@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+from transformers import AutoConfig, GenerationConfig
 
 READY_TIMEOUT_S = 180
 
@@ -88,3 +89,20 @@ def metric(text: str, name: str, labels: str = "") -> float:
     pattern = rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$"
     match = re.search(pattern, text, flags=re.M)
     return float(match.group(1)) if match else 0.0
+
+
+def endless(model_dir: str) -> dict[str, float]:
+    """A logit_bias that bans the model's end-of-sequence tokens (those serve stops at): a greedy request then runs
+    to its max_tokens, however the random model's argmax falls on this CPU."""
+    eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir)).eos_token_id
+    return {str(token): -100 for token in ([eos] if isinstance(eos, int) else eos or [])}
+
+
+def hang_up_after(seconds: float, url: str, body: dict, **kwargs) -> None:
+    """POST a request for a whole answer and give up waiting after `seconds` (its connection closes); fails, with
+    what came back, if the answer came sooner."""
+    try:
+        r = httpx.post(url, json=body, timeout=httpx.Timeout(60, read=seconds), **kwargs)
+    except httpx.ReadTimeout:
+        return
+    raise AssertionError(f"answered within {seconds} s, so nothing was left to cancel: {r.status_code} {r.text[:500]}")

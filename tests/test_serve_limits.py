@@ -6,15 +6,14 @@ import time
 
 import httpx
 
-from serve_support import ServerProcess, metric
+from serve_support import ServerProcess, endless, metric
 
 
 def test_requests_beyond_the_queue_bound_get_429_with_retry_after(tiny_model):
     """One sequence at a time (--max-batch 1) and at most two waiting: with one running, the next two wait and
     finish once it ends; the fourth is refused with an OpenAI error object, code queue_full."""
-    server = ServerProcess(
-        tiny_model("qwen3_moe"), "--max-batch", "1", "--max-queue", "2", "--expert-cache", "2x", "--io-threads", "2"
-    )
+    model = tiny_model("qwen3_moe")
+    server = ServerProcess(model, "--max-batch", "1", "--max-queue", "2", "--expert-cache", "2x", "--io-threads", "2")
     try:
         server.wait_ready()
         url = f"{server.url}/v1/completions"
@@ -25,6 +24,7 @@ def test_requests_beyond_the_queue_bound_get_429_with_retry_after(tiny_model):
             answers[i] = httpx.post(url, json=short, timeout=120)
 
         long = {"model": "model", "prompt": "Paris", "max_tokens": 500, "temperature": 0, "stream": True}
+        long["logit_bias"] = endless(model)  # it runs until the stream closes
         with httpx.stream("POST", url, json=long, timeout=120) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the stream, which cancels the request
             assert next(lines).startswith("data: ")  # it runs: the batch of one is full
