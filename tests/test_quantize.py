@@ -443,10 +443,12 @@ def _read(path, offset, nbytes):
         return torch.frombuffer(bytearray(f.read(nbytes)), dtype=torch.uint8)
 
 
-def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model):
-    """torch's int8 kernel returns wrong values, without an error, for bf16 inputs not a multiple of 16; a
-    manifest that slipped such a shape past quantize's own check is caught by the load-time comparison."""
-    from weightstream.engine.kernels import quantized_kernel_for
+def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model, monkeypatch):
+    """torch's int8 kernel returns wrong values, without an error, for bf16 inputs not a multiple of 16 on CPUs with
+    AVX-512 (on AVX2 alone it is right); a manifest that slipped such a shape past quantize's own check is caught by
+    the load-time comparison where the kernel is wrong, and passes it where it is right. A kernel made wrong on
+    purpose is refused on every CPU."""
+    from weightstream.engine.kernels import PackedExperts, quantized_kernel_for
     from weightstream.store.layout import experts_modules
     from weightstream.store.model import map_model
     from weightstream.store.quant_format import QuantFormat, blob_layout
@@ -461,7 +463,24 @@ def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model):
     ]
     table, nbytes = blob_layout(entries)
     quant = QuantFormat("int8", "bfloat16", table, nbytes)
-    with pytest.raises(WeightstreamError, match=r"the int8-packed kernel is off by \S+% .* \(more than 3%"):
+    refused = r"the int8-packed kernel is off by \S+% .* \(more than 3%"
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (64, 40), generator=gen, dtype=torch.int8)
+    scales = torch.rand(64, generator=gen).mul(0.01).bfloat16()
+    torch_is_wrong = False
+    for rows in (1, 3):  # the row counts of the packed route the check runs
+        x = torch.randn(rows, 40, generator=gen).bfloat16()
+        want = x.float() @ (q.float() * scales.float()[:, None]).T
+        error = (torch._weight_int8pack_mm(x, q, scales).float() - want).abs().max() / want.abs().max()
+        torch_is_wrong |= bool(error > 0.03)
+    if torch_is_wrong:
+        with pytest.raises(WeightstreamError, match=refused):
+            quantized_kernel_for(module, quant)
+    else:
+        assert quantized_kernel_for(module, quant).name == "int8-packed"
+    right = PackedExperts.product
+    monkeypatch.setattr(PackedExperts, "product", lambda self, x, p, name: right(self, x, p, name) * 1.1)
+    with pytest.raises(WeightstreamError, match=refused):
         quantized_kernel_for(module, quant)
 
 

@@ -183,8 +183,8 @@ def test_n_choices_and_lists_of_prompts(server, engine):
     assert [ch.index for ch in greedy.choices] == [0, 1, 2]
     assert len({ch.text for ch in greedy.choices}) == 1
     assert greedy.usage.completion_tokens == 18 and greedy.usage.prompt_tokens == len(tokenizer("Paris").input_ids)
-    for ch in greedy.choices:
-        assert ch.logprobs.token_logprobs == greedy.choices[0].logprobs.token_logprobs
+    for ch in greedy.choices:  # rows of one batch: CPU BLAS may block row 0 apart from rows 1-2 (docs/serving.md)
+        assert ch.logprobs.token_logprobs == pytest.approx(greedy.choices[0].logprobs.token_logprobs, abs=TOL)
     seeded = [
         [ch.text for ch in c.completions.create(model=NAME, prompt="Paris", max_tokens=8, n=3, seed=5).choices]
         for _ in range(2)
