@@ -6,8 +6,9 @@ second, and a checksum of the output (equal across builds: the kernels keep thei
 `src` folder of another checkout whose extension is built), each round runs that build and this one in separate
 processes, alternating.
 
-`crossover`: one 2048 x 2048 product per block type at 1-8 rows by AVX2 rows and by tiles (`qmm` paths avx2 and
-avx512), medians in ms: where `auto` should switch to tiles (`kTileRows` in csrc/qmm.cpp).
+`crossover`: one 2048 x 2048 product per block type at 1-24 rows by AVX2 rows and by tiles (`qmm` paths avx2 and
+avx512, or avx2-tiles on a CPU without AVX-512 VNNI), medians in ms: where `auto` should switch to tiles
+(`kTileRows`, `kTileRowsAvx2` in csrc/qmm.cpp).
 
 `dequant`: one 2048 x 2048 product per block type at --rows rows, the native product (rows or tiles, as `auto`
 takes them) against the weight dequantized once and F.linear, medians in ms at --threads: where a projection
@@ -72,16 +73,17 @@ sys.path.insert(0, {bench!r})
 import numpy as np, torch
 from common.blocks import random_blocks
 from weightstream import native
-assert native.tiles_available(), "this CPU has no AVX-512 with VNNI: there are no tiles to compare"
+assert native.tiles_available(), "this CPU has no AVX2: there are no tiles to compare"
+tiles = "avx512" if native.vnni_available() else "avx2-tiles"
 torch.set_num_threads(1)
 rng, out, n = np.random.default_rng(0), {{}}, 2048
 for wtype in {types!r}:
     w = torch.from_numpy(random_blocks(wtype, n, n, rng))
     out[wtype] = {{}}
-    for rows in range(1, 9):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24):
         x = torch.randn(rows, n)
         got = {{}}
-        for path in ("avx2", "avx512"):
+        for path in ("avx2", tiles):
             for _ in range(3):
                 native.qmm(x, w, wtype, n, n, path)
             times = []

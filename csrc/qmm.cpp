@@ -18,10 +18,10 @@
 // term). BF16 is not quantized: its activations stay float32 and each weight meets its value in a float fused
 // multiply-add.
 //
-// Determinism: every path (portable rows, AVX2 rows, AVX-512 VNNI tiles of 16 rows) computes the same integers
-// and then the same float chain per output (Chain), compiled with -ffp-contract=off so the compiler fuses nothing
-// on its own; each output element is computed by one thread. So the result does not depend on the path, the thread
-// count, the number of rows or the other rows of the batch.
+// Determinism: every path (portable rows, AVX2 rows, tiles of 16 rows on AVX-512 VNNI or on AVX2) computes the
+// same integers and then the same float chain per output (Chain), compiled with -ffp-contract=off so the compiler
+// fuses nothing on its own; each output element is computed by one thread. So the result does not depend on the
+// path, the thread count, the number of rows or the other rows of the batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -1034,14 +1034,14 @@ WS_AVX512 float dot_row_avx512(const uint8_t* row, const QAct& a, int64_t k) {
 
 using DotFn = float (*)(const uint8_t*, const QAct&, int64_t);
 
-bool have_tiles();
+bool have_vnni();
 
 // The row dot of type wtype on path 1 (portable) or 2 (AVX2), looked up once per product.
 DotFn dot_fn(int64_t path, int64_t wtype) {
   return with_type(wtype, [path](auto t) -> DotFn {
     using T = decltype(t);
 #ifdef WS_X86
-    if (path == 2) return kWideRows<T> && have_tiles() ? &dot_row_avx512<T> : &dot_row_avx2<T>;
+    if (path == 2) return kWideRows<T> && have_vnni() ? &dot_row_avx512<T> : &dot_row_avx2<T>;
 #endif
     (void)path;
     return &dot_row_portable<T>;
@@ -1090,8 +1090,9 @@ bool have_avx2() {
 #endif
 }
 
-// The multi-row tiles run on AVX-512 with VNNI (8-bit dot products into 32-bit sums, 16 rows a vector).
-bool have_tiles() {
+// AVX-512 with VNNI: 8-bit dot products into 32-bit sums, 16 rows a vector, in one instruction. (Without it, the
+// multi-row tiles run on AVX2, 8 rows a vector, in three.)
+bool have_vnni() {
 #ifdef WS_X86
   static const bool yes = have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -1101,10 +1102,11 @@ bool have_tiles() {
 #endif
 }
 
-// Paths: 0 the best this CPU runs (tiles from kTileRows rows where it has them, else AVX2 rows, else portable),
-// 1 portable rows, 2 AVX2 rows, 3 tiles at every row count. Every path gives the same bits.
+// Paths: 0 the best this CPU runs (from tile_rows(wtype) rows VNNI tiles where it has them, else AVX2 tiles; fewer
+// rows as AVX2 rows; portable rows without AVX2), 1 portable rows, 2 AVX2 rows, 3 VNNI tiles at every row count,
+// 4 AVX2 tiles at every row count. Every path gives the same bits.
 int64_t resolve_path(int64_t path) {
-  TORCH_CHECK(path == 0 || path == 1 || (path == 2 && have_avx2()) || (path == 3 && have_tiles()),
+  TORCH_CHECK(path == 0 || path == 1 || ((path == 2 || path == 4) && have_avx2()) || (path == 3 && have_vnni()),
               "weightstream qmm: path ", path, " is not available here");
   return path;
 }
@@ -1113,13 +1115,22 @@ int64_t resolve_path(int64_t path) {
 int64_t row_path(int64_t path) { return path != 1 && have_avx2() ? 2 : 1; }
 
 // Rows of a product from which the best path computes them as tiles (of 16 rows, the last of 8 or fewer on 8
-// lanes): from 4 rows tiles were faster for Q4_K, Q6_K and Q8_0, at 3 for the K types alone (2048 x 2048, 1 thread:
-// Q4_K 0.38 ms by rows against 0.28 by tiles at 4 rows, Q8_0 0.49 against 0.43, 0.37 against 0.43 at 3).
+// lanes). VNNI: from 4 rows tiles were faster for Q4_K, Q6_K and Q8_0, at 3 for the K types alone (2048 x 2048,
+// 1 thread: Q4_K 0.38 ms by rows against 0.28 by tiles at 4 rows, Q8_0 0.49 against 0.43, 0.37 against 0.43 at 3).
+// AVX2 (AMD EPYC without AVX-512, 2048 x 2048, 2 threads, ms by rows / by tiles): Q4_K 0.46 / 0.51 at 4 rows,
+// 0.70 / 0.50 at 6, 1.30 / 0.66 at 16; Q6_K 0.53 / 0.55 at 6, 1.93 / 1.71 at 16; Q8_0, whose signed codes take
+// two more instructions a step, 0.85 / 0.92 at 8, 1.61 / 1.41 at 16.
 constexpr int64_t kTileRows = 4;
+constexpr int64_t kTileRowsAvx2 = 6, kTileRowsAvx2Q8_0 = 16;
+
+int64_t tile_rows(int64_t wtype) {
+  if (have_vnni()) return kTileRows;
+  return wtype == Q8_0::id ? kTileRowsAvx2Q8_0 : kTileRowsAvx2;
+}
 
 bool tiles_for(int64_t path, int64_t wtype, int64_t rows) {
   if (format_of(wtype).act == 0) return false;  // BF16: float activations, rows only
-  return path == 3 || (path == 0 && have_tiles() && rows >= kTileRows);
+  return path == 3 || path == 4 || (path == 0 && have_avx2() && rows >= tile_rows(wtype));
 }
 
 void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
@@ -1176,8 +1187,9 @@ struct QRows {
 //
 // A tile is 16 rows of activations against weight rows unpacked once (codes, scales) for all of them: per 4 inputs,
 // one VNNI instruction multiplies a weight row's 4 codes (broadcast) by the 16 rows' 4 activations and adds the
-// products into 16 int32 sums, one per row. The integers are Part's, exactly; the float arithmetic is Chain's,
-// lane by lane; so a row's result is the bits the rows paths give, whatever the rows around it.
+// products into 16 int32 sums, one per row (AVX2: three instructions on 8 rows, tiles.inc). The integers are
+// Part's, exactly; the float arithmetic is Chain's, lane by lane; so a row's result is the bits the rows paths
+// give, whatever the rows around it.
 
 // Rows of quantized activations laid out for the tiles: lane r of tile t is row list[16 t + r] (lanes past the end
 // hold zeros); per 4 inputs one 64-byte vector of the 16 rows' codes, per block the 16 rows' scales, and the sums of
@@ -1185,6 +1197,7 @@ struct QRows {
 // as int32 for the legacy types (a min of 1), as int16 pairs of neighbouring groups for the K types (one VNNI
 // instruction multiplies two groups' sums by their two mins). A tile of 8 or fewer rows reads lanes 0-7 alone.
 struct Tiles {
+  bool vnni = false;  // computed by VNNI's kernel, else by AVX2's
   int64_t k = 0, m = 0, count = 0, blocks = 0, ogroups = 0, mgroups = 0, mvectors = 0;  // mvectors: of ms, a tile
   std::vector<int8_t> xs;   // count x k/4 x 64
   std::vector<float> dx;    // count x blocks x 16
@@ -1256,7 +1269,7 @@ concept HasTileScales = requires(const typename T::Block& x, int32_t* p, float& 
 };
 
 template <typename T>
-WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
+WS_AVX2 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
   constexpr int E = T::elements, SG = RowCodes<T>::SG, MG = RowCodes<T>::MG;
   const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
   for (int64_t b = 0; b < k / E; b++) {
@@ -1288,6 +1301,7 @@ WS_AVX512 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
 #define WS_LANES(NAME, N, P, I_, F_)                                                                        \
   struct NAME {                                                                                            \
     static constexpr int n = N;                                                                            \
+    static constexpr bool vnni = true;                                                                     \
     using I = I_;                                                                                          \
     using F = F_;                                                                                          \
     WS_AVX512_INLINE static I izero() { return _mm##P##_setzero_si##P(); }                                 \
@@ -1311,131 +1325,86 @@ WS_LANES(Lanes16, 16, 512, __m512i, __m512)
 WS_LANES(Lanes8, 8, 256, __m256i, __m256)
 #undef WS_LANES
 
-// Chain::tree of 8 chains, a vector of lanes at a time.
-template <typename V>
-WS_AVX512_INLINE typename V::F tree_lanes(const float (*v)[16]) {
-  const typename V::F a0 = V::loadf(v[0]), a1 = V::loadf(v[1]), a2 = V::loadf(v[2]), a3 = V::loadf(v[3]);
-  const typename V::F a4 = V::loadf(v[4]), a5 = V::loadf(v[5]), a6 = V::loadf(v[6]), a7 = V::loadf(v[7]);
-  return V::addf(V::addf(V::addf(a0, a4), V::addf(a2, a6)), V::addf(V::addf(a1, a5), V::addf(a3, a7)));
-}
-
-// NW weight rows against one tile, V::n of its lanes: out[16 i + r] is weight row i's output for lane r.
-// NW = 8 rows: eight independent chains of VNNI steps in flight (four left each chain's latency showing), each
-// broadcast code meeting one load of the tile's activations; the K types' mins meet their sums two groups a step.
-// (GCC 12 warns that _mm512_cvtepi32_ps's own _mm512_undefined_ps() may be used uninitialized: it is not.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <typename T, int NW, typename V>
-WS_AVX512 void tile_kernel(const RowCodes<T>* const* w, const Tiles& t, int64_t tile, float* out,
-                           const uint8_t* ahead, int64_t ahead_bytes) {
-  using I = typename V::I;
-  using F = typename V::F;
-  constexpr int E = T::elements, SG = T::scale_group ? T::scale_group : E, MG = T::min_group;
-  static_assert(SG % 4 == 0, "a scale group is whole VNNI steps of 4 inputs");
-  const int64_t nb = t.blocks;
-  const int8_t* xs = t.xs.data() + tile * (t.k / 4) * 64;
-  const float* dx = t.dx.data() + tile * nb * 16;
-  const int32_t* os = t.os.data() + tile * t.ogroups * 16;
-  const int32_t* ms = t.ms.data() + tile * t.mvectors * 16;
-  // `ahead`: the next weight rows' bytes, fetched from memory a share a block while this tile computes (the
-  // hardware's prefetcher, seeing a few kilobytes read between long stretches of arithmetic, does not run ahead)
-  const int64_t share = (ahead_bytes + nb * 64 - 1) / (nb * 64) * 64;
-  alignas(64) float chains[NW][8][16], rests[NW][8][16];
-  for (int l = 0; l < 8; l++) {  // chain l: blocks l, l + 8, ... (each lane's Chain, one chain at a time)
-    F acc[NW], rest[NW];
-    for (int i = 0; i < NW; i++) acc[i] = rest[i] = V::fzero();
-    for (int64_t b = l; b < nb; b += 8) {
-      for (int64_t at = b * share; at < std::min(ahead_bytes, (b + 1) * share); at += 64) {
-        _mm_prefetch((const char*)(ahead + at), _MM_HINT_T0);
-      }
-      I isum[NW];
-      for (int i = 0; i < NW; i++) isum[i] = V::izero();
-      for (int g0 = 0; g0 < E; g0 += SG) {
-        const int64_t e0 = b * E + g0;
-        I tt[NW];
-        for (int i = 0; i < NW; i++) tt[i] = V::izero();
-        for (int e = 0; e < SG; e += 4) {
-          const I x0 = V::load(xs + (e0 + e) * 16);
-          for (int i = 0; i < NW; i++) {
-            int32_t c0;
-            std::memcpy(&c0, w[i]->u.data() + e0 + e, 4);
-            tt[i] = V::dpbusd(tt[i], V::set1(c0), x0);
-          }
-        }
-        if constexpr (T::code_offset != 0) {
-          const I o = V::load(os + e0 / SG * 16);
-          for (int i = 0; i < NW; i++) tt[i] = V::sub(tt[i], o);
-        }
-        for (int i = 0; i < NW; i++) {
-          if constexpr (T::scale_group != 0) {
-            isum[i] = V::add(isum[i], V::mullo(tt[i], V::set1(w[i]->sc[e0 / SG])));
-          } else {
-            isum[i] = V::add(isum[i], tt[i]);
-          }
-        }
-      }
-      const F dxv = V::loadf(dx + b * 16);
-      for (int i = 0; i < NW; i++) {
-        const F f = V::mul(V::set1f(w[i]->d[b]), dxv);
-        acc[i] = V::fmadd(f, V::cvt(isum[i]), acc[i]);
-      }
-      if constexpr (T::has_min) {
-        for (int i = 0; i < NW; i++) {
-          I msum;
-          if constexpr (!kPairedMins<T>) {  // the legacy types: one min group a block, its min 1
-            msum = V::load(ms + b * 16);
-          } else {
-            msum = V::izero();
-            for (int p = 0; p < E / MG / 2; p++) {
-              const int64_t at = b * E / MG / 2 + p;
-              msum = V::dpwssd(msum, V::set1(w[i]->mn2[at]), V::load(ms + at * 16));
-            }
-          }
-          const F f = V::mul(V::set1f(w[i]->m[b]), dxv);
-          rest[i] = V::fmadd(f, V::cvt(msum), rest[i]);
-        }
-      }
-    }
-    for (int i = 0; i < NW; i++) {
-      V::store(chains[i][l], acc[i]);
-      V::store(rests[i][l], rest[i]);
-    }
+// AVX2's 8 lanes: the same operations as Lanes8, VNNI's 8-bit products made of vpmaddubsw's int16 pairs and
+// vpmaddwd's int32 sums (tiles.inc says when each is exact).
+struct Lanes8Avx2 {
+  static constexpr int n = 8;
+  static constexpr bool vnni = false;
+  using I = __m256i;
+  using F = __m256;
+  WS_AVX2_INLINE static I izero() { return _mm256_setzero_si256(); }
+  WS_AVX2_INLINE static F fzero() { return _mm256_setzero_ps(); }
+  WS_AVX2_INLINE static I load(const void* p) { return _mm256_loadu_si256((const I*)p); }
+  WS_AVX2_INLINE static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  WS_AVX2_INLINE static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  WS_AVX2_INLINE static F set1f(float v) { return _mm256_set1_ps(v); }
+  // u8 codes times s8 activations, neighbouring products summed in int16 (saturating: exact only while they fit)
+  WS_AVX2_INLINE static I pairs(I w, I x) { return _mm256_maddubs_epi16(w, x); }
+  // s8 codes times s8 activations, the same way: |w| against x with w's sign (|-128| is 128, unsigned)
+  WS_AVX2_INLINE static I pairs_signed(I w, I x) {
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   }
-  for (int i = 0; i < NW; i++) V::store(out + 16 * i, V::addf(tree_lanes<V>(chains[i]), tree_lanes<V>(rests[i])));
-}
-#pragma GCC diagnostic pop
+  WS_AVX2_INLINE static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  WS_AVX2_INLINE static I widen(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  WS_AVX2_INLINE static I dpwssd(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+  WS_AVX2_INLINE static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  WS_AVX2_INLINE static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  WS_AVX2_INLINE static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  WS_AVX2_INLINE static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  WS_AVX2_INLINE static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  WS_AVX2_INLINE static F addf(F a, F b) { return _mm256_add_ps(a, b); }
+  WS_AVX2_INLINE static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  WS_AVX2_INLINE static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
 
-// Outputs j0..j1 of the tiles' rows: emit(p, j, y) for row p of the list the tiles were made from. A last tile of
-// 8 rows or fewer runs on 8 lanes: as many instructions as its rows need, not 16 rows' worth.
-template <typename T, typename Emit>
-WS_AVX512 void tile_product(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, const Tiles& t,
-                            Emit&& emit) {
-  constexpr int NW = 8;
-  std::vector<RowCodes<T>> rc(NW, RowCodes<T>(t.k));
-  const RowCodes<T>* w[NW];
-  alignas(64) float out[NW * 16];
-  for (int64_t j = j0; j < j1; j += NW) {
-    const int64_t nw = std::min<int64_t>(NW, j1 - j);
-    for (int i = 0; i < NW; i++) {
-      if (i < nw) unpack_row<T>(wp + (j + i) * row_bytes, t.k, rc[i]);
-      w[i] = &rc[i < nw ? i : 0];
-    }
-    // the next rows, fetched during the first tile (none past j1)
-    const int64_t ahead_bytes = std::min<int64_t>(NW, std::max<int64_t>(0, j1 - j - NW)) * row_bytes;
-    const uint8_t* ahead = ahead_bytes > 0 ? wp + (j + NW) * row_bytes : wp;
-    for (int64_t tile = 0; tile < t.count; tile++) {
-      const int64_t lanes = std::min<int64_t>(16, t.m - tile * 16), fetch = tile == 0 ? ahead_bytes : 0;
-      if (lanes > 8) {
-        tile_kernel<T, NW, Lanes16>(w, t, tile, out, ahead, fetch);
-      } else {
-        tile_kernel<T, NW, Lanes8>(w, t, tile, out, ahead, fetch);
-      }
-      for (int64_t r = 0; r < lanes; r++) {  // row by row: a row's outputs j.. are neighbours in memory
-        for (int64_t i = 0; i < nw; i++) emit(tile * 16 + r, j + i, out[16 * i + r]);
-      }
-    }
-  }
-}
+// The largest code (stored code + code_offset) of each type, and so how many of vpmaddubsw's int16 pair sums
+// (each at most 2 x max code x 127 in size) one int16 holds: Q4_K's 8 steps of 4 inputs are its scale group.
+template <typename T>
+constexpr int kCodeMax = 255;
+template <>
+constexpr int kCodeMax<Q4_0> = 15;
+template <>
+constexpr int kCodeMax<Q4_1> = 15;
+template <>
+constexpr int kCodeMax<Q5_0> = 31;
+template <>
+constexpr int kCodeMax<Q5_1> = 31;
+template <>
+constexpr int kCodeMax<Q2_K> = 3;
+template <>
+constexpr int kCodeMax<Q3_K> = 7;
+template <>
+constexpr int kCodeMax<Q4_K> = 15;
+template <>
+constexpr int kCodeMax<Q5_K> = 31;
+template <>
+constexpr int kCodeMax<Q6_K> = 63;
+template <>
+constexpr int kCodeMax<MXFP4> = 24;
+template <typename T>
+constexpr int kInt16Steps = 32767 / (2 * kCodeMax<T> * 127);
+
+namespace vnni {
+#define WS_TILE WS_AVX512
+#define WS_TILE_INLINE WS_AVX512_INLINE
+using Wide = Lanes16;
+using Narrow = Lanes8;
+constexpr int kWeightRows = 8;  // 8 chains in flight (4 left each chain's latency showing), in 32 registers
+#include "tiles.inc"
+#undef WS_TILE
+#undef WS_TILE_INLINE
+}  // namespace vnni
+
+namespace avx2 {
+#define WS_TILE WS_AVX2
+#define WS_TILE_INLINE WS_AVX2_INLINE
+using Wide = Lanes8Avx2;
+using Narrow = Lanes8Avx2;
+constexpr int kWeightRows = 4;  // in 16 registers: 4 rows' int16, group and block sums, the activations
+#include "tiles.inc"
+#undef WS_TILE
+#undef WS_TILE_INLINE
+}  // namespace avx2
 #endif
 
 // The products of weight rows j0..j1 with the activation rows a.row(list[p]), p < m: emit(p, j, y) for each, by
@@ -1447,7 +1416,13 @@ void rows_product(int64_t wtype, const uint8_t* wp, int64_t row_bytes, int64_t k
   if (tiles != nullptr) {
     with_type(wtype, [&](auto t) {
       using T = decltype(t);
-      if constexpr (T::act != 0) tile_product<T>(wp, row_bytes, j0, j1, *tiles, emit);
+      if constexpr (T::act != 0) {
+        if (tiles->vnni) {
+          vnni::tile_product<T>(wp, row_bytes, j0, j1, *tiles, emit);
+        } else {
+          avx2::tile_product<T>(wp, row_bytes, j0, j1, *tiles, emit);
+        }
+      }
       return 0;
     });
     return;
@@ -1464,7 +1439,11 @@ std::optional<Tiles> tiles_of(int64_t path, int64_t wtype, const QRows& a, const
   if (!tiles_for(path, wtype, m)) return std::nullopt;
   return with_type(wtype, [&](auto t) -> std::optional<Tiles> {
     using T = decltype(t);
-    if constexpr (T::act != 0) return make_tiles<T>(a, list, m);
+    if constexpr (T::act != 0) {
+      Tiles tiles = make_tiles<T>(a, list, m);
+      tiles.vnni = path == 3 || (path == 0 && have_vnni());
+      return tiles;
+    }
     return std::nullopt;
   });
 }
@@ -1845,6 +1824,7 @@ TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "weightstream's native CPU kernels (registered as torch.ops.weightstream.*)";
   module.def("avx2", &avx2_available, "whether this CPU runs the AVX2 path");
-  module.def("tiles", &have_tiles, "whether this CPU runs the multi-row tiles (AVX-512 with VNNI)");
+  module.def("vnni", &have_vnni, "whether this CPU has AVX-512 with VNNI (the tiles' 16-row kernel)");
+  module.def("tile_rows", &tile_rows, "rows of a product of this weight type from which auto computes them as tiles");
   module.def("block_types", &block_types, "(name, GGML id, elements, bytes, activation block) of every block type");
 }

@@ -116,9 +116,11 @@ def test_products_avx2_equal_portable_bitwise(wtype):
     assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable"))
 
 
-def _needs_tiles():
+def _tile_paths():
+    """The tile kernels this CPU runs: AVX2's (8 rows a vector) and, with AVX-512 VNNI, VNNI's (16)."""
     if not native.tiles_available():
-        pytest.skip("this CPU has no AVX-512 with VNNI: the multi-row tiles do not run here")
+        pytest.skip("this CPU has no AVX2: the multi-row tiles do not run here")
+    return ["avx2-tiles"] + (["avx512"] if native.vnni_available() else [])
 
 
 @pytest.mark.parametrize("wtype", [t for t in TYPES if t != "BF16"])
@@ -126,8 +128,10 @@ def test_tiles_equal_portable_bitwise_at_every_row_count(wtype):
     """The multi-row tiles (16 rows a vector, or 8 for a last tile of 8 rows or fewer; every code and scale pattern
     of random blocks) give the portable rows' bits: one row (7 lanes empty), a few, a whole half tile, one row past
     it (7 lanes of 16 empty), a whole tile, a tile and a part on either side of 8; and auto, which switches from
-    rows to tiles at 4 rows, gives them too."""
-    _needs_tiles()
+    rows to tiles at `native.tile_rows(wtype)` rows, gives them too. Both kernels where the CPU has them: AVX2's
+    (8-bit products in int16 pairs, as many added in int16 as the type's largest code allows; Q8_0's codes taken as
+    signed) and VNNI's."""
+    paths = _tile_paths()
     _, w, n, k = _product_case(wtype)
     for rows in (1, 3, 4, 5, 8, 9, 16, 21, 24, 25):
         x = (
@@ -135,7 +139,8 @@ def test_tiles_equal_portable_bitwise_at_every_row_count(wtype):
             * torch.linspace(0.01, 30, rows)[:, None]
         )
         portable = native.qmm(x, w, wtype, n, k, "portable")
-        assert torch.equal(native.qmm(x, w, wtype, n, k, "avx512"), portable), rows
+        for path in paths:
+            assert torch.equal(native.qmm(x, w, wtype, n, k, path), portable), (path, rows)
         assert torch.equal(native.qmm(x, w, wtype, n, k), portable), rows
 
 
@@ -143,13 +148,15 @@ def test_tiles_equal_portable_bitwise_at_every_row_count(wtype):
 def test_a_moe_layer_by_tiles_equals_it_by_rows_and_token_by_token(wtypes):
     """40 tokens over 6 experts: about 20 rows an expert, so auto computes every projection as tiles; the same bits
     as the portable rows, and as each token alone (one row an expert: rows)."""
-    _needs_tiles()
+    paths = _tile_paths()
     gu_type, down_type = wtypes
     x, index, weights, gate_up, down, _, _ = _moe_layer_case(gu_type, down_type, tokens=40)
     experts = sorted(set(index.reshape(-1).tolist()))
     args = (experts, [gate_up[e] for e in experts], gu_type, [down[e] for e in experts], down_type)
     tiles = native.moe_layer(x, index, weights, *args)
     assert torch.equal(native.moe_layer(x, index, weights, *args, path="portable"), tiles)
+    for path in paths:
+        assert torch.equal(native.moe_layer(x, index, weights, *args, path=path), tiles), path
     for t in (0, 17, 39):
         assert torch.equal(
             native.moe_layer(x[t : t + 1], index[t : t + 1], weights[t : t + 1], *args), tiles[t : t + 1]
@@ -444,3 +451,29 @@ def test_a_bf16_projection_takes_its_rows_below_its_switch_and_the_dequantized_w
         dequantized = torch.nn.functional.linear(x, dense)
         assert not torch.equal(by_row, dequantized)  # the routes differ in their last bits: the test tells them apart
         assert torch.equal(got, by_row if rows < switch else dequantized)
+
+
+# Where a block type keeps its float16 scales (d, and dmin where it has one): the rest of a worst-case block is
+# 0xff, every code at its largest (Q8_0: 0x7f or 0x80, its largest and smallest signed codes).
+_SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
+
+
+@pytest.mark.parametrize(
+    "wtype, fill", [("Q4_K", 0xFF), ("Q5_K", 0xFF), ("Q6_K", 0xFF), ("Q8_0", 0x7F), ("Q8_0", 0x80)]
+)
+def test_tiles_are_exact_at_the_largest_codes_and_activations(wtype, fill):
+    """AVX2's tiles add vpmaddubsw's int16 pair sums in int16, as many as the type's largest code allows before
+    they could saturate (Q6_K two, Q5_K four, Q4_K eight): every code at its largest against activations all at
+    +-127 is the sum closest to the limit, and must still give the portable rows' bits."""
+    paths = _tile_paths()
+    n, k = 8, 512
+    t = native.BLOCK_TYPES[wtype]
+    block = np.full(t.bytes, fill, dtype=np.uint8)
+    for at in _SCALE_AT[wtype]:
+        block[at : at + 2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    w = torch.from_numpy(np.tile(block, n * k // t.elements))
+    x = torch.ones(6, k) * torch.tensor([1.0, -1.0, 3.0, -3.0, 1.0, -1.0])[:, None]
+    portable = native.qmm(x, w, wtype, n, k, "portable")
+    assert torch.isfinite(portable).all()
+    for path in paths:
+        assert torch.equal(native.qmm(x, w, wtype, n, k, path), portable), path

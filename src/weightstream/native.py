@@ -55,9 +55,10 @@ def row_bytes(wtype: str, k: int) -> int:
     return k // BLOCK_TYPES[wtype].elements * BLOCK_TYPES[wtype].bytes
 
 
-# auto: the best this CPU runs (AVX-512 tiles from 4 rows where it has them, else AVX2 rows, else portable rows);
-# avx512: tiles at every row count. Every path gives the same bits (docs/kernels.md).
-PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+# auto: the best this CPU runs (multi-row tiles from `tile_rows(wtype)` rows, AVX-512 VNNI's where the CPU has it, else
+# AVX2's; fewer rows as AVX2 rows; portable rows without AVX2); avx512 and avx2-tiles: those tiles at every row
+# count; portable and avx2: one row at a time. Every path gives the same bits (docs/kernels.md).
+PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx2-tiles": 4}
 
 _module = None
 _why_not: str | None = None
@@ -110,8 +111,19 @@ def best_path() -> str:
 
 
 def tiles_available() -> bool:
-    """Whether this CPU runs the multi-row tiles (AVX-512 with VNNI), which auto takes from 4 rows."""
-    return available() and _module.tiles()
+    """Whether this CPU runs the multi-row tiles (AVX2, or AVX-512 with VNNI), which auto takes from
+    `tile_rows(wtype)` rows."""
+    return available() and _module.avx2()
+
+
+def vnni_available() -> bool:
+    """Whether this CPU runs the tiles' AVX-512 VNNI kernel (path "avx512"); without it they run on AVX2."""
+    return available() and _module.vnni()
+
+
+def tile_rows(wtype: str) -> int:
+    """Rows of a product of block type `wtype` from which auto computes them as tiles on this CPU."""
+    return _module.tile_rows(TYPE_IDS[wtype])
 
 
 def qmm(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int, k: int, path: str = "auto") -> torch.Tensor:
