@@ -18,6 +18,7 @@ should switch (`NATIVE_DEQUANT_ROWS`, `BF16_DEQUANT_ROWS` in engine/kernels.py).
         [--against OLD/src]
     .venv/bin/python benchmarks/moe_layer.py crossover [--types Q4_K Q6_K Q8_0]
     .venv/bin/python benchmarks/moe_layer.py dequant [--types BF16] [--rows 8 16 24 32 64] [--threads 2]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ print(json.dumps(out))
 """
 
 _DEQUANT = """
-import json, statistics, time
+import json, statistics, sys, time
+sys.path.insert(0, {bench!r})
 import numpy as np, torch
+from common.blocks import random_blocks
 from gguf import GGMLQuantizationType, quants
 from weightstream import native
 from weightstream.engine.kernels import native_product
@@ -107,10 +110,13 @@ torch.set_num_threads({threads})
 rng, out, n = np.random.default_rng(0), {{}}, 2048
 for wtype in {types!r}:
     kind = getattr(GGMLQuantizationType, wtype)
-    w = torch.from_numpy(quants.quantize((rng.standard_normal((n, n)) * 0.05).astype(np.float32), kind))
+    try:
+        w = torch.from_numpy(quants.quantize((rng.standard_normal((n, n)) * 0.05).astype(np.float32), kind))
+    except NotImplementedError:  # a type gguf cannot encode (the K types): random blocks with sane scales
+        w = torch.from_numpy(random_blocks(wtype, n, n, rng))
     out[wtype] = {{}}
     for rows in {rows!r}:
-        x = torch.randn(rows, n)
+        x = torch.randn(rows, n).to(getattr(torch, {dtype!r}))
         got = {{}}
         for route, switch in (("native_ms", float("inf")), ("dequantized_ms", 0)):
             for _ in range(3):
@@ -135,10 +141,11 @@ def main() -> None:
     layer.add_argument("--calls", type=int, default=9)
     layer.add_argument("--rounds", type=int, default=3)
     layer.add_argument("--against", help="the src folder of another checkout with its extension built")
-    cross = sub.add_parser("crossover", help="rows against tiles at 1-8 rows")
+    cross = sub.add_parser("crossover", help="rows against tiles at 1-24 rows")
     cross.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
     deq = sub.add_parser("dequant", help="the native product against the dequantized weight and F.linear")
-    deq.add_argument("--types", nargs="+", default=["BF16"], help="types gguf can encode (BF16, Q8_0, Q4_0, ...)")
+    deq.add_argument("--types", nargs="+", default=["BF16"], help="block types (default BF16)")
+    deq.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the activations' dtype")
     deq.add_argument("--rows", nargs="+", type=int, default=[8, 16, 24, 32, 64])
     deq.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -146,8 +153,8 @@ def main() -> None:
         print(json.dumps(json_child(_CROSSOVER.format(bench=BENCH, types=args.types), FAILED), indent=1))
         return
     if args.what == "dequant":
-        code = _DEQUANT.format(types=args.types, rows=args.rows, threads=args.threads)
-        print(json.dumps({"threads": args.threads, "ms": json_child(code, FAILED)}, indent=1))
+        code = _DEQUANT.format(bench=BENCH, types=args.types, rows=args.rows, threads=args.threads, dtype=args.dtype)
+        print(json.dumps({"threads": args.threads, "dtype": args.dtype, "ms": json_child(code, FAILED)}, indent=1))
         return
     builds = {"this": SRC} | ({"against": os.path.abspath(args.against)} if args.against else {})
     code = {

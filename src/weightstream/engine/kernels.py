@@ -73,9 +73,10 @@ class OneExpertEager:
 DEQUANT_ROWS = {"int8": 32, "int4": 128}
 # GGML blocks: where the CPU runs the native multi-row tiles, every row count stays native. AVX-512 VNNI's tiles ran
 # 256 rows of Q4_K at 2.3x, 32 rows at 2.7x the dequantize-and-F.linear route (benchmarks/block_types.py --rows).
-# AVX2's (AMD EPYC, 2048 x 2048, 2 threads, ms, tiles / dequantized with bfloat16 rows / with float32 rows): Q4_K
-# 256 rows 13.0 / 104 / 14.3, 32 rows 1.3 / 13.9 / 3.5; Q6_K 256 rows 14.9 / 107 / 22.8; Q8_0 256 rows 25.8 / 104 /
-# 17.3, the one case float32 rows gain by dequantizing. A CPU without AVX2 dequantizes from this many rows.
+# AVX2's (AMD EPYC, 2048 x 2048, 2 threads, ms, tiles / dequantized with bfloat16 rows / with float32 rows;
+# `benchmarks/moe_layer.py dequant --dtype`): Q4_K 256 rows 10.1 / 103 / 14.0, 32 rows 1.8 / 14.7 / 3.7; Q6_K 256
+# rows 14.1 / 107 / 23.9; Q8_0 256 rows 18.1 / 113 / 13.8, the one case float32 rows gain by dequantizing. A CPU
+# without AVX2 dequantizes from this many rows.
 NATIVE_DEQUANT_ROWS = 16
 # BF16 weights, whose products are float and rows only, cross later: one 2048 x 2048 product, 2 threads (AMD EPYC,
 # AVX-512; `benchmarks/moe_layer.py dequant`, two runs), rows / dequantized and F.linear in ms: 16 rows 1.11 / 1.38
