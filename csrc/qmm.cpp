@@ -1359,28 +1359,19 @@ struct Lanes8Avx2 {
 
 // The largest code (stored code + code_offset) of each type, and so how many of vpmaddubsw's int16 pair sums
 // (each at most 2 x max code x 127 in size) one int16 holds: Q4_K's 8 steps of 4 inputs are its scale group.
+constexpr int code_max_of(int64_t id) {
+  switch (id) {
+    case Q2_K::id: return 3;
+    case Q3_K::id: return 7;
+    case Q4_0::id: case Q4_1::id: case Q4_K::id: return 15;
+    case MXFP4::id: return 24;
+    case Q5_0::id: case Q5_1::id: case Q5_K::id: return 31;
+    case Q6_K::id: return 63;
+    default: return 255;  // Q8_0 (signed in the tiles); a type not listed with a smaller offset fails to compile
+  }
+}
 template <typename T>
-constexpr int kCodeMax = 255;
-template <>
-constexpr int kCodeMax<Q4_0> = 15;
-template <>
-constexpr int kCodeMax<Q4_1> = 15;
-template <>
-constexpr int kCodeMax<Q5_0> = 31;
-template <>
-constexpr int kCodeMax<Q5_1> = 31;
-template <>
-constexpr int kCodeMax<Q2_K> = 3;
-template <>
-constexpr int kCodeMax<Q3_K> = 7;
-template <>
-constexpr int kCodeMax<Q4_K> = 15;
-template <>
-constexpr int kCodeMax<Q5_K> = 31;
-template <>
-constexpr int kCodeMax<Q6_K> = 63;
-template <>
-constexpr int kCodeMax<MXFP4> = 24;
+constexpr int kCodeMax = code_max_of(T::id);
 template <typename T>
 constexpr int kInt16Steps = 32767 / (2 * kCodeMax<T> * 127);
 
