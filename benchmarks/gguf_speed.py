@@ -12,6 +12,12 @@ of medians is ours / llama.cpp's.
 
     .venv/bin/python benchmarks/gguf_speed.py FILE.gguf IMPORTED_DIR [--rounds 4] [--threads 2]
         [--out benchmarks/results/gguf-speed-NAME.json]
+
+`--depths 256,1024,4096` measures at those context depths instead (issue 50: decode that does not fall with the
+context): llama.cpp's `llama-bench -p 256 -n 16 -d DEPTHS` (its pp and tg tests at each depth), ours in one process
+per round: DEPTH tokens prefilled (512 a forward), then 16 greedy tokens timed one forward each (decode at depth
+DEPTH), then one forward of a 256-token prompt (at depth DEPTH + 16). `--latent-attention absorbed,expanded` times
+each form of DeepSeek's latent attention as a side of its own (expanded: transformers', the form before issue 50).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,6 +58,87 @@ model.weightstream.close()
 def ours(model_dir: str, threads: int) -> dict:
     code = _OURS.format(model=model_dir, threads=threads, prompt=PROMPT_TOKENS, new=NEW_TOKENS)
     return json_child(code, "weightstream run failed", timeout=3600)
+
+
+DEPTH_PROMPT, DEPTH_NEW = 256, 16
+_OURS_AT_DEPTHS = """
+import json, time, torch
+torch.set_num_threads({threads})
+from weightstream.bench.child import warm_every_expert
+from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+from weightstream.engine.loader import load_streaming_model
+model = load_streaming_model({model!r}, expert_cache="100x", latent_attention={form!r})
+warm_every_expert(model.weightstream.cache)
+vocab = model.config.get_text_config().vocab_size
+depths, prompt, new = {depths!r}, {prompt}, {new}
+ids = (torch.arange(max(depths) + new + prompt) * 7919 + 11).remainder(vocab - 10).add(5).reshape(1, -1)
+
+def last(chunk, cache):
+    return model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
+
+out = {{}}
+with torch.inference_mode(), quiet_cache_kwarg():
+    last(ids[:, :16], engine_cache(model, 32))  # warm-up: the first call's allocations
+    for depth in depths:
+        cache = engine_cache(model, depth + new + prompt)
+        for start in range(0, depth, 512):
+            logits = last(ids[:, start : min(depth, start + 512)], cache)
+        token = logits.argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(new):
+            token = last(token, cache).argmax(-1, keepdim=True)
+        decode = new / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        last(ids[:, depth : depth + prompt], cache)
+        out[str(depth)] = {{"decode_tokens_per_s": decode, "prompt_tokens_per_s": prompt / (time.perf_counter() - t0)}}
+print(json.dumps(out))
+model.weightstream.close()
+"""
+
+
+def ours_at_depths(model_dir: str, threads: int, depths: list[int], form: str) -> dict:
+    code = _OURS_AT_DEPTHS.format(
+        model=model_dir, threads=threads, depths=depths, prompt=DEPTH_PROMPT, new=DEPTH_NEW, form=form
+    )
+    return json_child(code, "weightstream run failed", timeout=3600)
+
+
+def llama_at_depths(gguf: str, threads: int, repack: bool, depths: list[int]) -> dict:
+    """llama-bench's pp (a 256-token prompt) and tg (16 tokens) at each depth, one run of each."""
+    bin_dir = llamacpp.build()
+    if bin_dir is None:
+        raise SystemExit("llama.cpp is not built here (no compiler or cmake)")
+    argv = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", str(DEPTH_PROMPT), "-n", str(DEPTH_NEW), "-t", str(threads)]
+    argv += ["-r", "1", "-o", "json", "-d", ",".join(map(str, depths))] + ([] if repack else ["--repack", "0"])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=7200)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench exit {done.returncode}: {done.stderr.strip()[-500:]}")
+    out: dict = {str(d): {} for d in depths}
+    for row in json.loads(done.stdout):
+        key = "decode_tokens_per_s" if row.get("n_gen") else "prompt_tokens_per_s"
+        out[str(row.get("n_depth", 0))][key] = row["avg_ts"]
+    return out
+
+
+def depth_report(runs: dict, depths: list[int]) -> dict:
+    """Per depth and figure: each side's median, min, max and runs; each form's ratio to llama.cpp's medians."""
+    keys = ("decode_tokens_per_s", "prompt_tokens_per_s")
+    out: dict = {}
+    for depth in map(str, depths):
+        sides = {who: summary([r[depth] for r in rs]) for who, rs in runs.items()}
+        ratios = {
+            who: {
+                key: {
+                    "median": sides[who][key]["median"] / sides["llama.cpp"][key]["median"],
+                    "per_round": [o[depth][key] / t[depth][key] for o, t in zip(rs, runs["llama.cpp"], strict=True)],
+                }
+                for key in keys
+            }
+            for who, rs in runs.items()
+            if who != "llama.cpp"
+        }
+        out[depth] = {"sides": sides, "ratio": ratios}
+    return out
 
 
 def llama(gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKENS) -> dict:
@@ -97,8 +185,16 @@ def main() -> None:
         help=f"tokens in llama.cpp's context before its decode (default {PROMPT_TOKENS}: where ours decodes, after "
         "the prompt; 0: llama-bench's own default, an empty context)",
     )
+    ap.add_argument("--depths", help="context depths to measure at, e.g. 256,1024,4096 (see above)")
+    ap.add_argument(
+        "--latent-attention",
+        default="absorbed",
+        help="with --depths: the forms of DeepSeek's latent attention to time, each a side (absorbed,expanded)",
+    )
     ap.add_argument("--out", default=default("gguf-speed.json"))
     args = ap.parse_args()
+    if args.depths:
+        return at_depths(args)
     sides = {
         "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack), args.decode_depth),
         "weightstream": lambda: ours(args.imported, args.threads),
@@ -128,6 +224,32 @@ def main() -> None:
     report["ratio_per_round"] = {
         key: [o[key] / t[key] for o, t in zip(runs["weightstream"], runs["llama.cpp"], strict=True)]
         for key in ("prompt_tokens_per_s", "decode_tokens_per_s")
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    save(text, args.out)
+
+
+def at_depths(args) -> None:
+    depths = sorted({int(d) for d in args.depths.split(",")})
+    sides = {"llama.cpp": lambda: llama_at_depths(args.gguf, args.threads, bool(args.repack), depths)}
+    for form in args.latent_attention.split(","):
+        sides[f"weightstream {form}"] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
+    runs = alternated(
+        args.rounds,
+        sides,
+        lambda r, who, got: print(f"[gguf-speed] round {r} {who}: {got}", file=sys.stderr, flush=True),
+    )
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gguf": os.path.basename(args.gguf),
+        "gguf_bytes": os.path.getsize(args.gguf),
+        "threads": args.threads,
+        "llama_repack": bool(args.repack),
+        "rounds": args.rounds,
+        "prompt_tokens": DEPTH_PROMPT,
+        "new_tokens": DEPTH_NEW,
+        "depths": depth_report(runs, depths),
     }
     text = json.dumps(report, indent=1)
     print(text)

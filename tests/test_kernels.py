@@ -9,7 +9,7 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import experts_modules
 
-from test_engine_exact import greedy_logits, reference
+from test_engine_exact import EXPANDED, greedy_logits, reference
 
 
 def test_cli_choices_are_the_kernels():
@@ -56,7 +56,9 @@ def test_auto_falls_back_to_the_view_when_no_lean_kernel_is_proven(tiny_model, m
 def test_the_one_expert_view_is_bitwise_eager_too(tiny_model, arch, dtype):
     model_dir = tiny_model(arch, dtype)
     expected_tokens, expected_logits = reference(model_dir, dtype)
-    model = load_streaming_model(model_dir, expert_cache="1x", io_threads=2, expert_kernel="one-expert-eager")
+    model = load_streaming_model(
+        model_dir, expert_cache="1x", io_threads=2, expert_kernel="one-expert-eager", **EXPANDED
+    )
     try:
         tokens, logits = greedy_logits(model)
         assert model.weightstream.kernels == {type(_experts_module(model_dir)).__name__: "one-expert-eager"}

@@ -71,6 +71,15 @@ def add_engine_options(p) -> None:
     )
     add_miss_copy_option(p)
     add_expert_kernel_option(p)
+    p.add_argument(
+        "--latent-attention",
+        default="absorbed",
+        choices=("absorbed", "expanded"),
+        help="DeepSeek-V2/V3, Kimi-K2 and kin: absorbed (default) attends over the cached latent, so a token's cost "
+        "grows little with the context (decode at 4096 positions measured in docs/benchmarks.md); logits within "
+        "float32 rounding of transformers'. expanded: transformers' own form (re-expands every cached position a "
+        "token), bitwise its logits. Other models have no latent attention and ignore it",
+    )
 
 
 def add_miss_copy_option(p) -> None:
@@ -164,6 +173,7 @@ def engine_kwargs(args) -> dict:
         "warm_restart": args.warm_restart,
         "miss_copy": args.miss_copy,
         "upgrade_after": upgrade_after_of(args),
+        "latent_attention": args.latent_attention,
     }
 
 

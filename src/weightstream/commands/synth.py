@@ -6,14 +6,14 @@ import json
 
 
 def register(sub) -> None:
-    from weightstream.store.presets import PRESETS, TINY
+    from weightstream.store.presets import PRESETS, REAL, TINY
 
     p = sub.add_parser(
         "synth",
         help="write a synthetic MoE checkpoint with random weights and a tokenizer (no download)",
         description="Write a transformers-loadable checkpoint with random weights, in the architecture's own "
         "on-disk form (sharded safetensors + index, config.json, tokenizer). Presets: `tiny` (tests; pick "
-        "--arch) or real models' shapes: olmoe-1b-7b, qwen3-30b-a3b, deepseek-v2-lite. --layers shrinks them.",
+        f"--arch) or real models' shapes: {', '.join(REAL)}. --layers shrinks them.",
         epilog="example: weightstream synth --preset olmoe-1b-7b --layers 4 --out models/olmoe-4l",
     )
     p.add_argument("--preset", required=True, choices=PRESETS, help="model shape")

@@ -55,6 +55,8 @@ class GenerationStats:
     upgrades: int = 0
     upgrade_bytes_read: int = 0
     miss_copy_hits: int = 0  # hits computed with the small copy (--upgrade-after above 1), nothing read
+    # DeepSeek's latent attention: "absorbed" (over the cached latent) or "expanded" (transformers'); None: none
+    latent_attention: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -208,6 +210,7 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         weight_bytes_per_token=runtime.dense_bytes_touched + decode_lookups * runtime.mean_expert_bytes / decode_tokens
         if decode_tokens
         else 0.0,
+        latent_attention=runtime.latent_attention,
         **_prediction_stats(runtime, start, first, last),
         **_miss_copy_stats(runtime, start, last),
     )

@@ -34,6 +34,8 @@ from weightstream.engine.kernels import (
     check_kernel_name,
     choose_kernel,
 )
+from weightstream.engine.latent_attention import FORMS as LATENT_FORMS
+from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
@@ -68,6 +70,7 @@ def load_streaming_model(
     warm_restart: bool = False,
     miss_copy: bool = False,
     upgrade_after: int | None = DEFAULT_UPGRADE_AFTER,
+    latent_attention: str = "absorbed",
 ):
     """A transformers causal LM whose experts stream from `model_dir` through a fixed-budget cache.
 
@@ -92,9 +95,14 @@ def load_streaming_model(
     "one-expert-eager" (that forward itself on a one-expert view); naming a kernel forces it (for comparisons).
     `fuse` (a model that computes in float32, its dense weights GGML blocks): RMSNorms and the rotary embedding run
     as one native op each where proven on the model's own code (engine/fused.py); False keeps transformers' ops.
+    `latent_attention` (DeepSeek-V2/V3 and their kin): "absorbed" (default) attends over the cached latent, so a
+    token's cost no longer grows with the context through kv_b_proj (engine/latent_attention.py; logits within
+    rounding of transformers'); "expanded" keeps transformers' form, bitwise its logits.
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next, miss_copy)
+    if latent_attention not in LATENT_FORMS:
+        raise WeightstreamError(f"--latent-attention {latent_attention!r}: choose one of {', '.join(LATENT_FORMS)}")
     memory_bytes = _check_memory(memory, expert_cache, expert_source, warm_restart)
     if memory_bytes is not None:
         bound_heap()  # so that what the warm-up measures is what decode holds
@@ -111,6 +119,8 @@ def load_streaming_model(
     kernels = _kernels(model, expert_kernel, mapped.quant, miss_copy)
     computes_float32 = mapped.quant is not None and mapped.quant.compute_dtype is torch.float32
     fused = fuse_dense_ops(model) if fuse and computes_float32 else []
+    has_latent = any(is_latent_attention(m) for m in model.modules())
+    absorb_latent_attention(model, latent_attention)
     modules = experts_modules(model)
     parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
     tied = ties_embeddings(model.config)
@@ -141,6 +151,7 @@ def load_streaming_model(
             footprint=footprint,
             state_saver=saver,
             miss_copy_bits=mapped.quant.miss_copy.bits if miss_copy else 0,
+            latent_attention=latent_attention if has_latent else None,
         )
         for module in modules.values():
             # transformers calls the registered experts forward with the module alone: this is its way to the runtime

@@ -62,6 +62,7 @@ class StreamingRuntime:
         footprint: Footprint | None = None,
         state_saver: StateSaver | None = None,
         miss_copy_bits: int = 0,
+        latent_attention: str | None = None,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
@@ -69,7 +70,8 @@ class StreamingRuntime:
         multiplies by; `footprint`: the memory by part `--memory` sized the cache from; `state_saver`: saves the
         cache's contents for a warm restart, at intervals while decoding and at `close`; `miss_copy_bits`: the bits of
         the small copies a miss reads (`--miss-copy`; 0: exact mode, every expert computed as the checkpoint stores
-        it)."""
+        it); `latent_attention`: the form DeepSeek's latent attention runs in ("absorbed", "expanded"; None: the
+        model has none)."""
         self._cache, self.layout = cache, layout
         self._parts = dict(parts)
         self.kernels = dict(kernels)
@@ -79,6 +81,7 @@ class StreamingRuntime:
         self.footprint = footprint
         self.state_saver = state_saver
         self.miss_copy_bits = miss_copy_bits
+        self.latent_attention = latent_attention
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on

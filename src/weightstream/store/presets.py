@@ -169,6 +169,13 @@ REAL = {
         tie_word_embeddings=False,
     ),
 }
+# DeepSeek-V3's architecture (sigmoid routing with its correction bias, a q_lora projection) at V2-Lite's attention
+# and expert sizes: the shape DeepSeek-V3/R1 and Kimi-K2 decode with, small enough for these machines. Its q_lora
+# (V3's 1536) lets llama.cpp's quantizer take it at any layer count (it recognises a plain-q deepseek2 file by
+# V2-Lite's 27 layers alone).
+REAL["deepseek-v3-lite"] = REAL["deepseek-v2-lite"] | dict(
+    model_type="deepseek_v3", q_lora_rank=1536, norm_topk_prob=True, routed_scaling_factor=2.5
+)
 
 REAL |= {
     "mixtral-8x7b": dict(

@@ -1,0 +1,171 @@
+"""DeepSeek's multi-head latent attention, absorbed: attention over the cached latent instead of keys and values
+re-expanded from it at every step.
+
+transformers' DeepSeek-V2/V3 attention caches the compressed latent `c` (kv_lora_rank) and the rotary key `r`
+(qk_rope_head_dim) of each position, which is small, but then expands every cached position through `kv_b_proj`
+into per-head keys and values before attending: context x heads x kv_lora x (nope + v) multiply-adds a layer per
+token. Measured 2026-12-06 on the V2-Lite attention shape (16 heads, kv_lora 512): decode 0.63x llama.cpp at depth
+256, 0.07x at 4096. Absorbed, as llama.cpp and DeepSeek's own inference code run it, a head's score is
+`(q_nope k_b) . c + q_rot . r` and its output `v_b (sum_j p_j c_j)`: k_b and v_b multiply the query and the weighted
+latent once a row, and the context costs heads x (2 kv_lora + rope) a position, some 120 times less at these sizes.
+
+A forward of many query rows (a prompt) pays the absorbed form's wider dot products on every (query, key) pair;
+the expanded form pays the expansion once a key. Per head the absorbed form costs (2 kv_lora + rope) a pair and the
+expanded form (nope + rope + v) a pair plus kv_lora x (nope + v) a key, so the expanded form is cheaper from
+`rows_to_expand` query rows on (171 for V2/V3's head sizes): such a forward expands from the latent and runs
+torch's scaled_dot_product_attention, as transformers does.
+
+The cache is untouched: transformers' layers still update it with the latent and the rotary key (bytes per token and
+layer: (kv_lora_rank + qk_rope_head_dim) x the dtype, store/facts.py). The module's own projections, norms and rotary
+embedding still run; only `expand_kv` (kept the latent as it is) and the attention function (this module's, through
+a copy of the module's config naming it) are replaced. The absorbed form sums in another order than the expanded
+one, so logits differ from transformers' within rounding (tests/test_latent_attention.py states the tolerance);
+a streamed run and the same model with every expert resident run the same form and stay bitwise equal.
+`load_streaming_model(..., latent_attention="expanded")` keeps transformers' form (bitwise its logits).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from weightstream import native
+from weightstream.engine.kernels import NativeLinear
+from weightstream.errors import WeightstreamError
+
+FORMS = ("absorbed", "expanded")
+IMPLEMENTATION = "weightstream_latent"
+
+
+def rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
+    """Query rows from which expanding the latent costs fewer multiply-adds than the absorbed form."""
+    saved_a_pair = 2 * kv_lora - nope - v  # absorbed (2 kv_lora + rope) less expanded (nope + rope + v)
+    return -(-kv_lora * (nope + v) // saved_a_pair) if saved_a_pair > 0 else 0
+
+
+class LatentAttention:
+    """One MLA module's absorbed attention: its kv_b_proj weight viewed per head as k_b and v_b."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.heads, self.kv_lora = module.num_heads, module.kv_lora_rank
+        self.nope, self.rope, self.v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
+        self.weight = _kv_b_weight(module.kv_b_proj)  # (H * (nope + v), kv_lora) float32
+        per_head = self.weight.view(self.heads, self.nope + self.v, self.kv_lora)
+        self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
+        self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
+        self.expand_from = rows_to_expand(self.kv_lora, self.nope, self.v)
+
+    @staticmethod
+    def keep_latent(latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place of the module's `expand_kv`: the attention function gets the cached latent itself."""
+        return latent, k_rot
+
+    def attend(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
+        """(B, S, H, v) attention outputs of query (B, H, S, nope + rope) over latent (B, 1, T, kv_lora) and
+        k_rot (B, 1, T, rope)."""
+        if query.shape[2] >= self.expand_from:
+            return self._expanded(query, latent, k_rot, mask, scaling)
+        out = self._absorbed(query.float(), latent.float(), k_rot.float(), mask, scaling)
+        return out.to(query.dtype)
+
+    def _absorbed(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
+        """In float32 whatever the model's dtype: bf16 would round the latent-space query and every score."""
+        # B batch, H heads, S query rows, T cached positions, L kv_lora, N nope, R rope, V v_head_dim
+        batch, heads, rows, _ = query.shape
+        q_nope, q_rot = query.split([self.nope, self.rope], dim=-1)  # (B, H, S, N), (B, H, S, R)
+        by_head = q_nope.transpose(0, 1).reshape(heads, batch * rows, self.nope)  # (H, B*S, N)
+        q_lat = torch.bmm(by_head, self.k_b)  # (H, B*S, L)
+        q_lat = q_lat.view(heads, batch, rows, self.kv_lora).transpose(0, 1).reshape(batch, heads * rows, -1)
+        c, r = latent[:, 0], k_rot[:, 0]  # (B, T, L), (B, T, R)
+        rotary = torch.bmm(q_rot.reshape(batch, heads * rows, self.rope), r.transpose(1, 2))  # (B, H*S, T)
+        scores = torch.baddbmm(rotary, q_lat, c.transpose(1, 2), beta=scaling, alpha=scaling)
+        scores = _masked(scores.view(batch, heads, rows, -1), mask)
+        probs = torch.softmax(scores, dim=-1)
+        weighted = torch.bmm(probs.view(batch, heads * rows, -1), c)  # (B, H*S, L)
+        by_head = weighted.view(batch, heads, rows, self.kv_lora).transpose(0, 1).reshape(heads, batch * rows, -1)
+        out = torch.bmm(by_head, self.v_b)  # (H, B*S, V)
+        return out.view(heads, batch, rows, self.v).permute(1, 2, 0, 3).contiguous()  # (B, S, H, V)
+
+    def _expanded(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
+        batch, _, positions, _ = latent.shape
+        kv = F.linear(latent, self.weight.to(latent.dtype))  # (B, 1, T, H * (N + V))
+        kv = kv.view(batch, positions, self.heads, self.nope + self.v).transpose(1, 2)
+        k_nope, values = kv.split([self.nope, self.v], dim=-1)
+        keys = torch.cat([k_nope, k_rot.expand(-1, self.heads, -1, -1)], dim=-1)
+        out, _ = sdpa_attention_forward(_CAUSAL, query, keys, values, mask, dropout=0.0, scaling=scaling)
+        return out
+
+
+class _Causal(torch.nn.Module):
+    """What sdpa_attention_forward reads of the module it is given: causal attention, one key head a head."""
+
+    is_causal, num_key_value_groups = True, 1
+
+
+_CAUSAL = _Causal()
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scores (B, H, S, T) with transformers' attention mask applied: boolean (True: attend), additive, or None
+    (causal, the last query row at the last position: what transformers passes when no mask is needed)."""
+    if mask is not None:
+        mask = mask[..., : scores.shape[-1]]
+        return scores.masked_fill(~mask, float("-inf")) if mask.dtype is torch.bool else scores + mask
+    rows, positions = scores.shape[-2:]
+    if rows == 1:
+        return scores
+    hidden = torch.ones(rows, positions, dtype=torch.bool).triu(positions - rows + 1)
+    return scores.masked_fill(hidden, float("-inf"))
+
+
+def _kv_b_weight(projection: torch.nn.Module) -> torch.Tensor:
+    """kv_b_proj's weight in float32: a float32 Linear's own (no copy), a bf16 one's converted (exactly), GGML
+    blocks dequantized once (what the file's blocks encode)."""
+    if isinstance(projection, NativeLinear):
+        n, k = projection.out_features, projection.in_features
+        return native.dequantize(projection.blocks, projection.wtype, n, k)
+    if isinstance(projection, torch.nn.Linear) and projection.bias is None:
+        return projection.weight.detach().float()
+    raise WeightstreamError(
+        f"latent attention: kv_b_proj is a {type(projection).__name__}, not a Linear without bias; run with "
+        "--latent-attention expanded"
+    )
+
+
+def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function the absorbed modules' configs name (`key`/`value`: the latent and the rotary key)."""
+    return module._ws_latent.attend(query, key, value, attention_mask, scaling), None
+
+
+AttentionInterface.register(IMPLEMENTATION, _forward)
+
+
+def is_latent_attention(module: torch.nn.Module) -> bool:
+    """Whether a module is transformers' multi-head latent attention (DeepSeek-V2/V3 and their kin)."""
+    needed = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_heads")
+    return all(hasattr(module, name) for name in needed) and callable(getattr(type(module), "expand_kv", None))
+
+
+def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> int:
+    """Put the absorbed form in the model's latent attention modules (form "absorbed"; "expanded" leaves them as
+    transformers made them); how many modules were changed. Their kv_b_proj goes: its weight is held in float32 by
+    the LatentAttention (the same tensor for a float32 model)."""
+    if form not in FORMS:
+        raise WeightstreamError(f"--latent-attention {form!r}: choose one of {', '.join(FORMS)}")
+    if form == "expanded":
+        return 0
+    changed = 0
+    for module in model.modules():
+        if not is_latent_attention(module) or hasattr(module, "_ws_latent"):
+            continue
+        module._ws_latent = LatentAttention(module)
+        module.kv_b_proj = None  # its weight lives in _ws_latent, read by both forms
+        module.expand_kv = module._ws_latent.keep_latent
+        module.config = copy.copy(module.config)
+        module.config._attn_implementation_internal = IMPLEMENTATION
+        changed += 1
+    return changed

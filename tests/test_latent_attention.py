@@ -1,0 +1,174 @@
+"""DeepSeek's latent attention absorbed (engine/latent_attention.py): the same attention as transformers' expanded
+form within rounding, bitwise the same streamed or resident, and the expanded form still bitwise transformers'."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from weightstream.engine.generate import generate
+from weightstream.engine.latent_attention import LatentAttention, absorb_latent_attention, rows_to_expand
+from weightstream.engine.loader import load_streaming_model
+from weightstream.errors import WeightstreamError
+from weightstream.store.facts import kv_cache_bytes
+
+from engine_support import greedy_run
+
+ARCHS = ("deepseek_v2", "deepseek_v3")
+PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
+# relative to the logits' largest magnitude: float32 sums in another order (measured 2.2e-7); bf16 model outputs
+# one rounding of the final norm and head apart (measured 5.7e-3: one bf16 ulp of the largest logit)
+TOLERANCE = {"fp32": 2e-6, "bf16": 1.6e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _reference(model_dir: str, dtype: str, prompt: torch.Tensor, new: int):
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], experts_implementation="eager")
+    with torch.inference_mode():
+        out = ref.generate(
+            prompt, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    return out.sequences[0].tolist(), list(out.logits)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_absorbed_logits_within_tolerance_of_transformers(tiny_model, arch, dtype):
+    """Each step's logits, the engine fed transformers' own tokens, are within TOLERANCE of transformers'."""
+    model_dir = tiny_model(arch, dtype)
+    tokens, want = _reference(model_dir, dtype, PROMPT, 12)
+    model = load_streaming_model(model_dir, expert_cache="100x")
+    try:
+        assert model.weightstream.latent_attention == "absorbed"
+        ids = torch.tensor([tokens])
+        with torch.inference_mode():  # one step at a time on transformers' sequence: no divergence compounds
+            cache = None
+            for step in range(len(want)):
+                upto = PROMPT.shape[1] + step
+                chunk = ids[:, :upto] if cache is None else ids[:, upto - 1 : upto]
+                out = model(chunk, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                assert _relative(out.logits[:, -1], want[step]) <= TOLERANCE[dtype], (arch, dtype, step)
+    finally:
+        model.weightstream.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_absorbed_streamed_equals_resident_bitwise(tiny_model, arch):
+    """The absorbed form at every cache size and I/O thread count gives the tokens and logits of every expert
+    resident, bitwise."""
+    model_dir = tiny_model(arch)
+    want_tokens, want_logits, _ = greedy_run(model_dir, PROMPT, 10, expert_cache="100x")
+    for size in ("1x", "1.5x"):
+        for threads in (1, 8):
+            tokens, logits, runtime = greedy_run(model_dir, PROMPT, 10, expert_cache=size, io_threads=threads)
+            assert runtime.cache.stats.misses > 0
+            assert tokens == want_tokens, (size, threads)
+            assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True)), (size, threads)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expanded_form_is_transformers_bitwise(tiny_model, arch):
+    model_dir = tiny_model(arch)
+    want_tokens, want_logits = _reference(model_dir, "fp32", PROMPT, 8)
+    tokens, logits, runtime = greedy_run(model_dir, PROMPT, 8, expert_cache="1x", latent_attention="expanded")
+    assert runtime.latent_attention == "expanded"
+    assert tokens == want_tokens
+    assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True))
+
+
+def test_prompt_chunks_at_depth_match_one_prompt(tiny_model):
+    """A prompt prefilled in chunks (queries of several rows over a longer cache, no mask from transformers) gives
+    the logits of the whole prompt at once, within float32 rounding: the causal offset is the cache's."""
+    model_dir = tiny_model("deepseek_v3")
+    prompt = (torch.arange(60) * 37 + 11).remainder(500).add(5)[None, :]
+    model = load_streaming_model(model_dir, expert_cache="100x")
+    try:
+        whole, _ = generate(model, prompt, max_new_tokens=6)
+        chunked, _ = generate(model, prompt, max_new_tokens=6, prefill_chunk=7)
+        assert torch.equal(whole, chunked)
+    finally:
+        model.weightstream.close()
+
+
+def _module(heads=4, kv_lora=32, nope=16, rope=8, v=16, seed=0):
+    """A stand-in with what LatentAttention reads of an MLA module: its sizes and kv_b_proj."""
+    gen = torch.Generator().manual_seed(seed)
+    module = torch.nn.Module()
+    module.num_heads, module.kv_lora_rank = heads, kv_lora
+    module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim = nope, rope, v
+    module.kv_b_proj = torch.nn.Linear(kv_lora, heads * (nope + v), bias=False)
+    with torch.no_grad():
+        module.kv_b_proj.weight.copy_(torch.randn(heads * (nope + v), kv_lora, generator=gen) * 0.2)
+    return module, gen
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("rows, positions", [(1, 1), (1, 37), (5, 5), (5, 40), (3, 64)])
+def test_absorbed_equals_expanded_on_random_inputs(rows, positions, mask_kind):
+    """Both forms, the same queries, latents and masks (batch 2, the second row's first positions padded; no mask:
+    causal from the cache's end): the same outputs within float32 rounding."""
+    module, gen = _module()
+    latent = LatentAttention(module)
+    query = torch.randn(2, 4, rows, 24, generator=gen)
+    cached = torch.randn(2, 1, positions, 32, generator=gen)
+    k_rot = torch.randn(2, 1, positions, 8, generator=gen)
+    causal = torch.ones(rows, positions, dtype=torch.bool).tril(positions - rows)
+    mask = causal.expand(2, 1, rows, positions).clone()
+    mask[1, :, :, : positions // 3] = False
+    mask[1, :, :, positions - 1] = True  # every row attends somewhere
+    given = mask
+    if mask_kind == "none":  # causal from the cache's end (torch's is_causal would align it to the start)
+        mask, given = causal.expand(2, 1, rows, positions), None
+    elif mask_kind == "additive":
+        mask = given = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    absorbed = latent._absorbed(query, cached, k_rot, given, 0.3)
+    expanded = latent._expanded(query, cached, k_rot, mask, 0.3)
+    assert absorbed.shape == expanded.shape == (2, rows, 4, 16)
+    assert _relative(absorbed, expanded) <= 2e-6
+
+
+def test_the_form_is_chosen_by_query_rows():
+    """The expanded form from `rows_to_expand` query rows on: V2/V3's head sizes cross at 171."""
+    assert rows_to_expand(512, 128, 128) == 171
+    module, gen = _module()
+    latent = LatentAttention(module)
+    assert latent.expand_from == rows_to_expand(32, 16, 16) == 32
+    cached, k_rot = torch.randn(1, 1, 40, 32, generator=gen), torch.randn(1, 1, 40, 8, generator=gen)
+    for rows, form in ((31, "_absorbed"), (32, "_expanded")):
+        query = torch.randn(1, 4, rows, 24, generator=gen)
+        want = getattr(latent, form)(query, cached, k_rot, None, 0.3)
+        assert torch.equal(latent.attend(query, cached, k_rot, None, 0.3), want)
+
+
+def test_kv_cache_holds_the_latent_and_rotary_key(tiny_model):
+    """What the cache holds after a generation is what store/facts.py states: (kv_lora + rope) x dtype a token and
+    layer, the number --memory and tune reserve."""
+    model_dir = tiny_model("deepseek_v3")
+    model = load_streaming_model(model_dir, expert_cache="1x")
+    try:
+        cache = None
+        with torch.inference_mode():
+            out = model(PROMPT, use_cache=True)
+            cache = out.past_key_values
+        held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        text = model.config.get_text_config()
+        assert held == kv_cache_bytes(text, PROMPT.shape[1], 4)
+        assert held == PROMPT.shape[1] * text.num_hidden_layers * (32 + 8) * 4
+    finally:
+        model.weightstream.close()
+
+
+def test_unknown_form_is_refused_before_loading(tiny_model):
+    with pytest.raises(WeightstreamError, match="--latent-attention 'fast': choose one of absorbed, expanded"):
+        load_streaming_model(tiny_model("deepseek_v3"), latent_attention="fast")
+    with pytest.raises(WeightstreamError, match="choose one of"):
+        absorb_latent_attention(torch.nn.Module(), "fast")
+
+
+def test_other_families_are_left_alone(tiny_model):
+    tokens, _, runtime = greedy_run(tiny_model("qwen3_moe"), PROMPT, 2, expert_cache="1x")
+    assert runtime.latent_attention is None
