@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from weightstream import native
 from weightstream.engine.generate import generate
 from weightstream.engine.latent_attention import LatentAttention, absorb_latent_attention, rows_to_expand
 from weightstream.engine.loader import load_streaming_model
@@ -158,6 +159,7 @@ def test_kv_cache_holds_the_latent_and_rotary_key(tiny_model):
         text = model.config.get_text_config()
         assert held == kv_cache_bytes(text, PROMPT.shape[1], 4)
         assert held == PROMPT.shape[1] * text.num_hidden_layers * (32 + 8) * 4
+        assert model.weightstream.kv_cache_bytes_per_token == text.num_hidden_layers * (32 + 8) * 4
     finally:
         model.weightstream.close()
 
@@ -172,3 +174,22 @@ def test_unknown_form_is_refused_before_loading(tiny_model):
 def test_other_families_are_left_alone(tiny_model):
     tokens, _, runtime = greedy_run(tiny_model("qwen3_moe"), PROMPT, 2, expert_cache="1x")
     assert runtime.latent_attention is None
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built on this machine")
+@pytest.mark.parametrize(
+    "batch, heads, kv_lora, rope, positions",
+    [(1, 16, 512, 64, 300), (2, 3, 40, 8, 1), (1, 5, 33, 7, 129), (3, 4, 32, 8, 257)],
+)
+def test_one_pass_decode_equals_the_two_pass_form(batch, heads, kv_lora, rope, positions):
+    """csrc/latent.cpp (one decode row, blocks of 128 positions, odd heads, widths off the 16-float vectors, strided
+    cache rows) gives torch's scores-softmax-sum within float32 rounding."""
+    gen = torch.Generator().manual_seed(positions)
+    q_lat, q_rot = torch.randn(batch, heads, kv_lora, generator=gen), torch.randn(batch, heads, rope, generator=gen)
+    c = torch.randn(batch, positions + 9, kv_lora, generator=gen)[:, :positions]  # a view, as the cache's
+    r = torch.randn(batch, positions + 9, rope + 3, generator=gen)[:, :positions, 1 : rope + 1]
+    scores = (q_lat @ c.transpose(1, 2) + q_rot @ r.transpose(1, 2)) * 0.11
+    want = torch.softmax(scores, dim=-1) @ c
+    got = native.latent_attend(q_lat, q_rot, c, r, 0.11)
+    assert got.shape == want.shape
+    assert _relative(got, want) <= 2e-6

@@ -146,6 +146,14 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return torch.ops.weightstream.rope(q, k, cos, sin)
 
 
+def latent_attend(
+    q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, r: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """(B, H, L) softmax-weighted latents of one query row a sequence over every cached position, float32: DeepSeek's
+    absorbed attention in one pass over the cache (csrc/latent.cpp)."""
+    return torch.ops.weightstream.latent_attend(q_lat, q_rot, c, r, scale)
+
+
 GATES = ("silu", "clamped-swiglu")  # the gates moe_layer runs, in the extension's numbering
 
 

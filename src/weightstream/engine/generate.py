@@ -57,6 +57,7 @@ class GenerationStats:
     miss_copy_hits: int = 0  # hits computed with the small copy (--upgrade-after above 1), nothing read
     # DeepSeek's latent attention: "absorbed" (over the cached latent) or "expanded" (transformers'); None: none
     latent_attention: str | None = None
+    kv_cache_bytes_per_token: int = 0  # every layer's keys and values (or latent and rotary key) for one position
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -211,6 +212,7 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         if decode_tokens
         else 0.0,
         latent_attention=runtime.latent_attention,
+        kv_cache_bytes_per_token=runtime.kv_cache_bytes_per_token,
         **_prediction_stats(runtime, start, first, last),
         **_miss_copy_stats(runtime, start, last),
     )

@@ -80,12 +80,16 @@ class LatentAttention:
         by_head = q_nope.transpose(0, 1).reshape(heads, batch * rows, self.nope)  # (H, B*S, N)
         q_lat = torch.bmm(by_head, self.k_b)  # (H, B*S, L)
         q_lat = q_lat.view(heads, batch, rows, self.kv_lora).transpose(0, 1).reshape(batch, heads * rows, -1)
+        q_rot = q_rot.reshape(batch, heads * rows, self.rope)
         c, r = latent[:, 0], k_rot[:, 0]  # (B, T, L), (B, T, R)
-        rotary = torch.bmm(q_rot.reshape(batch, heads * rows, self.rope), r.transpose(1, 2))  # (B, H*S, T)
-        scores = torch.baddbmm(rotary, q_lat, c.transpose(1, 2), beta=scaling, alpha=scaling)
-        scores = _masked(scores.view(batch, heads, rows, -1), mask)
-        probs = torch.softmax(scores, dim=-1)
-        weighted = torch.bmm(probs.view(batch, heads * rows, -1), c)  # (B, H*S, L)
+        if rows == 1 and _sees_everything(mask) and native.available():
+            weighted = native.latent_attend(q_lat, q_rot, c, r, scaling)  # one pass over the cache
+        else:
+            rotary = torch.bmm(q_rot, r.transpose(1, 2))  # (B, H*S, T)
+            scores = torch.baddbmm(rotary, q_lat, c.transpose(1, 2), beta=scaling, alpha=scaling)
+            scores = _masked(scores.view(batch, heads, rows, -1), mask)
+            probs = torch.softmax(scores, dim=-1)
+            weighted = torch.bmm(probs.view(batch, heads * rows, -1), c)  # (B, H*S, L)
         by_head = weighted.view(batch, heads, rows, self.kv_lora).transpose(0, 1).reshape(heads, batch * rows, -1)
         out = torch.bmm(by_head, self.v_b)  # (H, B*S, V)
         return out.view(heads, batch, rows, self.v).permute(1, 2, 0, 3).contiguous()  # (B, S, H, V)
@@ -107,6 +111,13 @@ class _Causal(torch.nn.Module):
 
 
 _CAUSAL = _Causal()
+
+
+def _sees_everything(mask: torch.Tensor | None) -> bool:
+    """Whether a one-row query's mask hides no cached position (none given, or all attend / all zero)."""
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype is torch.bool else not bool(mask.any())
 
 
 def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -152,6 +152,7 @@ def load_streaming_model(
             state_saver=saver,
             miss_copy_bits=mapped.quant.miss_copy.bits if miss_copy else 0,
             latent_attention=latent_attention if has_latent else None,
+            kv_cache_bytes_per_token=kv_cache_for(model.config.get_text_config(), 1, model.dtype.itemsize),
         )
         for module in modules.values():
             # transformers calls the registered experts forward with the module alone: this is its way to the runtime
