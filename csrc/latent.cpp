@@ -29,7 +29,9 @@ constexpr int64_t kBlock = 128;
 #define WS_CLONES
 #endif
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, any alignment
+// 16 floats, any alignment; only ever passed between always-inlined helpers, so no call passes one in registers
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 __attribute__((always_inline)) inline v16 load(const float* p) {
   v16 v;

@@ -1475,6 +1475,30 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64
   return product(x_in, w, wtype, n, k, path);
 }
 
+// y (H, M, N) float32: each head h's rows x[h] (M, K) times its own W_h^T, W_h rows h N .. (h + 1) N of the blocks
+// (N x K each). DeepSeek's absorbed attention multiplies each head's query by its k_b and its weighted latent by its
+// v_b this way, in the type the file stores them (engine/latent_attention.py).
+at::Tensor heads_product(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 3, "weightstream heads_product: x must be (heads, rows, K)");
+  const int64_t heads = x_in.size(0), m = x_in.size(1), k = x_in.size(2);
+  check_weights(w, wtype, heads * n, k);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t path = resolve_path(0);
+  const QRows a(x.data_ptr<float>(), heads * m, k, wtype, path);
+  const DotFn dot = dot_fn(row_path(path), wtype);
+  const int64_t row_bytes = row_bytes_of(wtype, k);
+  at::Tensor y = at::empty({heads, m, n}, at::kFloat);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, heads * n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+      const int64_t h = j / n, out = j % n;
+      for (int64_t p = 0; p < m; p++) yp[(h * m + p) * n + out] = dot(wp + j * row_bytes, a.row(h * m + p), k);
+    }
+  });
+  return y;
+}
+
 // A dense Linear in one call: y (..., N) in x's dtype = x (..., K) times W^T, plus bias (in x's dtype, after the
 // product is rounded to it, as `y.to(dtype) + bias` would); the decode step of `NativeLinear`.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t wtype, int64_t n, int64_t k,
@@ -1793,6 +1817,7 @@ std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> block_t
 TORCH_LIBRARY(weightstream, m) {
   m.def("qmm(Tensor x, Tensor w, int wtype, int n, int k, int path=0) -> Tensor");
   m.def("dequantize(Tensor w, int wtype, int n, int k) -> Tensor");
+  m.def("heads_product(Tensor x, Tensor w, int wtype, int n) -> Tensor");
   m.def("linear(Tensor x, Tensor w, int wtype, int n, int k, Tensor? bias=None) -> Tensor");
   m.def("moe_layer(Tensor x, Tensor top_k_index, Tensor top_k_weights, int[] experts, Tensor[] gate_up, int gu_type, "
         "Tensor[] down, int down_type, Tensor[] gate_up_bias, Tensor[] down_bias, int gate, float alpha, float limit, "
@@ -1806,6 +1831,7 @@ TORCH_LIBRARY(weightstream, m) {
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
   m.impl("qmm", &qmm);
   m.impl("dequantize", &dequantize);
+  m.impl("heads_product", &heads_product);
   m.impl("linear", &linear);
   m.impl("moe_layer", &moe_layer);
   m.impl("moe_contribute", &moe_contribute);

@@ -15,6 +15,7 @@ from weightstream.store.facts import kv_cache_bytes
 from engine_support import greedy_run
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
+WIDE = dict(qk_nope_head_dim=32, v_head_dim=32, kv_lora_rank=64)  # k_b and v_b rows of whole bf16 blocks
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
 # relative to the logits' largest magnitude: float32 sums in another order (measured 2.2e-7); bf16 model outputs
 # one rounding of the final norm and head apart (measured 5.7e-3: one bf16 ulp of the largest logit)
@@ -36,14 +37,18 @@ def _reference(model_dir: str, dtype: str, prompt: torch.Tensor, new: int):
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3-wide"])
 def test_absorbed_logits_within_tolerance_of_transformers(tiny_model, arch, dtype):
-    """Each step's logits, the engine fed transformers' own tokens, are within TOLERANCE of transformers'."""
-    model_dir = tiny_model(arch, dtype)
+    """Each step's logits, the engine fed transformers' own tokens, are within TOLERANCE of transformers' (the
+    wide bf16 model: k_b and v_b as bf16 rows through the native per-head products)."""
+    name, _, wide = arch.partition("-")
+    model_dir = tiny_model(name, dtype, **(WIDE if wide else {}))
     tokens, want = _reference(model_dir, dtype, PROMPT, 12)
     model = load_streaming_model(model_dir, expert_cache="100x")
     try:
         assert model.weightstream.latent_attention == "absorbed"
+        latents = [m._ws_latent for m in model.modules() if hasattr(m, "_ws_latent")]
+        assert latents and all((x.k_rows is not None) == (bool(wide) and dtype == "bf16") for x in latents)
         ids = torch.tensor([tokens])
         with torch.inference_mode():  # one step at a time on transformers' sequence: no divergence compounds
             cache = None
@@ -95,27 +100,37 @@ def test_prompt_chunks_at_depth_match_one_prompt(tiny_model):
         model.weightstream.close()
 
 
-def _module(heads=4, kv_lora=32, nope=16, rope=8, v=16, seed=0):
-    """A stand-in with what LatentAttention reads of an MLA module: its sizes and kv_b_proj."""
+def _module(heads=4, kv_lora=32, nope=16, rope=8, v=16, seed=0, bf16=False):
+    """A stand-in with what LatentAttention reads of an MLA module: its sizes and kv_b_proj (float32, its values
+    bfloat16 ones with `bf16`, as an imported GGUF's are)."""
     gen = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
     module.num_heads, module.kv_lora_rank = heads, kv_lora
     module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim = nope, rope, v
     module.kv_b_proj = torch.nn.Linear(kv_lora, heads * (nope + v), bias=False)
     with torch.no_grad():
-        module.kv_b_proj.weight.copy_(torch.randn(heads * (nope + v), kv_lora, generator=gen) * 0.2)
+        weight = torch.randn(heads * (nope + v), kv_lora, generator=gen) * 0.2
+        module.kv_b_proj.weight.copy_(weight.bfloat16().float() if bf16 else weight)
     return module, gen
 
 
+@pytest.mark.parametrize("weights", ["float32", "bf16-rows"])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("rows, positions", [(1, 1), (1, 37), (5, 5), (5, 40), (3, 64)])
-def test_absorbed_equals_expanded_on_random_inputs(rows, positions, mask_kind):
+def test_absorbed_equals_expanded_on_random_inputs(rows, positions, mask_kind, weights):
     """Both forms, the same queries, latents and masks (batch 2, the second row's first positions padded; no mask:
-    causal from the cache's end): the same outputs within float32 rounding."""
-    module, gen = _module()
+    causal from the cache's end): the same outputs within float32 rounding; k_b and v_b as float32 views (torch's
+    products) or as bf16 rows (the native per-head products, where the weights are bf16 values and rows whole
+    32-value blocks)."""
+    rows_kept = weights == "bf16-rows" and native.available()
+    if weights == "bf16-rows" and not rows_kept:
+        pytest.skip("the native kernels are not built on this machine")
+    nope, kv_lora = (32, 64) if rows_kept else (16, 32)
+    module, gen = _module(kv_lora=kv_lora, nope=nope, v=nope, bf16=rows_kept)
     latent = LatentAttention(module)
-    query = torch.randn(2, 4, rows, 24, generator=gen)
-    cached = torch.randn(2, 1, positions, 32, generator=gen)
+    assert (latent.k_rows is not None) == rows_kept
+    query = torch.randn(2, 4, rows, nope + 8, generator=gen)
+    cached = torch.randn(2, 1, positions, kv_lora, generator=gen)
     k_rot = torch.randn(2, 1, positions, 8, generator=gen)
     causal = torch.ones(rows, positions, dtype=torch.bool).tril(positions - rows)
     mask = causal.expand(2, 1, rows, positions).clone()
@@ -128,7 +143,7 @@ def test_absorbed_equals_expanded_on_random_inputs(rows, positions, mask_kind):
         mask = given = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     absorbed = latent._absorbed(query, cached, k_rot, given, 0.3)
     expanded = latent._expanded(query, cached, k_rot, mask, 0.3)
-    assert absorbed.shape == expanded.shape == (2, rows, 4, 16)
+    assert absorbed.shape == expanded.shape == (2, rows, 4, nope)
     assert _relative(absorbed, expanded) <= 2e-6
 
 
@@ -193,3 +208,21 @@ def test_one_pass_decode_equals_the_two_pass_form(batch, heads, kv_lora, rope, p
     got = native.latent_attend(q_lat, q_rot, c, r, 0.11)
     assert got.shape == want.shape
     assert _relative(got, want) <= 2e-6
+
+
+def test_memory_reserves_what_a_late_forward_of_either_form_holds():
+    """--memory's reserve for a forward late in the context (store/facts.py): absorbed chunks hold float32 scores
+    for every head; a chunk past the crossover (or the expanded form) re-makes every head's keys and values."""
+    from types import SimpleNamespace
+
+    from weightstream.store.facts import context_temporaries
+
+    v2_lite = SimpleNamespace(
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=16
+    )
+    cache_layer = 16384 * (512 + 64) * 4
+    absorbed = context_temporaries(v2_lite, 16384, 32, 4, eager=False)
+    assert absorbed == cache_layer + 3 * 16 * 32 * 16384 * 4 + 128 * 16 * 512 * 4
+    expanded = cache_layer + 16 * 16384 * (2 * 128 + 64 + 2 * 128) * 4
+    assert context_temporaries(v2_lite, 16384, 171, 4, eager=False) == expanded
+    assert context_temporaries(v2_lite, 16384, 32, 4, eager=False, latent="expanded") == expanded

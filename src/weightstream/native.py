@@ -146,6 +146,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return torch.ops.weightstream.rope(q, k, cos, sin)
 
 
+def heads_product(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int) -> torch.Tensor:
+    """(H, M, N) float32: each head's rows x[h] (M, K) times its own N x K matrix, rows h N .. (h + 1) N of `w`."""
+    return torch.ops.weightstream.heads_product(x, w, TYPE_IDS[wtype], n)
+
+
 def latent_attend(
     q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, r: torch.Tensor, scale: float
 ) -> torch.Tensor:

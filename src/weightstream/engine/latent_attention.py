@@ -36,28 +36,53 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from weightstream import native
 from weightstream.engine.kernels import NativeLinear
 from weightstream.errors import WeightstreamError
+from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
 
 FORMS = ("absorbed", "expanded")
 IMPLEMENTATION = "weightstream_latent"
 
 
-def rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
-    """Query rows from which expanding the latent costs fewer multiply-adds than the absorbed form."""
-    saved_a_pair = 2 * kv_lora - nope - v  # absorbed (2 kv_lora + rope) less expanded (nope + rope + v)
-    return -(-kv_lora * (nope + v) // saved_a_pair) if saved_a_pair > 0 else 0
-
-
 class LatentAttention:
-    """One MLA module's absorbed attention: its kv_b_proj weight viewed per head as k_b and v_b."""
+    """One MLA module's absorbed attention: its kv_b_proj weight per head as k_b and v_b.
+
+    Where kv_b's weights are bfloat16 values (as `weightstream import` stores llama.cpp's split `attn_k_b` and
+    `attn_v_b`, and as bf16 checkpoints hold them) and the rows are whole 32-value blocks, k_b and v_b are kept as
+    bf16 rows in llama.cpp's layout (k_b: each head's kv_lora x nope, v_b: its v x kv_lora) and multiplied by the
+    native kernels (`native.heads_product`: float32 activations, each bf16 weight exact): half the bytes a token of
+    float32 copies, which decode reads cold every layer (16 heads of kv_lora 512: 4 MiB a layer, 0.7 ms of a 20 ms
+    token at depth 256 on the V2-Lite shape). Else float32 views, multiplied by torch."""
 
     def __init__(self, module: torch.nn.Module):
         self.heads, self.kv_lora = module.num_heads, module.kv_lora_rank
         self.nope, self.rope, self.v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
-        self.weight = _kv_b_weight(module.kv_b_proj)  # (H * (nope + v), kv_lora) float32
-        per_head = self.weight.view(self.heads, self.nope + self.v, self.kv_lora)
-        self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
-        self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
+        weight = _kv_b_weight(module.kv_b_proj)  # (H * (nope + v), kv_lora) float32
+        per_head = weight.view(self.heads, self.nope + self.v, self.kv_lora)
+        self.k_rows, self.v_rows = _bf16_rows(per_head, self.nope)
+        if self.k_rows is None:
+            self.weight = weight
+            self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
+            self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
         self.expand_from = rows_to_expand(self.kv_lora, self.nope, self.v)
+
+    def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight (H * (nope + v), kv_lora) in `dtype`, for the expanded form."""
+        if self.k_rows is None:
+            return self.weight.to(dtype)
+        k = self.k_rows.view(torch.bfloat16).view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
+        v = self.v_rows.view(torch.bfloat16).view(self.heads, self.v, self.kv_lora)
+        return torch.cat([k, v], dim=1).reshape(-1, self.kv_lora).to(dtype)
+
+    def _to_latent(self, by_head: torch.Tensor) -> torch.Tensor:
+        """(H, M, kv_lora): each head's query rows (H, M, nope) times its k_b."""
+        if self.k_rows is None:
+            return torch.bmm(by_head, self.k_b)
+        return native.heads_product(by_head, self.k_rows, "BF16", self.kv_lora)
+
+    def _to_values(self, by_head: torch.Tensor) -> torch.Tensor:
+        """(H, M, v): each head's weighted latents (H, M, kv_lora) times its v_b."""
+        if self.k_rows is None:
+            return torch.bmm(by_head, self.v_b)
+        return native.heads_product(by_head, self.v_rows, "BF16", self.v)
 
     @staticmethod
     def keep_latent(latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +103,7 @@ class LatentAttention:
         batch, heads, rows, _ = query.shape
         q_nope, q_rot = query.split([self.nope, self.rope], dim=-1)  # (B, H, S, N), (B, H, S, R)
         by_head = q_nope.transpose(0, 1).reshape(heads, batch * rows, self.nope)  # (H, B*S, N)
-        q_lat = torch.bmm(by_head, self.k_b)  # (H, B*S, L)
+        q_lat = self._to_latent(by_head)  # (H, B*S, L)
         q_lat = q_lat.view(heads, batch, rows, self.kv_lora).transpose(0, 1).reshape(batch, heads * rows, -1)
         q_rot = q_rot.reshape(batch, heads * rows, self.rope)
         c, r = latent[:, 0], k_rot[:, 0]  # (B, T, L), (B, T, R)
@@ -91,12 +116,12 @@ class LatentAttention:
             probs = torch.softmax(scores, dim=-1)
             weighted = torch.bmm(probs.view(batch, heads * rows, -1), c)  # (B, H*S, L)
         by_head = weighted.view(batch, heads, rows, self.kv_lora).transpose(0, 1).reshape(heads, batch * rows, -1)
-        out = torch.bmm(by_head, self.v_b)  # (H, B*S, V)
+        out = self._to_values(by_head)  # (H, B*S, V)
         return out.view(heads, batch, rows, self.v).permute(1, 2, 0, 3).contiguous()  # (B, S, H, V)
 
     def _expanded(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
         batch, _, positions, _ = latent.shape
-        kv = F.linear(latent, self.weight.to(latent.dtype))  # (B, 1, T, H * (N + V))
+        kv = F.linear(latent, self._kv_b(latent.dtype))  # (B, 1, T, H * (N + V))
         kv = kv.view(batch, positions, self.heads, self.nope + self.v).transpose(1, 2)
         k_nope, values = kv.split([self.nope, self.v], dim=-1)
         keys = torch.cat([k_nope, k_rot.expand(-1, self.heads, -1, -1)], dim=-1)
@@ -145,6 +170,21 @@ def _kv_b_weight(projection: torch.nn.Module) -> torch.Tensor:
         f"latent attention: kv_b_proj is a {type(projection).__name__}, not a Linear without bias; run with "
         "--latent-attention expanded"
     )
+
+
+def _bf16_rows(per_head: torch.Tensor, nope: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """k_b as each head's (kv_lora, nope) rows and v_b as its (v, kv_lora) rows, the bytes of bf16 blocks, where
+    every weight of kv_b (H, nope + v, kv_lora) is a bfloat16 value and both row widths are whole 32-value blocks
+    (and the native kernels are here); else (None, None)."""
+    kv_lora = per_head.shape[2]
+    if not native.available() or nope % 32 or kv_lora % 32:
+        return None, None
+    as_bf16 = per_head.to(torch.bfloat16)
+    if not torch.equal(as_bf16.float(), per_head):  # float32 weights: kept as they are
+        return None, None
+    k_rows = as_bf16[:, :nope].transpose(1, 2).contiguous()  # (H, kv_lora, nope)
+    v_rows = as_bf16[:, nope:].contiguous()  # (H, v, kv_lora)
+    return k_rows.reshape(-1).view(torch.uint8), v_rows.reshape(-1).view(torch.uint8)
 
 
 def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

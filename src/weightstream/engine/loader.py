@@ -176,7 +176,7 @@ def load_streaming_model(
         else:  # the longest context one sequence reaches in it (serve: --kv-cache, within --max-model-len)
             context = longest_context(text, kv, itemsize, min(context or positions, positions))
         eager = getattr(model.config, "_attn_implementation", None) == "eager"
-        late = context_temporaries(text, context, warmup_tokens, itemsize, eager)
+        late = context_temporaries(text, context, warmup_tokens, itemsize, eager, latent_attention)
         runtime = install(cache_of(layout.working_set_bytes))
         footprint = _measure(model, runtime, memory_bytes, libraries, kv, context, warmup_tokens, late)
         budget = footprint.expert_cache

@@ -72,21 +72,46 @@ def longest_context(text_config, kv_bytes: int, dtype_bytes: int, positions: int
     return low
 
 
-def context_temporaries(text_config, context: int, chunk: int, dtype_bytes: int, eager: bool) -> int:
+def latent_rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
+    """Query rows from which DeepSeek's latent attention costs fewer multiply-adds expanded (keys and values
+    re-made from the latent, then attention) than absorbed (attention over the latent itself): a head pays
+    (2 kv_lora + rope) a (query, key) pair absorbed and (nope + rope + v) expanded, plus kv_lora x (nope + v) a key
+    for the expansion (171 for DeepSeek-V2/V3's sizes)."""
+    saved_a_pair = 2 * kv_lora - nope - v
+    return -(-kv_lora * (nope + v) // saved_a_pair) if saved_a_pair > 0 else 0
+
+
+def context_temporaries(
+    text_config, context: int, chunk: int, dtype_bytes: int, eager: bool, latent: str = "absorbed"
+) -> int:
     """Bytes a forward of `chunk` positions after `context` cached ones holds that a first forward of `chunk`
     positions (--memory's warm-up) does not, since they grow with the context: a layer's keys and values copied
     while it appends (DynamicCache concatenates: the old and the new tensor live together), or, where query heads
     share KV heads, the layer's keys and values repeated for every query head (transformers' sdpa repeats them for a
     masked forward, every chunk after the first; eager attention always), whichever is more (the copy is freed
     before attention runs); and eager attention's scores, heads x chunk x context, in float32 for the softmax and
-    twice in the model's dtype."""
+    twice in the model's dtype. DeepSeek's latent attention (`latent` its form, engine/latent_attention.py) holds
+    instead, absorbed: the float32 scores of every head over the context three times (scores, masked, softmax) and
+    a decode row's partial sums (a block of 128 positions, kv_lora floats a head); expanded (the form, or a chunk
+    of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context."""
     layer = _kv_elements_per_token(text_config) * dtype_bytes * context
+    if getattr(text_config, "kv_lora_rank", None):
+        return layer + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent)
     heads = int(text_config.num_attention_heads)
     groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
     total = max(layer, groups * layer)
     if eager:
         total += heads * chunk * context * (4 + 2 * dtype_bytes)
     return total
+
+
+def _latent_temporaries(cfg, context: int, chunk: int, dtype_bytes: int, eager: bool, latent: str) -> int:
+    heads, lora = int(cfg.num_attention_heads), int(cfg.kv_lora_rank)
+    nope, rope, v = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
+    if latent == "absorbed" and chunk < latent_rows_to_expand(lora, nope, v):
+        return 3 * heads * chunk * context * 4 + -(-context // 128) * heads * lora * 4
+    expanded = heads * context * (2 * nope + rope + 2 * v) * dtype_bytes  # kv_b's output, then keys, values
+    return expanded + (heads * chunk * context * (4 + 2 * dtype_bytes) if eager else 0)
 
 
 def _kv_elements_per_token(cfg) -> int:
