@@ -4,6 +4,7 @@
 - experts: the experts implementation registered with transformers, and the per-layer step it runs;
 - kernels: expert kernels (one class per form of the expert's weights) and NativeLinear for dense GGML blocks;
 - fused: one native call where transformers runs a chain of small ops (RMSNorm, rotary embedding) in float32;
+- latent_attention: DeepSeek's multi-head latent attention absorbed (attention over the cached latent);
 - runtime: per-model state (the source, routing hooks, counters);
 - page_cache_source: experts through mmap (the baseline);
 - kv_cache: the KV cache the engine generates with, its buffers sized for the whole generation;
