@@ -199,19 +199,9 @@ def main() -> None:
         "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack), args.decode_depth),
         "weightstream": lambda: ours(args.imported, args.threads),
     }
-    runs = alternated(
-        args.rounds,
-        sides,
-        lambda r, who, got: print(f"[gguf-speed] round {r} {who}: {got}", file=sys.stderr, flush=True),
-    )
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gguf": os.path.basename(args.gguf),
-        "gguf_bytes": os.path.getsize(args.gguf),
-        "threads": args.threads,
-        "llama_repack": bool(args.repack),
+    runs, report = run_rounds(args, sides)
+    report |= {
         "llama_decode_depth": args.decode_depth,
-        "rounds": args.rounds,
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS,
         "llama.cpp": summary(runs["llama.cpp"]),
@@ -230,11 +220,8 @@ def main() -> None:
     save(text, args.out)
 
 
-def at_depths(args) -> None:
-    depths = sorted({int(d) for d in args.depths.split(",")})
-    sides = {"llama.cpp": lambda: llama_at_depths(args.gguf, args.threads, bool(args.repack), depths)}
-    for form in args.latent_attention.split(","):
-        sides[f"weightstream {form}"] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
+def run_rounds(args, sides: dict) -> tuple[dict, dict]:
+    """Each side's runs, alternated over --rounds, and the report's common head (date, file, threads, rounds)."""
     runs = alternated(
         args.rounds,
         sides,
@@ -247,6 +234,17 @@ def at_depths(args) -> None:
         "threads": args.threads,
         "llama_repack": bool(args.repack),
         "rounds": args.rounds,
+    }
+    return runs, report
+
+
+def at_depths(args) -> None:
+    depths = sorted({int(d) for d in args.depths.split(",")})
+    sides = {"llama.cpp": lambda: llama_at_depths(args.gguf, args.threads, bool(args.repack), depths)}
+    for form in args.latent_attention.split(","):
+        sides[f"weightstream {form}"] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
+    runs, report = run_rounds(args, sides)
+    report |= {
         "prompt_tokens": DEPTH_PROMPT,
         "new_tokens": DEPTH_NEW,
         "depths": depth_report(runs, depths),
