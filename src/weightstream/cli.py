@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from weightstream import __version__
@@ -49,7 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"weightstream.commands.{name}").register(sub)
+    _dash_digit_is_a_value(parser)
     return parser
+
+
+# argparse takes a value that starts with '-' for an option unless it is a plain negative number, so
+# `--expert-cache -2x` failed with "expected one argument"; no option here is named '-' and a digit, so such a value
+# reaches the option's own check, which says what is wrong with it.
+_DASH_DIGIT = re.compile(r"^-\.?\d")
+
+
+def _dash_digit_is_a_value(parser: argparse.ArgumentParser) -> None:
+    """Reads '-2x', '-1GiB' (a dash, then a digit) as values in `parser` and every subcommand's parser under it."""
+    parser._negative_number_matcher = _DASH_DIGIT
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _dash_digit_is_a_value(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,3 +38,11 @@ def parse_cache_size(text: str | int, working_set_bytes: int | None = None, what
             "measure it against; give bytes instead, e.g. 2GiB"
         )
     return int(multiple * working_set_bytes)
+
+
+def check_cache_size(text: str | None, what: str = "--expert-cache") -> str | None:
+    """`text` as given once it reads as a size or a multiple: a typo is refused before a model loads or a port
+    is bound (a multiple is measured against the working set only then)."""
+    if text is not None and multiple_of(text) is None:
+        parse_cache_size(text, what=what)
+    return text

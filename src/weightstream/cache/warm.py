@@ -68,6 +68,8 @@ def read_state(path: str, layout: ModelLayout) -> tuple[list[Key], dict[Key, int
     try:
         with open(path) as f:
             state = json.load(f)
+        if not isinstance(state, dict):  # valid JSON of another shape: `[]`, `null`, a number
+            raise ValueError(f"it holds {json.dumps(state)[:40]}, not a JSON object")
         if state.get("version") != VERSION or state.get("fingerprint") != fingerprint(layout):
             _say_once(f"{path} was saved for other expert files; starting cold")
             return None

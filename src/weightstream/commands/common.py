@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER
+from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
@@ -161,7 +161,7 @@ def add_expert_kernel_option(p) -> None:
 def engine_kwargs(args) -> dict:
     """`load_streaming_model` keyword arguments from the options `add_engine_options` defines."""
     return {
-        "expert_cache": args.expert_cache,
+        "expert_cache": check_cache_size(args.expert_cache),
         "io_threads": args.io_threads,
         "policy": args.policy,
         "policy_options": _policy_options(args.policy, args.pinned_experts),

@@ -60,10 +60,15 @@ def run(args) -> int:
 
     from weightstream.engine.generate import generate
     from weightstream.engine.loader import load_streaming_model, load_tokenizer
+    from weightstream.store.checkpoint import open_checkpoint
 
+    engine = engine_kwargs(args)
+    open_checkpoint(model_dir)  # a directory that is no model is told so, not that it lacks a tokenizer
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if ids is None else ids
-    engine = engine_kwargs(args)
+    if not ids:
+        raise WeightstreamError(f"--prompt {args.prompt!r}: no tokens to start from; give a non-empty prompt")
+    _check_context(model_dir, len(ids), args.max_new_tokens)
     if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its longest forward
         engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
     model = load_streaming_model(model_dir, **engine)
@@ -93,3 +98,21 @@ def run(args) -> int:
         print(text if text is not None else " ".join(map(str, token_ids)))
         print(summary_line(stats), file=sys.stderr)
     return 0
+
+
+def _check_context(model_dir: str, prompt: int, new: int) -> None:
+    """Refuses a prompt plus new tokens past the model's positions (as serve does), before the model loads."""
+    from weightstream.store.model import load_config
+
+    limit = getattr(load_config(model_dir).get_text_config(), "max_position_embeddings", None)
+    if limit is None or prompt + new <= limit:
+        return
+    if prompt >= limit:
+        raise WeightstreamError(
+            f"the prompt is {prompt} tokens and {model_dir} has {limit} positions (max_position_embeddings), "
+            "which leaves no room for an answer; shorten the prompt"
+        )
+    raise WeightstreamError(
+        f"--max-new-tokens {new}: a {prompt}-token prompt plus {new} new tokens is {prompt + new} positions, past "
+        f"the {limit} of {model_dir} (max_position_embeddings); ask for at most {limit - prompt}"
+    )

@@ -195,6 +195,10 @@ def run(args) -> int:
         raise WeightstreamError(f"--plot {args.plot}: its directory does not exist; create it or choose another")
     miss_copy = _miss_copy(args)
     trace = load(args.trace)
+    if not trace.n_steps:
+        raise WeightstreamError(
+            f"{args.trace}: the trace has no steps, so there is no routing to replay; import or record one with tokens"
+        )
     policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
     w = Workload(trace, args.train_share)
     opts = Options(protected_share=args.protected_share, threshold=args.adaptive_threshold)

@@ -113,9 +113,21 @@ def _parse_experts(where: str, text: str) -> list[int]:
 
 
 def _read_csv(path: Path, shape: ModelShape) -> dict[str, dict[int, list[list[int]]]]:
-    """batch -> layer -> per-token expert lists, in file order."""
+    """batch -> layer -> per-token expert lists, in file order; a file that is not UTF-8 text is refused by name."""
+    try:
+        return _read_csv_rows(path, shape)
+    except UnicodeDecodeError as exc:
+        raise WeightstreamError(
+            f"{path}: not a UTF-8 CSV ({exc.reason}: {exc.object[exc.start]:#04x}); is this a moe-beyond CSV?"
+        ) from None
+
+
+def _read_csv_rows(path: Path, shape: ModelShape) -> dict[str, dict[int, list[list[int]]]]:
+    """`_read_csv` of a file that decodes."""
     batches: dict[str, dict[int, list[list[int]]]] = {}
-    with open(path, newline="", encoding="utf-8") as f:
+    # utf-8-sig: spreadsheets start their CSV exports with a byte-order mark (and end lines with CRLF, which the
+    # csv module reads with newline="")
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:

@@ -55,6 +55,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _not_a_boolean(value):
+    """A JSON true or false where a number belongs is refused: pydantic alone would read it as 1 or 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"{json.dumps(value)} is a boolean, not a number; send a number")
+    return value
+
+
+_NUMBERS = ("max_tokens", "temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -74,6 +84,8 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias added to its logit
     presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+
+    _numbers_are_not_booleans = field_validator(*_NUMBERS, mode="before")(_not_a_boolean)
 
     @field_validator("stop")
     @classmethod
@@ -129,6 +141,8 @@ class ChatRequest(_Request):
     logprobs: StrictBool | None = None  # "yes" or 1 would pass as true otherwise
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
+    _counts_are_not_booleans = field_validator("max_completion_tokens", "top_logprobs", mode="before")(_not_a_boolean)
+
     def top_logprobs_wanted(self) -> int | None:
         """Alternatives per token to report (0: the token's own logprob only), or None: no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -140,6 +154,8 @@ class CompletionRequest(_Request):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    _counts_are_not_booleans = field_validator("logprobs", "best_of", mode="before")(_not_a_boolean)
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs

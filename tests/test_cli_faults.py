@@ -1,0 +1,184 @@
+"""Bad input from issue 52, each through the shipped entry point (the CLI's `main`, or HTTP for serve): a one-line
+error naming the input, or the right behaviour, and never a traceback."""
+
+import contextlib
+import io
+import json
+import random
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+from cli_support import refused_in_process
+
+from weightstream.cli import main
+from weightstream.trace import load, resolve_shape, save
+from weightstream.trace.format import Trace
+
+from serve_support import ServerProcess
+
+GOOD_CSV_ROWS = [f'{layer},0,tok{t},"[{t}, 1, 2, 3, 4, 5]"' for layer in range(1, 27) for t in range(2)]
+CSV_HEADER = "Layer ID,Batch Number,Token,Activated Expert IDs"
+
+
+def ran_in_process(*args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `weightstream ARGS` run to its end by the CLI's `main` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, err: str, command: str, *words: str) -> None:
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]  # a progress bar may leave a blank line behind
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"weightstream {command}: error: "), err
+    for word in words:
+        assert word in err, (word, err)
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails the test if the command goes on to load a model or serve: what it refuses, it refuses before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the command loaded a model or served before refusing its input")
+
+    monkeypatch.setattr("weightstream.engine.loader.load_streaming_model", refuse)
+    monkeypatch.setattr("weightstream.engine.serve.server.serve", refuse)
+
+
+def test_warm_restart_state_of_another_json_shape_starts_cold(tiny_model, tmp_path):
+    """Case 2: `[]` or `null` in the saved state is reported as unreadable and the run goes on cold."""
+    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
+    state = model / ".weightstream" / "expert-cache-state.json"
+    state.parent.mkdir()
+    for text in ("[]", "null"):
+        state.write_text(text)
+        code, out, err = ran_in_process(
+            "generate", model, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--warm-restart", "--io-threads", "2"
+        )
+        assert code == 0 and "Traceback" not in err, err
+        assert f"{state} is unreadable (it holds {text}, not a JSON object); starting cold" in err, err
+        assert "tok/s" in err  # it generated
+        assert isinstance(json.loads(state.read_text()), dict)  # the run saved its own state over the damaged one
+
+
+def test_an_empty_prompt_is_refused(tiny_model, nothing_loads):
+    """Case 3: `--prompt ""` is refused as `--prompt-ids ""` is, not a ValueError from max()."""
+    code, err = refused_in_process("generate", tiny_model("qwen3_moe"), "--prompt", "")
+    assert_one_line_error(code, err, "generate", "--prompt ''", "no tokens", "non-empty prompt")
+
+
+def test_a_moe_beyond_csv_that_is_not_utf8_is_refused_by_name(tmp_path):
+    """Case 4: 300 random bytes given as a moe-beyond CSV: the file named, not a UnicodeDecodeError."""
+    path = tmp_path / "noise.csv"
+    path.write_bytes(b"\xff" + random.Random(52).randbytes(299))
+    out = tmp_path / "t.npz"
+    code, err = refused_in_process(
+        "trace", "import", path, "--format", "moe-beyond-csv", "--model-shape", "deepseek-v2-lite", "-o", out
+    )
+    assert_one_line_error(code, err, "trace", f"{path}: not a UTF-8 CSV", "0xff", "moe-beyond CSV")
+    assert not out.exists()
+
+
+def test_a_generation_past_the_models_positions_is_refused_before_loading(tiny_model, nothing_loads):
+    """Case 5: prompt + --max-new-tokens past max_position_embeddings (512) is refused, naming the numbers."""
+    model = tiny_model("qwen3_moe")
+    code, err = refused_in_process("generate", model, "--prompt-ids", "1,2", "--max-new-tokens", "10000")
+    words = ("--max-new-tokens 10000", "2-token prompt", "10002 positions", "512", "ask for at most 510")
+    assert_one_line_error(code, err, "generate", *words)
+    code, err = refused_in_process("generate", model, "--prompt-ids", ",".join(["1"] * 512))
+    assert_one_line_error(code, err, "generate", "512 tokens", "512 positions", "shorten the prompt")
+
+
+def test_simulating_a_trace_without_steps_is_refused(tmp_path):
+    """Case 7: a valid trace with no steps is an error, not a table of zeros."""
+    none32, none64 = np.zeros(0, np.int32), np.zeros(1, np.int64)
+    empty = Trace(
+        resolve_shape("deepseek-v2-lite"), ["r0"], none32, np.zeros(0, np.uint8), none32, none64, none32, none64, none32
+    )
+    path = tmp_path / "empty.npz"
+    save(empty, path)
+    assert load(path).n_steps == 0  # a trace file every reader accepts
+    for extra in ((), ("--train-share", "0")):
+        code, err = refused_in_process("simulate", path, *extra)
+        assert_one_line_error(code, err, "simulate", f"{path}: the trace has no steps")
+
+
+def test_a_directory_without_config_is_named_before_the_tokenizer(tmp_path, nothing_loads):
+    """Case 8: `--prompt` on an empty directory says what `--prompt-ids` says (no config.json), not 'no tokenizer'."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = refused_in_process("generate", empty, "--prompt", "hi")
+    assert_one_line_error(code, err, "generate", f"{empty}/config.json: missing config.json")
+    assert "tokenizer" not in err
+    assert refused_in_process("generate", empty, "--prompt-ids", "1") == (code, err)
+
+
+def test_serve_refuses_a_bad_expert_cache_before_binding_or_loading(tiny_model, nothing_loads):
+    """Case 9: `serve --expert-cache abc` is refused before a port is bound or the model loads."""
+    code, err = refused_in_process("serve", tiny_model("qwen3_moe"), "--port", "0", "--expert-cache", "abc")
+    assert_one_line_error(code, err, "serve", "--expert-cache 'abc': not a size", "1.5x")
+    assert "listening" not in err and "stopped" not in err
+
+
+def test_a_spreadsheet_csv_with_a_byte_order_mark_and_crlf_imports(tmp_path):
+    """Case 10: a UTF-8 BOM and CRLF line ends (as spreadsheets export) import as the plain file does."""
+    plain, sheet = tmp_path / "plain", tmp_path / "sheet"
+    plain.mkdir()
+    sheet.mkdir()
+    lines = [CSV_HEADER, *GOOD_CSV_ROWS]
+    (plain / "p.csv").write_bytes(("\n".join(lines) + "\n").encode())
+    (sheet / "p.csv").write_bytes(b"\xef\xbb\xbf" + ("\r\n".join(lines) + "\r\n").encode())
+    traces = []
+    for where in (plain, sheet):
+        args = ("--format", "moe-beyond-csv", "--model-shape", "deepseek-v2-lite", "-o", where / "t.npz")
+        code, out, err = ran_in_process("trace", "import", where / "p.csv", *args)
+        assert code == 0 and "Traceback" not in err, err
+        assert "1 requests, 2 tokens" in out
+        traces.append(load(where / "t.npz"))
+    assert traces[0].requests == traces[1].requests == ["p.csv"]
+    assert np.array_equal(traces[0].experts, traces[1].experts)
+    assert np.array_equal(traces[0].group_layer, traces[1].group_layer)
+
+
+def test_a_negative_expert_cache_gets_the_size_error(tiny_model, nothing_loads):
+    """Case 12: `--expert-cache -2x` and `--expert-cache=-2x` both get weightstream's size error, not argparse's
+    "expected one argument"."""
+    model = tiny_model("qwen3_moe")
+    for given in (("--expert-cache", "-2x"), ("--expert-cache=-2x",)):
+        code, err = refused_in_process("generate", model, "--prompt-ids", "1", *given)
+        assert_one_line_error(code, err, "generate", "--expert-cache '-2x': not a size")
+
+
+def test_serve_refuses_booleans_where_numbers_belong(tiny_model):
+    """Case 12: `"max_tokens": true` is a 400 that names the field, not a one-token completion."""
+    server = ServerProcess(tiny_model("qwen3_moe"), "--expert-cache", "2x", "--io-threads", "2")
+    try:
+        server.wait_ready()
+        completion = {"model": "model", "prompt": "Hi", "temperature": 0}
+        chat = {"model": "model", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+        cases = [
+            ("/v1/completions", {**completion, "max_tokens": True}, "max_tokens", "true"),
+            ("/v1/completions", {**completion, "max_tokens": False}, "max_tokens", "false"),
+            ("/v1/completions", {**completion, "max_tokens": 2, "n": True}, "n", "true"),
+            ("/v1/chat/completions", {**chat, "max_completion_tokens": True}, "max_completion_tokens", "true"),
+            ("/v1/chat/completions", {**chat, "max_tokens": 2, "temperature": True}, "temperature", "true"),
+        ]
+        for path, body, param, value in cases:
+            r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+            assert error["message"] == f"{param}: {value} is a boolean, not a number; send a number", error
+        ok = httpx.post(f"{server.url}/v1/completions", json={**completion, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
+        assert "Traceback" not in server.stderr
+    finally:
+        server.kill()
