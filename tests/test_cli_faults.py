@@ -182,3 +182,12 @@ def test_serve_refuses_booleans_where_numbers_belong(tiny_model):
         assert "Traceback" not in server.stderr
     finally:
         server.kill()
+
+
+def test_a_small_models_summary_says_its_sizes_in_units_that_scale_down(tiny_model):
+    """Case 11: the run's summary line gave a tiny model's cache and working set as "0 MiB"."""
+    code, out, err = ran_in_process("generate", tiny_model("qwen3_moe"), "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert code == 0, err
+    summary = next(line for line in err.splitlines() if line.startswith("prefill "))
+    assert " 0 MiB" not in summary and " 0.0 MiB" not in summary, summary
+    assert "KiB" in summary, summary  # the tiny model's experts are a few KiB each

@@ -8,6 +8,7 @@ from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER, che
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
+from weightstream.units import format_bytes
 
 KERNEL_CHOICES = ("auto", "eager-linear", "eager-matmul-bias", "one-expert-eager")
 
@@ -207,13 +208,13 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def summary_line(stats) -> str:
-    mib = 2**20
+    """The run in one line; sizes in units that scale down, so a small model's cache is not "0 MiB"."""
     return (
         f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.2f} tok/s, "
-        f"hit rate {stats.expert_hit_rate:.1%}, read {stats.bytes_read / mib:.1f} MiB "
-        f"({stats.bytes_read_per_token / mib:.2f} MiB/token), I/O wait {stats.io_wait_s:.2f} s, "
-        f"cache {stats.expert_cache_bytes / mib:.0f} MiB ({stats.expert_cache_slots} slots; working set "
-        f"{stats.working_set_bytes / mib:.0f} MiB)"
+        f"hit rate {stats.expert_hit_rate:.1%}, read {format_bytes(stats.bytes_read)} "
+        f"({format_bytes(stats.bytes_read_per_token)}/token), I/O wait {stats.io_wait_s:.2f} s, "
+        f"cache {format_bytes(stats.expert_cache_bytes)} ({stats.expert_cache_slots} slots; working set "
+        f"{format_bytes(stats.working_set_bytes)})"
         + (prediction_line(stats) if stats.predict_next else "")
         + (miss_copy_line(stats) if stats.miss_copy_bits else "")
     )
