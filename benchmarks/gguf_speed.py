@@ -108,8 +108,8 @@ def llama_at_depths(gguf: str, threads: int, repack: bool, depths: list[int]) ->
     bin_dir = llamacpp.build()
     if bin_dir is None:
         raise SystemExit("llama.cpp is not built here (no compiler or cmake)")
-    argv = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", str(DEPTH_PROMPT), "-n", str(DEPTH_NEW), "-t", str(threads)]
-    argv += ["-r", "1", "-o", "json", "-d", ",".join(map(str, depths))] + ([] if repack else ["--repack", "0"])
+    argv = llamacpp.bench_argv(bin_dir, gguf, DEPTH_PROMPT, DEPTH_NEW, threads, 1, repack)
+    argv += ["-d", ",".join(map(str, depths))]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=7200)
     if done.returncode != 0:
         raise SystemExit(f"llama-bench exit {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -181,6 +181,15 @@ def quantize(src: str, out: str, qtype: str = "Q4_K_M", threads: int = 2) -> str
     return out
 
 
+def bench_argv(
+    bin_dir: Path, gguf: str, prompt_tokens: int, tokens: int, threads: int, repeats: int, repack: bool
+) -> list[str]:
+    """llama-bench's command line for a prompt test of `prompt_tokens` and a decode test of `tokens`, JSON out."""
+    argv = [str(bin_dir / "llama-bench"), "-m", gguf, "-p", str(prompt_tokens), "-n", str(tokens)]
+    argv += ["-t", str(threads), "-r", str(repeats), "-o", "json"]
+    return argv + ([] if repack else ["--repack", "0"])
+
+
 def bench(
     gguf: str,
     threads: int = 2,
@@ -205,23 +214,7 @@ def bench(
     bin_dir = build()
     if bin_dir is None:
         return {"skipped": "llama.cpp is not built here (no compiler or cmake)"}
-    argv = [
-        str(bin_dir / "llama-bench"),
-        "-m",
-        gguf,
-        "-p",
-        str(prompt_tokens),
-        "-n",
-        str(tokens),
-        "-t",
-        str(threads),
-        "-r",
-        str(repeats),
-        "-o",
-        "json",
-    ]
-    if not repack:
-        argv += ["--repack", "0"]
+    argv = bench_argv(bin_dir, gguf, prompt_tokens, tokens, threads, repeats, repack)
     if decode_depth:
         argv += ["-d", f"0,{decode_depth}"]  # every test at both depths: pp at 0 and tg at decode_depth are kept
     from weightstream.bench.reclaim import paused_proactive_reclaim

@@ -201,12 +201,17 @@ def is_latent_attention(module: torch.nn.Module) -> bool:
     return all(hasattr(module, name) for name in needed) and callable(getattr(type(module), "expand_kv", None))
 
 
-def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> int:
-    """Put the absorbed form in the model's latent attention modules (form "absorbed"; "expanded" leaves them as
-    transformers made them); how many modules were changed. Their kv_b_proj goes: its weight is held in float32 by
-    the LatentAttention (the same tensor for a float32 model)."""
+def check_form(form: str) -> None:
+    """Refuses a form of latent attention other than FORMS."""
     if form not in FORMS:
         raise WeightstreamError(f"--latent-attention {form!r}: choose one of {', '.join(FORMS)}")
+
+
+def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> int:
+    """Put the absorbed form in the model's latent attention modules (form "absorbed"; "expanded" leaves them as
+    transformers made them); how many modules were changed. Their kv_b_proj goes: the LatentAttention holds its
+    weight (as bf16 rows, or in float32)."""
+    check_form(form)
     if form == "expanded":
         return 0
     changed = 0

@@ -34,8 +34,8 @@ from weightstream.engine.kernels import (
     check_kernel_name,
     choose_kernel,
 )
-from weightstream.engine.latent_attention import FORMS as LATENT_FORMS
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
+from weightstream.engine.latent_attention import check_form as check_latent_form
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
@@ -101,8 +101,7 @@ def load_streaming_model(
     The returned model works with `.generate()`; `model.weightstream` is its StreamingRuntime (stats, hooks).
     """
     expert_source = _check_options(expert_kernel, expert_source, predict_next, miss_copy)
-    if latent_attention not in LATENT_FORMS:
-        raise WeightstreamError(f"--latent-attention {latent_attention!r}: choose one of {', '.join(LATENT_FORMS)}")
+    check_latent_form(latent_attention)  # before anything loads
     memory_bytes = _check_memory(memory, expert_cache, expert_source, warm_restart)
     if memory_bytes is not None:
         bound_heap()  # so that what the warm-up measures is what decode holds
