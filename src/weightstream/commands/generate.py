@@ -24,7 +24,9 @@ def register(sub) -> None:
         help="generate text, streaming experts from the checkpoint",
         description="Load a Mixture-of-Experts checkpoint with only its dense weights in memory and stream "
         "experts from disk through a fixed-budget expert cache (O_DIRECT, dedicated I/O threads, reads "
-        "overlapped with compute). Tokens equal the in-memory model's (not with --miss-copy). Greedy by default.",
+        "overlapped with compute). Tokens equal the in-memory model's (not with --miss-copy; DeepSeek's latent "
+        "attention, absorbed by default, gives its logits within float32 rounding: --latent-attention expanded "
+        "for its exact ones). Greedy by default.",
         epilog="examples:\n  weightstream generate models/olmoe --prompt 'Hello' --expert-cache 2GiB\n"
         "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
