@@ -25,8 +25,8 @@ import sys
 from common import run_part
 from common.results import default, save
 
+from weightstream.bench.prompts import tokenized_prompts
 from weightstream.bench.runner import BenchConfig, run_bench
-from weightstream.engine.prompts import tokenized_prompts
 from weightstream.units import parse_size
 
 KEEP = (

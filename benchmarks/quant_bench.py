@@ -41,8 +41,8 @@ from common import run_part  # noqa: E402
 from common.results import default, save  # noqa: E402
 
 from weightstream.bench.machine import block_device_of, machine_info  # noqa: E402
+from weightstream.bench.prompts import tokenized_prompts  # noqa: E402
 from weightstream.bench.runner import BenchConfig, child_config, run_bench, run_child, summarize  # noqa: E402
-from weightstream.engine.prompts import tokenized_prompts  # noqa: E402
 from weightstream.store.model import map_model  # noqa: E402
 from weightstream.units import parse_size  # noqa: E402
 

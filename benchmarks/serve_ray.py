@@ -4,7 +4,7 @@ two choices), on the same replicas, prompts and routing, back to back.
 One local Ray cluster for the run. Per round and router (the routers' order alternates between rounds) a fresh
 application of --replicas replicas, each a full engine under its own --expert-cache (or --memory), the routing trace
 replayed per prompt (a prompt replays the trace request its token ids hash to, so it reads the same experts on any
-replica: engine/serve/replay.py; without --trace the model routes itself); then the same requests in the same
+replica: engine/batching/replay.py; without --trace the model routes itself); then the same requests in the same
 shuffled order: --prompts distinct prompts, each sent --repeats times, by --clients concurrent clients, greedy,
 exactly --max-tokens each (EOS banned by logit_bias: replayed routing makes the text meaningless). Per run:
 aggregate tok/s (completion tokens / wall time from the first request to the last answer), device bytes read per
@@ -40,8 +40,8 @@ from common.results import default, save
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightstream.bench.machine import block_device_of, machine_info
-from weightstream.engine.prompts import BUILTIN_PROMPTS
-from weightstream.engine.serve.service import ServeSettings
+from weightstream.bench.prompts import BUILTIN_PROMPTS
+from weightstream.serve.service import ServeSettings
 
 ROUTERS = ("expert-affinity", "default")
 
@@ -124,7 +124,7 @@ def replica_figures(metrics_url: str, app: str, tokens: int) -> dict:
 def run_once(args, router: str, name: str, urls: dict, order: list[str]) -> dict:
     from ray import serve
 
-    from weightstream.ray.app import RayOptions, application
+    from weightstream.serve.ray.app import RayOptions, application
 
     engine = {"io_threads": args.io_threads, "expert_cache": args.expert_cache, "memory": args.memory}
     settings = ServeSettings(
@@ -152,9 +152,9 @@ def simulate(argv: list[str]) -> None:
     import numpy as np
 
     from weightstream.cache.policy import LRUPolicy, access_layer
+    from weightstream.engine.batching.replay import prompt_request
     from weightstream.engine.loader import load_tokenizer
     from weightstream.engine.routing import per_token_choices
-    from weightstream.engine.serve.replay import prompt_request
     from weightstream.trace import load
 
     ap = argparse.ArgumentParser(prog="serve_ray.py simulate")

@@ -35,7 +35,7 @@ from common.clients import free_port, run_clients  # noqa: E402
 from common.results import default, save  # noqa: E402
 from common.rounds import alternated  # noqa: E402
 
-from weightstream.engine.prompts import BUILTIN_PROMPTS  # noqa: E402
+from weightstream.bench.prompts import BUILTIN_PROMPTS  # noqa: E402
 
 MODEL = "bench"
 

@@ -57,9 +57,9 @@ from common.results import default
 from common.results import save as save_result
 
 from weightstream.bench.machine import block_device_of, machine_info
+from weightstream.bench.prompts import tokenized_prompts
 from weightstream.bench.runner import BenchConfig, run_bench
 from weightstream.engine.loader import read_layout
-from weightstream.engine.prompts import tokenized_prompts
 from weightstream.engine.routing import layout_shape
 from weightstream.sim.replay import Options, pinned_set
 from weightstream.sim.workload import Workload

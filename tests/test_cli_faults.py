@@ -50,14 +50,14 @@ def nothing_loads(monkeypatch):
         raise AssertionError("the command loaded a model or served before refusing its input")
 
     monkeypatch.setattr("weightstream.engine.loader.load_streaming_model", refuse)
-    monkeypatch.setattr("weightstream.engine.serve.server.serve", refuse)
+    monkeypatch.setattr("weightstream.serve.server.serve", refuse)
 
 
 def test_warm_restart_state_of_another_json_shape_starts_cold(tiny_model, tmp_path):
     """Case 2: `[]` or `null` in the saved state is reported as unreadable and the run goes on cold."""
     model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
     state = model / ".weightstream" / "expert-cache-state.json"
-    state.parent.mkdir()
+    state.parent.mkdir(exist_ok=True)  # the shared model may hold a state an earlier test saved
     for text in ("[]", "null"):
         state.write_text(text)
         code, out, err = ran_in_process(

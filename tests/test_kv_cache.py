@@ -9,9 +9,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from weightstream.engine.generate import generate
 from weightstream.engine.kv_cache import GrowingLayer, engine_cache, quiet_cache_kwarg, takes_dynamic_cache
 from weightstream.engine.loader import load_streaming_model
-from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.service import ModelService, ServeSettings
 from weightstream.errors import WeightstreamError
+from weightstream.serve.metrics import ServeMetrics
+from weightstream.serve.service import ModelService, ServeSettings
 from weightstream.store.synth import DTYPES, synthesize
 
 

@@ -178,8 +178,8 @@ def test_a_state_saved_for_other_files_is_not_applied(tiny_model, tmp_path, capf
 def test_serve_with_memory_keeps_room_for_its_kv_cache_budget(tiny_model):
     """The KV budget is reserved, and what a chunk late in the longest context it holds needs more; the warm-up is
     one prefill chunk, and the scheduler prefills in chunks that long."""
-    from weightstream.engine.serve.metrics import ServeMetrics
-    from weightstream.engine.serve.service import ModelService, ServeSettings
+    from weightstream.serve.metrics import ServeMetrics
+    from weightstream.serve.service import ModelService, ServeSettings
 
     settings = ServeSettings(tiny_model("qwen3_moe"), engine={"memory": "8GiB", "io_threads": 2}, kv_cache="64MiB")
     service = ModelService(settings, ServeMetrics())
@@ -197,7 +197,7 @@ def test_serve_with_memory_keeps_room_for_its_kv_cache_budget(tiny_model):
 
 
 def test_serve_refuses_a_batch_larger_than_what_memory_measures():
-    from weightstream.engine.serve.service import ServeSettings
+    from weightstream.serve.service import ServeSettings
 
     with pytest.raises(WeightstreamError, match=r"--max-batch 300 with --memory: .* --max-batch 256 or less"):
         ServeSettings("m", engine={"memory": "1GiB"}, max_batch=300)

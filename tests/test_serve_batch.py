@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
+from weightstream.engine.batching.batch import DecodeBatch
+from weightstream.engine.batching.sampling import Sampler, SamplingParams
+from weightstream.engine.batching.scheduler import ExpertCacheFit, Refused, Scheduler
+from weightstream.engine.batching.sequence import Failed, Finished, Sequence
+from weightstream.engine.batching.steps import StepRecorder
+from weightstream.engine.batching.text import TextTail
 from weightstream.engine.kv_cache import quiet_cache_kwarg
 from weightstream.engine.loader import load_streaming_model, load_tokenizer
-from weightstream.engine.serve.batch import DecodeBatch
-from weightstream.engine.serve.sampling import Sampler, SamplingParams
-from weightstream.engine.serve.scheduler import ExpertCacheFit, Refused, Scheduler
-from weightstream.engine.serve.sequence import Failed, Finished, Sequence
-from weightstream.engine.serve.steps import StepRecorder
-from weightstream.engine.serve.text import TextTail
 
 PROMPTS = [
     [3, 17, 101, 250, 7, 42, 311, 5],

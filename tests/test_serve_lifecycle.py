@@ -13,9 +13,9 @@ import openai
 from starlette.testclient import TestClient
 
 from weightstream.cli import main
-from weightstream.engine.serve.app import build_app
-from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.service import ModelService, ServeSettings
+from weightstream.serve.app import build_app
+from weightstream.serve.metrics import ServeMetrics
+from weightstream.serve.service import ModelService, ServeSettings
 
 from serve_support import ServerProcess, metric
 

@@ -17,11 +17,11 @@ import openai
 import pytest
 import torch
 
+from weightstream.engine.batching.sampling import SamplingParams
+from weightstream.engine.batching.scheduler import Scheduler
+from weightstream.engine.batching.sequence import Finished, PromptScored, Sequence
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model, load_tokenizer
-from weightstream.engine.serve.sampling import SamplingParams
-from weightstream.engine.serve.scheduler import Scheduler
-from weightstream.engine.serve.sequence import Finished, PromptScored, Sequence
 
 from serve_support import ServerProcess, metric
 

@@ -23,10 +23,10 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 serve = pytest.importorskip("ray.serve")
 
 from weightstream.commands.serve import ray_app  # noqa: E402
+from weightstream.engine.batching.replay import prompt_request  # noqa: E402
 from weightstream.engine.loader import load_tokenizer  # noqa: E402
-from weightstream.engine.serve.replay import prompt_request  # noqa: E402
-from weightstream.engine.serve.service import ServeSettings  # noqa: E402
-from weightstream.ray.app import REPLICA_DEPLOYMENT, RayOptions, application  # noqa: E402
+from weightstream.serve.ray.app import REPLICA_DEPLOYMENT, RayOptions, application  # noqa: E402
+from weightstream.serve.service import ServeSettings  # noqa: E402
 from weightstream.trace import ModelShape, TraceWriter, save  # noqa: E402
 
 from serve_support import ServerProcess, endless, hang_up_after  # noqa: E402

@@ -22,7 +22,7 @@ def test_without_ray_the_command_names_the_extra_and_the_core_still_imports(tiny
     modules import without Ray."""
     code = (
         "import sys; sys.modules['ray'] = None\n"
-        "import weightstream.engine.serve.server, weightstream.engine.serve.affinity\n"
+        "import weightstream.serve.server, weightstream.serve.affinity\n"
         "from weightstream.cli import main\n"
         f"sys.exit(main(['serve', {tiny_model('qwen3_moe')!r}, '--ray', '--port', '0']))\n"
     )

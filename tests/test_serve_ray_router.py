@@ -1,15 +1,15 @@
 """The expert-affinity router's decision (router.decide) on replicas' reports as replicas send them, and the
-affinity key the ingress computes (engine/serve/affinity.py): deterministic, no cluster."""
+affinity key the ingress computes (serve/affinity.py): deterministic, no cluster."""
 
 import random
 
 import pytest
 
-from weightstream.engine.serve.affinity import PREFIX_CHARS, affinity_key
+from weightstream.serve.affinity import PREFIX_CHARS, affinity_key
 
 pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'weightstream[ray]')")
 
-from weightstream.ray.router import decide  # noqa: E402
+from weightstream.serve.ray.router import decide  # noqa: E402
 
 
 def report(resident: set[int], prefills: dict[str, set[int]] | None = None) -> dict:

@@ -158,7 +158,7 @@ def test_cli_import_writes_a_loadable_trace_and_reports_bad_input(tmp_path):
 
 
 def test_prompt_files_text_and_jsonl(tmp_path):
-    from weightstream.engine.prompts import read_prompts
+    from weightstream.bench.prompts import read_prompts
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Hello"}\n\n{"prompt": "World"}\n')

@@ -21,9 +21,9 @@ import time
 import psutil
 
 from common.results import default, save
+from weightstream.bench.prompts import BUILTIN_PROMPTS
 from weightstream.bench.runner import BenchConfig, child_config, run_child
 from weightstream.engine.loader import load_tokenizer
-from weightstream.engine.prompts import BUILTIN_PROMPTS
 from weightstream.io.pagecache import evict_file
 from weightstream.store.checkpoint import open_checkpoint
 

@@ -31,7 +31,7 @@ import torch, transformers  # noqa: F401
 after_import = status()
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
-from weightstream.engine.prompts import long_prompt
+from weightstream.bench.prompts import long_prompt
 from weightstream.store.facts import kv_cache_bytes
 model_dir, prompt_tokens, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model = load_streaming_model(model_dir, expert_cache="1x")

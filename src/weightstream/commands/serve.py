@@ -147,11 +147,11 @@ def run(args) -> int:
         raise WeightstreamError(f"--port {args.port}: must be 0..65535")
     settings = _settings(args)
     if args.ray:
-        from weightstream.ray.local import serve_on_ray
+        from weightstream.serve.ray.local import serve_on_ray
 
         serve_on_ray(settings, _ray_options(args), args.host, args.port, args.ray_address)
         return 0
-    from weightstream.engine.serve.server import serve
+    from weightstream.serve.server import serve
 
     serve(settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -173,7 +173,7 @@ def ray_app(args: dict):
     parser = argparse.ArgumentParser(prog="weightstream serve (ray_app)")
     register(parser.add_subparsers())
     parsed = parser.parse_args(["serve", *argv, "--ray"])
-    from weightstream.ray.app import application
+    from weightstream.serve.ray.app import application
 
     return application(_settings(parsed), _ray_options(parsed))
 
@@ -188,13 +188,13 @@ def _settings(args):
     if args.ray and args.step_log:
         raise WeightstreamError("--step-log writes one process's steps; with --ray read the replicas' metrics instead")
     if args.ray:
-        from weightstream.ray import require_ray
+        from weightstream.serve.ray import require_ray
 
         require_ray()  # before the model is looked for or anything loads: a missing extra is one line naming it
     model_dir = resolve_model(args.model)  # before the server's imports (torch, transformers: seconds)
     if args.miss_copy:
         print(miss_copy_note("serve"), file=sys.stderr)
-    from weightstream.engine.serve.service import ServeSettings
+    from weightstream.serve.service import ServeSettings
 
     return ServeSettings(
         model_dir=model_dir,
@@ -214,7 +214,7 @@ def _settings(args):
 
 
 def _ray_options(args):
-    from weightstream.ray.app import RayOptions
+    from weightstream.serve.ray.app import RayOptions
 
     return RayOptions(
         replicas=2 if args.replicas is None else args.replicas,

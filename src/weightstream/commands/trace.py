@@ -91,7 +91,7 @@ def run_import(args) -> int:
 def run_record(args) -> int:
     if args.max_new_tokens < 0:
         raise WeightstreamError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    from weightstream.engine.prompts import read_prompts
+    from weightstream.bench.prompts import read_prompts
     from weightstream.engine.routing import record_trace
 
     prompts = read_prompts(args.prompts)

@@ -93,8 +93,8 @@ class TuneSession:
         return trace, info
 
     def _record(self, prompts_path: str | None, max_new_tokens: int):
+        from weightstream.bench.prompts import BUILTIN_PROMPTS, read_prompts
         from weightstream.engine.loader import load_tokenizer
-        from weightstream.engine.prompts import BUILTIN_PROMPTS, read_prompts
         from weightstream.engine.routing import record_routing
         from weightstream.trace import save as save_trace
 

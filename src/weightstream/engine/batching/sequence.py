@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightstream.engine.serve.logprobs import TokenLogprob, score
-from weightstream.engine.serve.sampling import Sampler, SamplingParams
-from weightstream.engine.serve.text import TextTail
+from weightstream.engine.batching.logprobs import TokenLogprob, score
+from weightstream.engine.batching.sampling import Sampler, SamplingParams
+from weightstream.engine.batching.text import TextTail
 
 _ids = itertools.count()
 

@@ -1,6 +1,6 @@
 """One engine replica on Ray: serve's ModelService (the model, its expert cache under its own --memory or
 --expert-cache, the scheduler) and serve's HTTP app, answering the requests the ingress forwards. It reports to the
-router the experts its prompts' prefills chose and the experts its cache holds (engine/serve/affinity.py), tells Ray
+router the experts its prompts' prefills chose and the experts its cache holds (serve/affinity.py), tells Ray
 Serve it is unhealthy when its scheduler has stopped (Ray then replaces it), and mirrors its metrics into Ray's."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 from prometheus_client import disable_created_metrics
 from ray import serve
 
-from weightstream.engine.serve.app import build_app
-from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.service import ModelService, ServeSettings
-from weightstream.ray.forward import REPLICA_HEADER, ForwardedRequest, run_app
-from weightstream.ray.metrics import RayMetricsMirror
+from weightstream.serve.app import build_app
+from weightstream.serve.metrics import ServeMetrics
+from weightstream.serve.ray.forward import REPLICA_HEADER, ForwardedRequest, run_app
+from weightstream.serve.ray.metrics import RayMetricsMirror
+from weightstream.serve.service import ModelService, ServeSettings
 
 
 class WeightstreamReplica:

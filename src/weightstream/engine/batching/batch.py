@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from weightstream.engine.serve.sequence import Sequence
+from weightstream.engine.batching.sequence import Sequence
 
 BATCHABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from weightstream.engine.serve.affinity import affinity_key
-from weightstream.engine.serve.app import MAX_BODY_BYTES
-from weightstream.engine.serve.protocol import ApiError
-from weightstream.ray.forward import ForwardedRequest, ResponseStart
+from weightstream.serve.affinity import affinity_key
+from weightstream.serve.app import MAX_BODY_BYTES
+from weightstream.serve.protocol import ApiError
+from weightstream.serve.ray.forward import ForwardedRequest, ResponseStart
 
 METRICS_NOTE = (
     "GET /metrics: under Ray each replica's metrics go to Ray's metrics export (every Ray node serves them for "

@@ -16,10 +16,10 @@ import sys
 import uvicorn
 from prometheus_client import disable_created_metrics
 
-from weightstream.engine.serve.app import build_app
-from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.service import ModelService, ServeSettings
 from weightstream.errors import WeightstreamError
+from weightstream.serve.app import build_app
+from weightstream.serve.metrics import ServeMetrics
+from weightstream.serve.service import ModelService, ServeSettings
 
 
 def say(message: str) -> None:

@@ -1,5 +1,5 @@
 """Expert affinity, the replica's side: the experts each prompt's prefill chose and the experts its cache holds, as a
-replica reports them to a router that sends a prompt where its experts already are (weightstream/ray/router.py).
+replica reports them to a router that sends a prompt where its experts already are (weightstream/serve/ray/router.py).
 
 A prompt is known by its affinity key, a hash of its first PREFIX_CHARS characters (a chat's roles and contents), so
 the router computes it from the request body without a tokenizer, and prompts that share a long beginning (a

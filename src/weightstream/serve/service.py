@@ -13,17 +13,17 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import DynamicCache
 
+from weightstream.engine.batching.batch import batchable
+from weightstream.engine.batching.sampling import SamplingParams
+from weightstream.engine.batching.scheduler import ExpertCacheFit, Refused, Scheduler
+from weightstream.engine.batching.sequence import Sequence
+from weightstream.engine.batching.steps import StepRecorder
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
-from weightstream.engine.serve.affinity import ExpertAffinity
-from weightstream.engine.serve.batch import batchable
-from weightstream.engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
-from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
-from weightstream.engine.serve.sampling import SamplingParams
-from weightstream.engine.serve.scheduler import ExpertCacheFit, Refused, Scheduler
-from weightstream.engine.serve.sequence import Sequence
-from weightstream.engine.serve.steps import StepRecorder
 from weightstream.errors import WeightstreamError
+from weightstream.serve.affinity import ExpertAffinity
+from weightstream.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
+from weightstream.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, message_dicts
 from weightstream.units import parse_size
 
 
@@ -223,8 +223,8 @@ class ModelService:
         return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
     def _replay(self):
+        from weightstream.engine.batching.replay import PromptRoutingReplay
         from weightstream.engine.routing import BatchRoutingReplay
-        from weightstream.engine.serve.replay import PromptRoutingReplay
         from weightstream.trace import load
 
         kind = PromptRoutingReplay if self.settings.replay_by_prompt else BatchRoutingReplay

@@ -17,10 +17,10 @@ import threading
 import ray
 from ray import serve
 
-from weightstream.engine.serve.server import EXIT_SIGNALS, bind
-from weightstream.engine.serve.service import ServeSettings
 from weightstream.errors import WeightstreamError
-from weightstream.ray.app import RayOptions, application, logging_config
+from weightstream.serve.ray.app import RayOptions, application, logging_config
+from weightstream.serve.server import EXIT_SIGNALS, bind
+from weightstream.serve.service import ServeSettings
 
 APP_NAME = "weightstream"
 

@@ -1,4 +1,4 @@
-"""A replica's Prometheus metrics (engine/serve/metrics.py) mirrored into Ray's metrics export, so each replica's
+"""A replica's Prometheus metrics (serve/metrics.py) mirrored into Ray's metrics export, so each replica's
 figures reach Prometheus the way Ray exports any metric: from every node's metrics agent, named ray_<name>, tagged
 with the replica, deployment and application (ray.serve.metrics adds those).
 

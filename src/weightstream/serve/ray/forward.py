@@ -1,4 +1,4 @@
-"""A request as the ingress forwards it to a replica, and serve's HTTP app (engine/serve/app.py) run on it there, in
+"""A request as the ingress forwards it to a replica, and serve's HTTP app (serve/app.py) run on it there, in
 process, as an ASGI server would run it: the replica answers with exactly what `weightstream serve` answers (status,
 headers, body or server-sent events), so the API is one implementation whether or not Ray is in front of it."""
 
@@ -8,14 +8,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from weightstream.engine.serve.affinity import AFFINITY_HEADER
+from weightstream.serve.affinity import AFFINITY_HEADER
 
 REPLICA_HEADER = "x-weightstream-replica"  # which replica answered (Ray Serve's replica id), on every answer
 
 
 @dataclass(slots=True, frozen=True)
 class ForwardedRequest:
-    """One HTTP request, whole, and the affinity key the router reads (engine/serve/affinity.py)."""
+    """One HTTP request, whole, and the affinity key the router reads (serve/affinity.py)."""
 
     method: str
     path: str

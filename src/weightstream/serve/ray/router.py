@@ -2,7 +2,7 @@
 whose expert cache already holds the experts its prompt's prefill chose, while the load allows.
 
 Per request, among the replicas whose ongoing requests are within `imbalance` of the least loaded one's:
-1. experts: replicas report (record_routing_stats, engine/serve/affinity.py) the experts each recent prompt's
+1. experts: replicas report (record_routing_stats, serve/affinity.py) the experts each recent prompt's
    prefill chose, by affinity key, and the experts their caches hold now. For a prompt seen before, the replica that
    holds the most of its experts wins (ties: the less loaded).
 2. prefix: the prompt was routed before but no report names it yet (reports come every

@@ -16,8 +16,9 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
-from weightstream.engine.serve.logprobs import TextOffsets, TokenLogprob
-from weightstream.engine.serve.sequence import Delta, PromptScored
+from weightstream.engine.batching.logprobs import TokenLogprob
+from weightstream.engine.batching.sequence import Delta, PromptScored
+from weightstream.serve.logprobs import TextOffsets
 
 INT64 = 2**63  # seed: OpenAI's range, -2^63 .. 2^63 - 1
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: biases in -100 .. 100

@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from weightstream.engine.serve.affinity import AFFINITY_HEADER
-from weightstream.engine.serve.metrics import ServeMetrics
-from weightstream.engine.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, parse_request, sse
-from weightstream.engine.serve.sequence import Failed
-from weightstream.engine.serve.service import ModelService
+from weightstream.engine.batching.sequence import Failed
+from weightstream.serve.affinity import AFFINITY_HEADER
+from weightstream.serve.metrics import ServeMetrics
+from weightstream.serve.protocol import ApiError, ChatRequest, CompletionRequest, Reply, parse_request, sse
+from weightstream.serve.service import ModelService
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody receives it, the metrics count it
 MAX_BODY_BYTES = 16 * 2**20  # far above any prompt a context holds; a bigger body is refused before it is kept

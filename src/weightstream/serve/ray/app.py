@@ -3,8 +3,8 @@ each a full `weightstream serve` engine with its own expert cache, routed by exp
 default router (power of two choices). Deploy it from Python:
 
     from ray import serve
-    from weightstream.engine.serve.service import ServeSettings
-    from weightstream.ray.app import RayOptions, application
+    from weightstream.serve.service import ServeSettings
+    from weightstream.serve.ray.app import RayOptions, application
 
     settings = ServeSettings("models/olmoe-4l", engine={"expert_cache": "2x"})
     serve.run(application(settings, RayOptions(replicas=2)), name="weightstream", route_prefix="/")
@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from weightstream.engine.serve.service import ServeSettings
 from weightstream.errors import WeightstreamError
-from weightstream.ray.ingress import WeightstreamIngress
-from weightstream.ray.replica import WeightstreamReplica
-from weightstream.ray.router import ExpertAffinityRouter
+from weightstream.serve.ray.ingress import WeightstreamIngress
+from weightstream.serve.ray.replica import WeightstreamReplica
+from weightstream.serve.ray.router import ExpertAffinityRouter
+from weightstream.serve.service import ServeSettings
 
 ROUTERS = ("expert-affinity", "default")
 REPLICA_DEPLOYMENT = "weightstream-replica"

@@ -31,10 +31,10 @@ from collections import deque
 import torch
 from transformers.cache_utils import DynamicCache
 
+from weightstream.engine.batching.batch import DecodeBatch
+from weightstream.engine.batching.logprobs import TokenLogprob, score
+from weightstream.engine.batching.sequence import Sequence
 from weightstream.engine.kv_cache import quiet_cache_kwarg
-from weightstream.engine.serve.batch import DecodeBatch
-from weightstream.engine.serve.logprobs import TokenLogprob, score
-from weightstream.engine.serve.sequence import Sequence
 
 KV_HEADROOM = 64  # positions past its current length that admission reserves for each sequence
 PROMPT_CHUNK = 512  # positions per forward when a prompt is scored: its logits are held one chunk at a time
