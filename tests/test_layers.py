@@ -11,7 +11,21 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "weightstream"
 # top to bottom: a package may import the packages after it, never one before it. The root modules (errors, units,
 # the native kernels' wrappers, progress bars, the memory cgroup's reader) sit below every package.
-ORDER = ("cli", "commands", "ray", "bench", "engine", "sim", "trace", "prefetch", "clock", "cache", "store", "io")
+ORDER = (
+    "cli",
+    "commands",
+    "serve",
+    "tune",
+    "bench",
+    "engine",
+    "sim",
+    "trace",
+    "prefetch",
+    "clock",
+    "cache",
+    "store",
+    "io",
+)
 BASE = ("native", "errors", "units", "progress", "cgroup", "_native")
 TEST_MODULES = {p.stem for p in (REPO / "tests").glob("*.py")}
 
@@ -79,3 +93,87 @@ def test_the_walk_finds_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
     assert upward_imports() == ["weightstream/store/bad.py:2 imports weightstream.engine (engine is above store)"]
+
+
+# ---- no import circle, within a package or across (issue 49: store/model <-> published <-> quantize and tune's
+# report <-> steps were circles inside their packages, which the order above does not see)
+
+
+def module_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Each weightstream module -> the weightstream modules it imports. `from package import submodule` is an edge to
+    the submodule alone: a package's __init__ runs for any of its submodules, which is no circle of the code's."""
+    paths = {}
+    for path in src.rglob("*.py"):
+        name = ".".join(("weightstream", *path.relative_to(src).with_suffix("").parts))
+        paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in paths:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & paths.keys()
+                deps |= subs if len(subs) == len(node.names) else subs | {node.module}
+        graph[name] = deps - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's, without recursion)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while not component or component[-1] != node:
+                    component.append(stack.pop())
+                    on_stack.discard(component[-1])
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle():
+    graph = module_graph()
+    assert len(graph) > 100 and "weightstream.store.model" in graph["weightstream.engine.loader"]  # it reads them
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found():
+    """The check can fail: the store's old circle (opening a published checkpoint converted it) is found."""
+    graph = module_graph()
+    graph["weightstream.store.model"] = graph["weightstream.store.model"] | {"weightstream.store.convert"}
+    assert ["weightstream.store.convert", "weightstream.store.model", "weightstream.store.quantize"] in circles(graph)
+
+
+def test_ray_imports_only_serve():
+    """serve --ray's replicas run serve's own app: serve/ray takes nothing from the engine or the commands."""
+    wrong = {
+        (name, dep)
+        for name, deps in module_graph().items()
+        if name.startswith("weightstream.serve.ray")
+        for dep in deps
+        if not dep.startswith("weightstream.serve") and _package(dep) not in BASE
+    }
+    assert wrong == set()

@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM
 from weightstream import native
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import open_checkpoint
+from weightstream.store.convert import runnable_dir
+from weightstream.store.model import map_model
 from weightstream.store.published import (
     dequantize_fp8,
     dequantize_mxfp4,
     ggml_mxfp4_rows,
     read_published,
-    runnable_dir,
 )
 from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
 from weightstream.store.quantize import quantize_checkpoint
@@ -152,6 +153,24 @@ def test_published_checkpoints_run_as_the_dequantized_model(published, kind, cap
     os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 10**9))  # "re-downloaded"
     assert runnable_dir(model_dir) == converted and "converting it once" in capfd.readouterr().err
     assert os.stat(os.path.join(converted, MANIFEST)).st_mtime_ns != manifest_time
+
+
+def test_reading_a_published_checkpoint_writes_nothing(published, tmp_path):
+    """Issue 49: mapping a published checkpoint (what tune and simulate read) never converts it: before the copy
+    exists it is refused with the step that makes it, and the directory is as it was; after, it maps the copy."""
+    model_dir = str(tmp_path / "mxfp4")  # without the copy other tests may have made beside the shared one
+    shutil.copytree(published("mxfp4")[0], model_dir, ignore=shutil.ignore_patterns(".weightstream"))
+    before = sorted(p for p in _walk(model_dir))
+    with pytest.raises(WeightstreamError, match=r"converted copy .* not made yet.*makes it once"):
+        map_model(model_dir)
+    assert sorted(_walk(model_dir)) == before
+    assert map_model(model_dir, convert=False).published is not None  # its own view reads as before
+    converted = runnable_dir(model_dir)
+    assert map_model(model_dir).ckpt.model_dir == converted
+
+
+def _walk(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
 
 
 def test_the_generate_command_runs_a_published_checkpoint(published):

@@ -178,7 +178,7 @@ def bf16_and_quantized(tmp_path_factory):
 def test_a_quantized_checkpoint_budgets_the_kv_cache_its_attention_computes_in(bf16_and_quantized, bits):
     """The KV cache holds the attention's activations (bf16: the manifest's activation dtype), not the experts'
     int8 / uint8 weights: tune's budget of the quantized checkpoint has the bf16 one's KV bytes."""
-    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.tune.session import TuneSession
 
     src, quantized = bf16_and_quantized
     bf16, quant = (TuneSession(d, GIB, 512, 4).budget for d in (src, quantized[bits]))
@@ -192,7 +192,7 @@ def test_on_a_checkpoint_tune_budgets_what_the_config_alone_says(bf16_and_quanti
     """The real-config tests above stand for checkpoints no test can download: on one it has, tune's budget has
     the dense bytes of the config's meta model (less the rotary buffers, made at load, never stored), its KV and
     its embedding left on disk; only the working set differs, counted in the cache's aligned slots."""
-    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.tune.session import TuneSession
 
     fields = preset_config("tiny", "olmoe")
     session = TuneSession(bf16_and_quantized[0], GIB, 512, 4)

@@ -216,7 +216,7 @@ def test_calibration_saves_the_readahead_around_a_lone_expert(first_tune, model_
     its neighbours, so the bytes may be 0.)"""
     from weightstream.bench.calibrate import READAHEAD_PASSES
     from weightstream.cache.slot_plan import merge_spans
-    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.tune.session import TuneSession
     from weightstream.units import GIB, PAGE
 
     (entry,) = json.loads((Path(model_dir) / ".weightstream" / "calibration.json").read_text())["entries"]
@@ -248,7 +248,7 @@ def test_the_readahead_around_a_lone_expert_is_what_the_fault_brought_in(tiny_mo
     from weightstream.bench.calibrate import Calibrator
     from weightstream.bench.machine import read_ahead_bytes
     from weightstream.bench.reclaim import paused_proactive_reclaim
-    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.tune.session import TuneSession
     from weightstream.units import GIB
 
     session = TuneSession(tiny_model("olmoe", "bf16", intermediate_size=2048), GIB, 512, 2)
@@ -262,8 +262,8 @@ def test_the_readahead_around_a_lone_expert_is_what_the_fault_brought_in(tiny_mo
 
 
 def test_dense_spans_hold_what_a_step_reads_of_the_dense_weights(model_dir):
-    from weightstream.commands.tune_steps import TuneSession
     from weightstream.sim.budget import lazy_dense_bytes
+    from weightstream.tune.session import TuneSession
     from weightstream.units import GIB
 
     session = TuneSession(model_dir, GIB, 512, 4)

@@ -14,6 +14,6 @@ Each subcommand's module defines `register(subparsers)`; cli.py lists them.
 - trace: `weightstream trace`, routing dumps imported, routing recorded, a trace summarised;
 - tune: `weightstream tune`, what to run with this much memory and how fast it will be;
 - common: options and output shared by several subcommands (the engine's settings, the one-line run summary);
-- tune_steps: `tune`'s steps on one model (budget, routing, cost model, search and answer);
-- tune_report: `tune`'s answer (report, table, command, plot).
+- tune_report: `tune`'s answer printed (table, lines, --json, plot); the session and the answer are tune/session.py and
+  tune/report.py.
 """

@@ -81,7 +81,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from weightstream.bench.prompts import long_prompt, tokenized_prompts
     from weightstream.bench.runner import BenchConfig, run_bench
-    from weightstream.store.published import runnable_dir
+    from weightstream.store.convert import runnable_dir
     from weightstream.units import parse_size
 
     config = BenchConfig(

@@ -122,7 +122,7 @@ def policy_names(text: str) -> list[str]:
 def run(args) -> int:
     _check_args(args)
     from weightstream.commands import tune_report
-    from weightstream.commands.tune_steps import TuneSession
+    from weightstream.tune.session import TuneSession
 
     started = time.perf_counter()
     session = TuneSession(args.model, args.memory_bytes, args.context, args.io_threads)

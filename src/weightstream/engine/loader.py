@@ -41,6 +41,7 @@ from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
+from weightstream.store.convert import runnable_dir
 from weightstream.store.facts import context_temporaries, is_lazy_dense, longest_context, ties_embeddings
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
@@ -107,7 +108,8 @@ def load_streaming_model(
         bound_heap()  # so that what the warm-up measures is what decode holds
     libraries = rss()[0]  # the interpreter and every library imported so far: before any of the model
     ws_experts.register()
-    mapped = map_model(model_dir, ws_experts.IMPLEMENTATION)
+    # a published FP8 / MXFP4 checkpoint runs through a copy converted once beside it (the step says so on stderr)
+    mapped = map_model(runnable_dir(model_dir), ws_experts.IMPLEMENTATION)
     model, layout = mapped.model, mapped.layout
     if miss_copy:
         _check_miss_copy(model_dir, mapped.quant)

@@ -14,7 +14,7 @@ For `tune`:
 - overlap_model: time per step with reads overlapped with compute, and its fit from calibration timings;
 - page_cache_model: the kernel's page cache under mmap'd experts, over the checkpoint's real byte ranges;
 - tune: the search over policies, sizes and the page cache;
-- advice: recommendation, page cache vs expert cache, llama.cpp lines.
+- advice: recommendation, page cache vs expert cache, llama.cpp lines (`weightstream tune` itself: tune/).
 """
 
 from weightstream.sim.miss_copy import MissCopy

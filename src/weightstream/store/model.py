@@ -13,7 +13,7 @@ from weightstream.store.checkpoint import Checkpoint, open_checkpoint
 from weightstream.store.dtypes import FLOATS, torch_dtype, weights_dtype
 from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
-from weightstream.store.published import Published, converted_dir, read_published
+from weightstream.store.published import Published, fresh_copy, read_published
 from weightstream.store.quant_format import QuantFormat, read_manifest
 
 
@@ -32,13 +32,22 @@ class MappedModel:
 
 
 def map_model(model_dir: str, experts_implementation: str = "eager", convert: bool = True) -> MappedModel:
-    """Index `model_dir` and build its model on the meta device, experts mapped to byte ranges. A published FP8 /
-    MXFP4 checkpoint maps to the converted copy it runs through (`published.converted_dir`), or with `convert=False`
-    to its own logical view (what `quantize` reads)."""
+    """Index `model_dir` and build its model on the meta device, experts mapped to byte ranges; reads only. A
+    published FP8 / MXFP4 checkpoint maps to the converted copy it runs through, where one was made from its files as
+    they are (store/convert.py makes it; the engine's loader does so), or with `convert=False` to its own logical
+    view (what `quantize` reads)."""
     ckpt = open_checkpoint(model_dir)
     published = read_published(ckpt)
     if published is not None and convert:
-        return map_model(converted_dir(published), experts_implementation)
+        copy = fresh_copy(published)
+        if copy is None:
+            raise WeightstreamError(
+                f"{model_dir} is {published.describe()}: it runs through a converted copy under "
+                f"{model_dir}/.weightstream, not made yet (or made from other files). `weightstream generate "
+                f"{model_dir}` (or serve, bench, tune) makes it once; in Python, "
+                "weightstream.store.convert.runnable_dir(model_dir) does and returns its path"
+            )
+        return map_model(copy, experts_implementation)
     if published is not None:
         ckpt = published.checkpoint
     config = load_config(model_dir)

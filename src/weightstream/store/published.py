@@ -37,20 +37,16 @@ per miss: `weightstream quantize MODEL --bits 8` writes Q8_0 experts of about th
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import os
-import shutil
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from weightstream.errors import WeightstreamError
-from weightstream.store.checkpoint import Checkpoint, open_checkpoint, read_bytes, read_tensor
+from weightstream.store.checkpoint import Checkpoint, read_bytes, read_tensor
 from weightstream.store.dtypes import FLOATS, TABLE, safetensors_name, torch_dtype, weights_dtype
 from weightstream.store.safetensors_index import TensorInfo
 
@@ -362,89 +358,22 @@ def _published(ckpt: Checkpoint, kind: str, block, quantized: list, scales: set[
     return Published(kind, ckpt, view, dtype, block, by_offset)
 
 
-def runnable_dir(model_dir: str) -> str:
-    """The directory that runs for `model_dir`: itself, or for a published FP8 / MXFP4 checkpoint its converted
-    copy (`converted_dir`)."""
-    published = read_published(open_checkpoint(model_dir))
-    return model_dir if published is None else converted_dir(published)
+def copy_path(published: Published) -> str:
+    """Where the converted copy of a published checkpoint lives (store/convert.py writes it): beside it."""
+    return os.path.join(published.model_dir, ".weightstream", f"{published.kind}-experts")
 
 
-def converted_dir(published: Published) -> str:
-    """The quantized-experts directory a published checkpoint runs through, written beside it the first time (and
-    again when its files changed); one line on stderr says which, every time."""
-    from weightstream import native
+def fresh_copy(published: Published) -> str | None:
+    """The converted copy of `published` when one is there and was made from its files as they are now, else None.
+    Reads only."""
     from weightstream.store.quant_format import read_manifest
 
-    model_dir = published.model_dir
-    out = os.path.join(model_dir, ".weightstream", f"{published.kind}-experts")
-    kept = "experts as GGML MXFP4 blocks (lossless)"
-    if published.kind == "fp8":
-        kept = "experts as BF16 rows (the weights as dequantized), dense FP8 weights dequantized to bfloat16"
-    stamp = published.stamp()
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with _locked(out + ".lock"):
-            if _fresh(out, stamp, read_manifest):
-                _say(f"{model_dir} is {published.describe()}: running {out} ({kept}), converted earlier")
-                return out
-            if not native.available():
-                raise WeightstreamError(
-                    f"{model_dir} is {published.describe()}, which runs on weightstream's native kernels, not "
-                    f"available here ({native.why_not()})"
-                )
-            _check_space(published, out)
-            _say(f"{model_dir} is {published.describe()}: converting it once into {out} ({kept}); reused next time")
-            from weightstream.progress import byte_progress  # a bar on a terminal, else silent
-            from weightstream.store.quantize import quantize_checkpoint
-
-            bits = 4 if published.kind == "mxfp4" else 16
-            try:
-                with byte_progress(f"converting {model_dir}") as progress:
-                    quantize_checkpoint(model_dir, out, bits, force=True, progress=progress, kernel="native")
-            except WeightstreamError as exc:
-                raise WeightstreamError(
-                    f"{model_dir} is {published.describe()}; converting it for the native kernels failed: {exc}"
-                ) from None
-    except OSError as exc:
-        raise WeightstreamError(
-            f"{model_dir} is {published.describe()} and runs through a copy converted beside it, but {out} cannot be "
-            f"written ({exc.strerror}); make the directory writable, or convert it elsewhere with `weightstream "
-            f"quantize {model_dir} --bits {4 if published.kind == 'mxfp4' else 16} --out DIR` and run DIR"
-        ) from None
-    return out
-
-
-def _fresh(out: str, stamp: dict, read_manifest) -> bool:
+    out = copy_path(published)
     try:
         fmt = read_manifest(out) if os.path.isdir(out) else None
     except WeightstreamError:
-        return False  # damaged: written again
-    return fmt is not None and (fmt.source or {}).get("published") == stamp
-
-
-def _check_space(published: Published, out: str) -> None:
-    """Refuse, before writing, a conversion the disk cannot hold (FP8 experts double: BF16 rows)."""
-    stored = published.source.total_bytes()
-    need = 2 * stored if published.kind == "fp8" else stored
-    free = shutil.disk_usage(os.path.dirname(out)).free
-    if free < need:
-        raise WeightstreamError(
-            f"{published.model_dir} is {published.describe()}; running it as it is writes a converted copy of about "
-            f"{need / 2**30:.1f} GiB to {out}, and {free / 2**30:.1f} GiB are free there. Free space, or write a "
-            f"smaller copy elsewhere: `weightstream quantize {published.model_dir} --bits 8 --out DIR`"
-        )
-
-
-@contextlib.contextmanager
-def _locked(path: str):
-    """One conversion at a time per checkpoint (two `generate`s started together convert once)."""
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def _say(line: str) -> None:
-    print(f"weightstream: {line}", file=sys.stderr)
+        return None  # damaged: convert.py writes it again
+    return out if fmt is not None and (fmt.source or {}).get("published") == published.stamp() else None
 
 
 def _identity(path: str) -> list[int]:

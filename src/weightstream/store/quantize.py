@@ -326,7 +326,7 @@ def quantize_checkpoint(
         "expert_bytes": first.nbytes,
     }
     if published is not None:
-        source["published"] = published.stamp()  # what a converted copy was made from (published.converted_dir)
+        source["published"] = published.stamp()  # what a converted copy was made from (store/convert.py)
     quant = blob_format(params, transposed, scheme, group, mapped.model.dtype, source)
     if dense != "keep":
         quant = dataclasses.replace(quant, dense=dense_plan(mapped, dense))

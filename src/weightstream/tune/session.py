@@ -1,4 +1,4 @@
-"""The steps of `weightstream tune` on one model: budget, routing, cost model, search and answer."""
+"""`weightstream tune`'s session on one model: budget, routing, cost model, search and answer (tune/report.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightstream.bench.calibration_store import HISTORY, calibration_key, load_saved, save, store_path
@@ -15,22 +14,13 @@ from weightstream.errors import WeightstreamError
 from weightstream.sim.budget import checkpoint_budget
 from weightstream.sim.cost_model import CostModel
 from weightstream.sim.tune import model_facts
+from weightstream.store.convert import runnable_dir
 from weightstream.store.facts import ties_embeddings
 from weightstream.store.model import map_model
+from weightstream.tune.report import Cost, build_report
 
 if TYPE_CHECKING:
-    from weightstream.sim.overlap_model import CostParams
-
-
-@dataclass(frozen=True, slots=True)
-class Cost:
-    """What prices tune's configurations: the overlap model's fitted params (None where no calibration is at hand
-    and bench's line prices alone), bench's linear cost model (None: the overlap model prices), and what was used
-    (for the report)."""
-
-    params: CostParams | None
-    linear: CostModel | None
-    info: dict
+    pass
 
 
 BUILTIN_NOTE = (
@@ -49,7 +39,7 @@ class TuneSession:
         if not os.path.isdir(model_dir):
             raise WeightstreamError(f"{model_dir}: not a model directory (config.json + *.safetensors)")
         self.model_dir, self.io_threads = model_dir, io_threads
-        mapped = map_model(model_dir)
+        mapped = map_model(runnable_dir(model_dir))  # a published FP8 / MXFP4 checkpoint: converted once, saying so
         self.config, self.layout, self.ckpt = mapped.config, mapped.layout, mapped.ckpt
         self.quant = mapped.quant  # small copies (`quantize --miss-bits`): tune prices `--miss-copy` too
         first_file = next(iter(self.layout.experts.values())).pieces[0].path
@@ -165,8 +155,6 @@ class TuneSession:
     def answer(
         self, trace, routing: dict, cost: Cost, policies: list[str], max_new_tokens: int, gpu_memory_bytes: int | None
     ) -> dict:
-        from weightstream.commands.tune_report import build_report
-
         start = time.perf_counter()
         report = build_report(self, trace, routing, cost, policies, max_new_tokens, gpu_memory_bytes)
         report["timings_s"] = {**self.timings, "search_s": time.perf_counter() - start}
