@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
 from weightstream.units import format_bytes
+
+if TYPE_CHECKING:
+    from weightstream.engine.config import EngineConfig
 
 KERNEL_CHOICES = ("auto", "eager-linear", "eager-matmul-bias", "one-expert-eager")
 
@@ -159,23 +163,27 @@ def add_expert_kernel_option(p) -> None:
     )
 
 
-def engine_kwargs(args) -> dict:
-    """`load_streaming_model` keyword arguments from the options `add_engine_options` defines."""
-    return {
-        "expert_cache": check_cache_size(args.expert_cache),
-        "io_threads": args.io_threads,
-        "policy": args.policy,
-        "policy_options": _policy_options(args.policy, args.pinned_experts),
-        "o_direct": not args.no_o_direct,
-        "expert_source": args.expert_source,
-        "predict_next": args.predict_next,
-        "expert_kernel": args.expert_kernel,
-        "memory": args.memory,
-        "warm_restart": args.warm_restart,
-        "miss_copy": args.miss_copy,
-        "upgrade_after": upgrade_after_of(args),
-        "latent_attention": args.latent_attention,
-    }
+def engine_config(args, **more) -> EngineConfig:
+    """The EngineConfig of the options `add_engine_options` defines (and `more` fields), checked before anything
+    loads or binds."""
+    from weightstream.engine.config import EngineConfig  # torch and transformers: not for `--help`
+
+    return EngineConfig(
+        expert_cache=check_cache_size(args.expert_cache),
+        io_threads=args.io_threads,
+        policy=args.policy,
+        policy_options=_policy_options(args.policy, args.pinned_experts),
+        o_direct=not args.no_o_direct,
+        expert_source=args.expert_source,
+        predict_next=args.predict_next,
+        expert_kernel=args.expert_kernel,
+        memory=args.memory,
+        warm_restart=args.warm_restart,
+        miss_copy=args.miss_copy,
+        upgrade_after=upgrade_after_of(args),
+        latent_attention=args.latent_attention,
+        **more,
+    )
 
 
 def _policy_options(policy: str, pinned_experts: str | None) -> dict | None:

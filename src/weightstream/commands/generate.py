@@ -9,7 +9,7 @@ import sys
 from weightstream.commands.common import (
     add_engine_options,
     add_prefill_chunk_option,
-    engine_kwargs,
+    engine_config,
     miss_copy_note,
     parse_prompt_ids,
     prefill_chunk_of,
@@ -64,7 +64,7 @@ def run(args) -> int:
     from weightstream.engine.loader import load_streaming_model, load_tokenizer
     from weightstream.store.checkpoint import open_checkpoint
 
-    engine = engine_kwargs(args)
+    engine = engine_config(args)
     open_checkpoint(model_dir)  # a directory that is no model is told so, not that it lacks a tokenizer
     tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
     ids = tokenizer(args.prompt).input_ids if ids is None else ids
@@ -72,8 +72,8 @@ def run(args) -> int:
         raise WeightstreamError(f"--prompt {args.prompt!r}: no tokens to start from; give a non-empty prompt")
     _check_context(model_dir, len(ids), args.max_new_tokens)
     if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its longest forward
-        engine.update(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
-    model = load_streaming_model(model_dir, **engine)
+        engine = engine.replace(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
+    model = load_streaming_model(model_dir, engine)
     if args.miss_copy:
         print(miss_copy_note("generate"), file=sys.stderr)
     vocab = model.config.get_text_config().vocab_size
@@ -91,6 +91,7 @@ def run(args) -> int:
         report = stats.to_dict()
         footprint = model.weightstream.footprint
         report["memory"] = footprint.to_dict() if footprint is not None else None
+        report["engine"] = engine.to_dict()  # every option the engine ran with, defaults included
         bandwidth = read_bandwidth()  # measured once on a machine, then kept
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s

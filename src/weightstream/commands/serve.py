@@ -9,7 +9,7 @@ import sys
 from weightstream.commands.common import (
     add_engine_options,
     add_prefill_chunk_option,
-    engine_kwargs,
+    engine_config,
     miss_copy_note,
     prefill_chunk_of,
 )
@@ -198,7 +198,7 @@ def _settings(args):
 
     return ServeSettings(
         model_dir=model_dir,
-        engine=engine_kwargs(args),
+        engine=engine_config(args),
         model_name=args.served_model_name or _default_name(args.model),
         max_batch=args.max_batch,
         max_queue=args.max_queue,

@@ -1,5 +1,6 @@
 """transformers integration: a model whose experts stream from disk, its generation loop and its measurements.
 
+- config: EngineConfig, every option the engine takes, checked before anything loads;
 - loader: builds the transformers model (experts on the meta device, dense weights loaded) around an expert source;
 - experts: the experts implementation registered with transformers, and the per-layer step it runs;
 - kernels: expert kernels (one class per form of the expert's weights) and NativeLinear for dense GGML blocks;
@@ -11,8 +12,8 @@
 - generate: greedy generation with stats;
 - routing: record and replay routing traces;
 - predict: next-layer read-ahead guesses;
-- prompts: prompt files and built-in prompts;
-- serve/: `weightstream serve` (HTTP API, scheduler, batched decode).
+- batching/: continuous batching (scheduler, sequences, batched decode), which `weightstream serve` puts HTTP in
+  front of (weightstream/serve/).
 """
 
 EXPERT_SOURCES = ("expert-cache", "page-cache")  # weightstream's own O_DIRECT cache, or mmap and the page cache

@@ -64,6 +64,7 @@ class StreamingRuntime:
         miss_copy_bits: int = 0,
         latent_attention: str | None = None,
         kv_cache_bytes_per_token: int = 0,
+        config=None,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
@@ -73,7 +74,8 @@ class StreamingRuntime:
         the small copies a miss reads (`--miss-copy`; 0: exact mode, every expert computed as the checkpoint stores
         it); `latent_attention`: the form DeepSeek's latent attention runs in ("absorbed", "expanded"; None: the
         model has none); `kv_cache_bytes_per_token`: what a position costs in the KV cache, every layer (for
-        DeepSeek's latent attention: (kv_lora_rank + qk_rope_head_dim) x the dtype a layer)."""
+        DeepSeek's latent attention: (kv_lora_rank + qk_rope_head_dim) x the dtype a layer); `config`: the
+        EngineConfig it was loaded with."""
         self._cache, self.layout = cache, layout
         self._parts = dict(parts)
         self.kernels = dict(kernels)
@@ -85,6 +87,7 @@ class StreamingRuntime:
         self.miss_copy_bits = miss_copy_bits
         self.latent_attention = latent_attention
         self.kv_cache_bytes_per_token = kv_cache_bytes_per_token
+        self.config = config
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on

@@ -18,6 +18,7 @@ from weightstream.engine.batching.sampling import SamplingParams
 from weightstream.engine.batching.scheduler import ExpertCacheFit, Refused, Scheduler
 from weightstream.engine.batching.sequence import Sequence
 from weightstream.engine.batching.steps import StepRecorder
+from weightstream.engine.config import EngineConfig
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
 from weightstream.errors import WeightstreamError
@@ -46,7 +47,7 @@ class ServeSettings:
     """What `weightstream serve` was asked to serve, and how."""
 
     model_dir: str
-    engine: dict = field(default_factory=dict)  # load_streaming_model keyword arguments
+    engine: EngineConfig = field(default_factory=EngineConfig)  # or a dict of its fields
     model_name: str | None = None  # the name clients send as `model` (default: the directory's name)
     max_batch: int = 8
     max_queue: int = 128  # requests waiting for admission; more get 429
@@ -63,11 +64,13 @@ class ServeSettings:
     kv_budget_bytes: int = 0
 
     def __post_init__(self):
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig(**self.engine)
         if self.max_batch < 1:
             raise WeightstreamError(f"--max-batch {self.max_batch}: must be at least 1")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise WeightstreamError(f"--prefill-chunk {self.prefill_chunk}: must be at least 1 token")
-        if self.engine.get("memory") is not None:
+        if self.engine.memory is not None:
             self.prefill_chunk = self.prefill_chunk or MEMORY_PREFILL_CHUNK
             if self.max_batch > self.prefill_chunk:  # a decode step is a forward of max_batch rows
                 raise WeightstreamError(
@@ -138,11 +141,13 @@ class ModelService:
         if self.tokenizer is None:
             raise WeightstreamError(f"{s.model_dir}: no usable tokenizer; serve needs the checkpoint's tokenizer files")
         self.token_text = TokenText(self.tokenizer)
-        engine = dict(s.engine)
-        if engine.get("memory") is not None:  # --memory keeps room for the KV cache the batch may hold, and
+        engine = s.engine
+        if engine.memory is not None:  # --memory keeps room for the KV cache the batch may hold, and
             # measures with a prompt of one prefill chunk: no forward runs more positions (a longer prompt is chunked)
-            engine.update(kv_cache_bytes=s.kv_budget_bytes, context=s.max_model_len, warmup_tokens=s.prefill_chunk)
-        self.model = load_streaming_model(s.model_dir, **engine)
+            engine = engine.replace(
+                kv_cache_bytes=s.kv_budget_bytes, context=s.max_model_len, warmup_tokens=s.prefill_chunk
+            )
+        self.model = load_streaming_model(s.model_dir, engine)
         try:
             self._configure()
         except BaseException:
