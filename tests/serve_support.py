@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,43 @@ import httpx
 from transformers import AutoConfig, GenerationConfig
 
 READY_TIMEOUT_S = 180
+NAME = "tiny-chat"  # the served model's name: the directory's
+TEMPLATE = (  # a chat template whose answers the tests know (synth's own answers differently)
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_copy(model_dir: str, folder) -> str:
+    """A copy of `model_dir` named NAME in `folder`, whose chat template is TEMPLATE."""
+    out = os.path.join(str(folder), NAME)
+    shutil.copytree(model_dir, out)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return out
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, *args: str, env: dict | None = None):
+    """A `weightstream serve` process on `model_dir`, ready, killed at the end whatever happened."""
+    server = ServerProcess(model_dir, *args, env=env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+@contextlib.contextmanager
+def loaded(model_dir: str, **options):
+    """(model, tokenizer): the same checkpoint in this process, as `weightstream generate` loads it."""
+    from weightstream.engine.loader import load_streaming_model, load_tokenizer
+
+    model = load_streaming_model(model_dir, **options)
+    try:
+        yield model, load_tokenizer(model_dir, required=True)
+    finally:
+        model.weightstream.close()
 
 
 class ServerProcess:

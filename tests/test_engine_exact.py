@@ -2,40 +2,15 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
 from weightstream.store.presets import TINY
 
-PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
-NEW_TOKENS = 12
+from engine_support import DTYPES, EXPANDED, NEW_TOKENS, PROMPT, greedy_logits, reference
+
 SIZES = ("1x", "1.5x", "4x", "100x")  # 100x: every expert resident
 THREADS = (1, 2, 8)
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# transformers' own form of DeepSeek's latent attention, the one these tests hold bitwise to its model; the engine's
-# default absorbed form is held to it within rounding, and streamed to resident bitwise, in test_latent_attention.py
-EXPANDED = {"latent_attention": "expanded"}
-
-
-def greedy_logits(model) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and the logits of every step (prefill's last position, then each decode step)."""
-    with torch.inference_mode():
-        out = model.generate(
-            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
-        )
-    return out.sequences[0, PROMPT.shape[1] :].tolist(), list(out.logits)
-
-
-def reference(model_dir, dtype="fp32"):
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], experts_implementation="eager")
-    return greedy_logits(ref)
-
-
-def reference_tokens(model_dir):
-    return reference(model_dir)[0]
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -12,7 +12,7 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.presets import TINY
 
-from test_engine_exact import NEW_TOKENS, PROMPT, reference_tokens
+from engine_support import NEW_TOKENS, PROMPT, reference_tokens
 
 ARCHS = ("deepseek_v3", "gpt_oss", "mixtral", "olmoe")  # dense first layer + fp32 router; router bias; w1/w3 apart
 SIZES = ("1x", "4x")

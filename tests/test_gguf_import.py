@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 from safetensors import safe_open
 
 from weightstream import native
@@ -27,10 +27,21 @@ from weightstream.store.presets import preset_config
 from weightstream.store.quant_format import BLOCK_TYPES, blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
-from engine_support import greedy_run
+from gguf_support import (
+    PROMPT,
+    Lazy,
+    built_once,
+    encode,
+    gguf_tensors,
+    gguf_values,
+    greedy_logits_of,
+    importer,
+    stored_blob,
+    tokenizer_meta,
+    write_gguf,
+)
 from rss_support import peak_over_baseline
 
-PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])
 WIDE = {"hidden_size": 256, "head_dim": 64}  # whole Q4_K super-blocks of 256 on every expert input
 SIZES = {
     "qwen3_moe": {**WIDE, "moe_intermediate_size": 256, "norm_topk_prob": True},  # as Qwen3 MoE models and llama.cpp
@@ -43,48 +54,6 @@ PERMUTED = {"mixtral"}  # llama.cpp's LlamaModel permutes attn_q/attn_k rows; Qw
 
 
 # ------------------------------------------------------------------------------------- writing GGUFs like llama.cpp
-
-
-def _encode(w: torch.Tensor, kind: str, seed: int) -> np.ndarray:
-    """(N, K) floats -> (N, row bytes) GGML blocks: weightstream's encoders, gguf's, or for types neither encodes
-    (IQ4_NL) random blocks with sane fp16 scales (the values then are the blocks', not `w`'s)."""
-    if kind in ENCODERS:
-        return ENCODERS[kind](w.float()).numpy()
-    if kind == "F32":
-        return w.float().numpy()
-    if kind == "F16":
-        return w.half().numpy()
-    assert kind == "IQ4_NL"
-    n, k = w.shape
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    at = 0  # the fp16 scale
-    raw[..., at : at + 2] = rng.uniform(1e-5, 3e-5, size=(n, k // block, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
-
-
-def _tokenizer_meta(src: str, vocab: int) -> list:
-    tj = json.load(open(os.path.join(src, "tokenizer.json")))
-    tokens = [None] * len(tj["model"]["vocab"])
-    for token, i in tj["model"]["vocab"].items():
-        tokens[i] = token
-    types = [1] * len(tokens)  # NORMAL
-    for added in tj["added_tokens"]:
-        types[added["id"]] = 3  # CONTROL
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]  # llama.cpp pads the list to the embedding's rows
-    types += [5] * (vocab - len(types))
-    ids = {t: i for i, t in enumerate(tokens)}
-    return [
-        ("tokenizer.ggml.model", "gpt2"),
-        ("tokenizer.ggml.pre", "gpt-2"),
-        ("tokenizer.ggml.tokens", tokens),
-        ("tokenizer.ggml.token_type", types),
-        ("tokenizer.ggml.merges", [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]),
-        ("tokenizer.ggml.bos_token_id", ids["<|bos|>"]),
-        ("tokenizer.ggml.eos_token_id", ids["<|eos|>"]),
-        ("tokenizer.ggml.padding_token_id", ids["<|pad|>"]),
-    ]
 
 
 def _metadata(arch: str, cfg: dict) -> list:
@@ -147,51 +116,19 @@ def _gguf_tensors(src: str, arch: str, cfg: dict, expert_type, dense_type: str):
             out.append((name, "F32", w.float().numpy()))
         else:
             kind = dense_type(name) if callable(dense_type) else dense_type
-            out.append((name, kind, _encode(w, kind, 0)))
+            out.append((name, kind, encode(w, kind, 0)))
     for name, experts in sorted(stacks.items()):
         layer, proj = int(name.split(".")[1]), name.split(".")[2].split("_")[1]
         kind = expert_type(layer, proj)
-        blocks = [_encode(experts[e], kind, seed=hash((name, e)) % 2**32) for e in range(len(experts))]
+        blocks = [encode(experts[e], kind, seed=hash((name, e)) % 2**32) for e in range(len(experts))]
         out.append((name, kind, np.stack(blocks)))
     return out
-
-
-def write_gguf(path, arch, meta, tensors, split_max_tensors=0):
-    """A GGUF file (or the parts of a split one), tensors written one at a time."""
-    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    for key, value in meta:
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
-    for name, kind, data in tensors:
-        raw = None if kind == "F32" else GGMLQuantizationType[kind]
-        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for _, _, data in tensors:
-        w.write_tensor_data(data.make() if isinstance(data, Lazy) else data)
-    w.close()
-
-
-class Lazy:
-    """Tensor bytes made only when written (random blocks of a large file, one tensor in memory at a time)."""
-
-    def __init__(self, shape: tuple[int, ...], make):
-        self.shape, self.dtype, self.nbytes, self.make = shape, np.dtype(np.uint8), int(np.prod(shape)), make
 
 
 def gguf_from(src: str, path, expert_type, dense_type="BF16", split_max_tensors=0, drop=(), drop_tensors=()):
     cfg = json.load(open(os.path.join(src, "config.json")))
     arch = GGUF_ARCH[cfg["model_type"]]
-    meta = [(k, v) for k, v in [*_metadata(arch, cfg), *_tokenizer_meta(src, cfg["vocab_size"])] if k not in drop]
+    meta = [(k, v) for k, v in [*_metadata(arch, cfg), *tokenizer_meta(src, cfg["vocab_size"])] if k not in drop]
     tensors = [t for t in _gguf_tensors(src, arch, cfg, expert_type, dense_type) if t[0] not in drop_tensors]
     write_gguf(path, arch, meta, tensors, split_max_tensors)
     return str(path)
@@ -199,16 +136,12 @@ def gguf_from(src: str, path, expert_type, dense_type="BF16", split_max_tensors=
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    built = {}
-
     def make(arch: str) -> str:
-        if arch not in built:
-            out = str(tmp_path_factory.mktemp(f"src-{arch}") / "model")
-            synthesize(out, {**preset_config("tiny", arch), **SIZES[arch]}, dtype="bf16", seed=1)
-            built[arch] = out
-        return built[arch]
+        out = str(tmp_path_factory.mktemp(f"src-{arch}") / "model")
+        synthesize(out, {**preset_config("tiny", arch), **SIZES[arch]}, dtype="bf16", seed=1)
+        return out
 
-    return make
+    return built_once(make)
 
 
 def mixed(layer: int, proj: str) -> str:
@@ -278,39 +211,14 @@ DENSE_RECIPES = {
 def imported(source, tmp_path_factory):
     """imported(recipe) -> (gguf path, imported directory), built once; imported.results[recipe]: its
     ImportResult."""
-    built = {}
 
-    def make(recipe: str):
-        if recipe not in built:
-            arch, experts, dense = {**RECIPES, **DENSE_RECIPES}[recipe]
-            if isinstance(dense, dict):
-                dense = lambda name, types=dense: types.get(name.split(".")[-2], "BF16")  # noqa: E731
-            tmp = tmp_path_factory.mktemp(recipe)
-            path = gguf_from(source(arch), tmp / f"{recipe}.gguf", experts, dense)
-            out = str(tmp / "out")
-            make.results[recipe] = import_gguf(path, out, log=lambda line: None)
-            built[recipe] = (path, out)
-        return built[recipe]
+    def gguf_of(recipe: str, tmp) -> str:
+        arch, experts, dense = {**RECIPES, **DENSE_RECIPES}[recipe]
+        if isinstance(dense, dict):
+            dense = lambda name, types=dense: types.get(name.split(".")[-2], "BF16")  # noqa: E731
+        return gguf_from(source(arch), tmp / f"{recipe}.gguf", experts, dense)
 
-    make.results = {}
-    return make
-
-
-def _gguf(path):
-    from gguf import GGUFReader
-
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
-def _blob(out: str, key: str) -> np.ndarray:
-    info = open_checkpoint(out).tensors[key]
-    with open(info.path, "rb") as f:
-        f.seek(info.offset)
-        return np.frombuffer(f.read(info.nbytes), dtype=np.uint8)
-
-
-def _deq(data: np.ndarray, kind) -> torch.Tensor:
-    return torch.from_numpy(quants.dequantize(np.array(data), kind))
+    return importer(tmp_path_factory, gguf_of)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -318,7 +226,7 @@ def test_every_expert_is_the_ggufs_blocks_bit_for_bit(imported, recipe):
     """Lossless: each blob tensor's bytes are the GGUF slice's, and the native decoder reads them as gguf's does."""
     assert native.available(), native.why_not()  # loads the extension, registering its ops
     path, out = imported(recipe)
-    fmt, tensors = read_manifest(out), _gguf(path)
+    fmt, tensors = read_manifest(out), gguf_tensors(path)
     assert (
         fmt.scheme
         == {
@@ -334,13 +242,13 @@ def test_every_expert_is_the_ggufs_blocks_bit_for_bit(imported, recipe):
         table, blob_bytes = fmt.table(layer)
         gate, up, down = (tensors[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
         for e in range(gate.data.shape[0]):
-            blob = _blob(out, blob_key(f"model.layers.{layer}.mlp.experts", e))
+            blob = stored_blob(out, blob_key(f"model.layers.{layer}.mlp.experts", e))
             assert blob.size == blob_bytes
             for t, parts in zip(table, ((gate, up), (down,)), strict=True):
                 stored = blob[t.offset : t.offset + t.nbytes]
                 assert t.dtype == parts[0].tensor_type.name
                 assert np.array_equal(stored, np.concatenate([p.data[e].reshape(-1) for p in parts]))
-                want = torch.cat([_deq(p.data[e], p.tensor_type) for p in parts])
+                want = torch.cat([gguf_values(p.data[e], p.tensor_type) for p in parts])
                 got = native.dequantize(torch.from_numpy(stored.copy()), t.dtype, *t.shape)
                 assert torch.equal(got, want), (layer, e, t.name)
     if recipe == "qwen3-mixed":  # Q4_K_M-like: a Q6_K layer and a Q4_0/Q8_0 layer keep their own tables
@@ -349,19 +257,15 @@ def test_every_expert_is_the_ggufs_blocks_bit_for_bit(imported, recipe):
         assert [t.dtype for t in fmt.tensors] == ["Q4_0", "Q4_0"] and not fmt.layer_tables
 
 
-def _logits(model_dir, max_new_tokens=8, **kwargs):
-    return greedy_run(model_dir, PROMPT, max_new_tokens, **kwargs)
-
-
 @pytest.mark.parametrize("recipe", sorted(RECIPES) + sorted(DENSE_RECIPES))
 def test_streamed_logits_equal_resident_bitwise(imported, recipe):
     """Every cache size and I/O thread count for the Q4_K_M-like file; one small cache for the others."""
     _, out = imported(recipe)
-    tokens, logits, runtime = _logits(out, expert_cache="100x", io_threads=2)
+    tokens, logits, runtime = greedy_logits_of(out, expert_cache="100x", io_threads=2)
     assert all(k.endswith("-native") for k in runtime.kernels.values()), runtime.kernels
     grid = [(s, t) for s in ("1x", "1.5x", "4x") for t in (1, 2, 8)] if recipe == "qwen3-mixed" else [("1x", 8)]
     for size, threads in grid:
-        got_tokens, got_logits, _ = _logits(out, expert_cache=size, io_threads=threads)
+        got_tokens, got_logits, _ = greedy_logits_of(out, expert_cache=size, io_threads=threads)
         assert got_tokens == tokens, (recipe, size, threads)
         assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True)), (recipe, size, threads)
 
@@ -375,7 +279,7 @@ def test_dense_weights_equal_the_source_and_logits_follow_the_same_experts(impor
 
     path, out = imported(recipe)
     arch = RECIPES[recipe][0]
-    src, tensors = source(arch), _gguf(path)
+    src, tensors = source(arch), gguf_tensors(path)
     src_ckpt, out_ckpt = open_checkpoint(src).tensors, open_checkpoint(out).tensors
     dense = sorted(k for k in out_ckpt if not k.endswith(".packed"))
     assert dense == sorted(k for k in src_ckpt if ".experts." not in k)
@@ -387,7 +291,7 @@ def test_dense_weights_equal_the_source_and_logits_follow_the_same_experts(impor
         if recipe == "qwen2-q8" and key == "model.embed_tokens.weight":
             t = tensors["token_embd.weight"]
             assert not torch.equal(got, want)  # the file's values, not the source's
-            want = _deq(t.data, t.tensor_type).reshape(want.shape).to(torch.bfloat16)
+            want = gguf_values(t.data, t.tensor_type).reshape(want.shape).to(torch.bfloat16)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), key
     reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -395,7 +299,7 @@ def test_dense_weights_equal_the_source_and_logits_follow_the_same_experts(impor
             experts = reference.model.layers[layer].mlp.experts
             gate, up, down = (tensors[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
             for e in range(experts.num_experts):
-                deq = [_deq(t.data[e], t.tensor_type).to(torch.bfloat16) for t in (gate, up, down)]
+                deq = [gguf_values(t.data[e], t.tensor_type).to(torch.bfloat16) for t in (gate, up, down)]
                 experts.gate_up_proj[e].copy_(torch.cat(deq[:2]))
                 experts.down_proj[e].copy_(deq[2])
         want = reference(PROMPT).logits[0].float()
@@ -451,7 +355,7 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     path, out = imported(recipe)
     src = source(DENSE_RECIPES[recipe][0])
     cfg = json.load(open(os.path.join(src, "config.json")))
-    tensors, fmt, names = _gguf(path), read_manifest(out), _source_names(src)
+    tensors, fmt, names = gguf_tensors(path), read_manifest(out), _source_names(src)
     kept = {k: n for k, n in names.items() if tensors[n].tensor_type.name in BLOCK_TYPES and "token_embd" not in n}
     assert sorted(fmt.dense) == sorted(kept)
     for key, name in kept.items():
@@ -465,7 +369,7 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     for key, name in floats.items():
         t = tensors[name]
         got = _stored(out, key)
-        want = _unpermuted(_deq(t.data, t.tensor_type).reshape(got.shape[0], -1), key, cfg).reshape(got.shape)
+        want = _unpermuted(gguf_values(t.data, t.tensor_type).reshape(got.shape[0], -1), key, cfg).reshape(got.shape)
         assert torch.equal(got, want.to(torch.bfloat16)), key
     dequantized = {
         "mixtral-dense-blocks": "1 Q8_0 tensor(s) dequantized to bfloat16 (token_embd.weight): the token embedding "
@@ -497,13 +401,13 @@ def test_permuted_q_k_blocks_dequantize_to_the_permuted_float_weight(imported, s
     path, out = imported("mixtral-dense-blocks")
     src = source("mixtral")
     cfg = json.load(open(os.path.join(src, "config.json")))
-    tensors, src_ckpt = _gguf(path), open_checkpoint(src).tensors
+    tensors, src_ckpt = gguf_tensors(path), open_checkpoint(src).tensors
     for layer in range(cfg["num_hidden_layers"]):
         for proj in ("q", "k"):
             key, t = f"model.layers.{layer}.self_attn.{proj}_proj.weight", tensors[f"blk.{layer}.attn_{proj}.weight"]
             wtype, (n, k) = t.tensor_type.name, (int(t.shape[1]), int(t.shape[0]))
             stored = _stored(out, key)
-            floats = _deq(t.data, t.tensor_type).reshape(n, k)  # the file's values in its (permuted) row order
+            floats = gguf_values(t.data, t.tensor_type).reshape(n, k)  # the file's values in its (permuted) row order
             want = _unpermuted(floats, key, cfg)
             assert not torch.equal(want, floats)  # the rows did move
             assert torch.equal(native.dequantize(stored, wtype, n, k), want), key
@@ -540,7 +444,7 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
     assert LONG_PROMPT.shape[1] >= NATIVE_DEQUANT_ROWS
     path, out = imported(recipe)
     cfg = json.load(open(os.path.join(source(DENSE_RECIPES[recipe][0]), "config.json")))
-    tensors, names = _gguf(path), _source_names(source(DENSE_RECIPES[recipe][0]))
+    tensors, names = gguf_tensors(path), _source_names(source(DENSE_RECIPES[recipe][0]))
     runs = []
     for reference in (False, True):
         model = load_streaming_model(out, expert_cache="4x")
@@ -550,7 +454,7 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
             dequantized_prefill = native_dequant_rows([m.wtype for m in linears.values()]) <= LONG_PROMPT.shape[1]
             for p, m in linears.items() if reference else ():
                 t = tensors[names[f"{p}.weight"]]
-                weight = _unpermuted(_deq(t.data, t.tensor_type).reshape(m.out_features, -1), f"{p}.weight", cfg)
+                weight = _unpermuted(gguf_values(t.data, t.tensor_type).reshape(m.out_features, -1), f"{p}.weight", cfg)
                 parent, _, attr = p.rpartition(".")
                 setattr(model.get_submodule(parent), attr, _Dequantized(weight.to(model.dtype), m.bias))
             assert model.dtype == read_manifest(out).compute_dtype
@@ -596,7 +500,7 @@ def test_dense_blocks_do_not_vote_for_the_activation_dtype(source, tmp_path):
     assert result.dense_blocks == {"Q4_K": 6, "Q6_K": 4, "Q8_0": 3}
     with safe_open(open_checkpoint(src).tensors["model.embed_tokens.weight"].path, "pt") as f:
         assert torch.equal(_stored(out, "model.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight").float())
-    tokens, logits, _ = _logits(out, max_new_tokens=2, expert_cache="1x")
+    tokens, logits, _ = greedy_logits_of(out, max_new_tokens=2, expert_cache="1x")
     assert len(tokens) == PROMPT.shape[1] + 2 and logits[0].dtype == torch.float32
 
 
@@ -629,8 +533,8 @@ def test_float_experts_make_a_plain_checkpoint_equal_to_the_source(source, tmp_p
     for key, info in out_ckpt.items():
         with safe_open(info.path, "pt") as f, safe_open(src_ckpt[key].path, "pt") as g:
             assert torch.equal(f.get_tensor(key), g.get_tensor(key)), key
-    tokens, logits, _ = _logits(src, max_new_tokens=4, expert_cache="1x")
-    got_tokens, got_logits, _ = _logits(out, max_new_tokens=4, expert_cache="1x")
+    tokens, logits, _ = greedy_logits_of(src, max_new_tokens=4, expert_cache="1x")
+    got_tokens, got_logits, _ = greedy_logits_of(out, max_new_tokens=4, expert_cache="1x")
     assert got_tokens == tokens and all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True))
 
 
@@ -642,7 +546,7 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     )
     notes = []
     result = import_gguf(path, str(tmp_path / "out"), log=notes.append)
-    fmt, tensors = read_manifest(str(tmp_path / "out")), _gguf(path)
+    fmt, tensors = read_manifest(str(tmp_path / "out")), gguf_tensors(path)
     assert fmt.scheme == "q4_k" and [t.dtype for t in fmt.tensors] == ["Q8_0", "Q4_K"] and not fmt.layer_tables
     by_type = {r["from"]: r for r in result.requantized}
     assert {(r["from"], r["to"], r["tensors"]) for r in result.requantized} == {
@@ -653,13 +557,13 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
     ssr = dict.fromkeys(sse, 0.0)
     for layer in range(3):
         for e in range(8):
-            blob = _blob(str(tmp_path / "out"), blob_key(f"model.layers.{layer}.mlp.experts", e))
+            blob = stored_blob(str(tmp_path / "out"), blob_key(f"model.layers.{layer}.mlp.experts", e))
             for t, projs in zip(fmt.tensors, (("gate", "up"), ("down",)), strict=True):
                 src = [tensors[f"blk.{layer}.ffn_{p}_exps.weight"] for p in projs]
-                values = torch.cat([_deq(s.data[e], s.tensor_type) for s in src])
+                values = torch.cat([gguf_values(s.data[e], s.tensor_type) for s in src])
                 encoded = ENCODERS[t.dtype](values).numpy().reshape(-1)
                 assert np.array_equal(blob[t.offset : t.offset + t.nbytes], encoded)
-                back = _deq(encoded.reshape(values.shape[0], -1), GGMLQuantizationType[t.dtype])
+                back = gguf_values(encoded.reshape(values.shape[0], -1), GGMLQuantizationType[t.dtype])
                 kind = src[0].tensor_type.name
                 sse[kind] += float((back.double() - values.double()).pow(2).sum())
                 ssr[kind] += float(values.double().pow(2).sum())
@@ -667,7 +571,7 @@ def test_types_the_kernels_do_not_run_are_requantized_with_the_error_said(source
         assert by_type[kind]["rel_rms"] == pytest.approx((sse[kind] / ssr[kind]) ** 0.5, rel=1e-6)
         assert any(f"{kind} tensor(s) requantized to {by_type[kind]['to']}" in line for line in notes), notes
     assert 0.001 < by_type["F16"]["rel_rms"] < 0.01 and 0.02 < by_type["IQ4_NL"]["rel_rms"] < 0.15
-    tokens, _, runtime = _logits(str(tmp_path / "out"), max_new_tokens=2, expert_cache="1x")
+    tokens, _, runtime = greedy_logits_of(str(tmp_path / "out"), max_new_tokens=2, expert_cache="1x")
     assert len(tokens) == PROMPT.shape[1] + 2 and runtime.kernels == {"Qwen3MoeExperts": "q4_k-native"}
     result = import_gguf(path, str(tmp_path / "q8"), requantize="q8_0", log=lambda line: None)
     assert [t.dtype for t in read_manifest(str(tmp_path / "q8")).tensors] == ["Q8_0", "Q8_0"]

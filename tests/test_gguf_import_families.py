@@ -19,7 +19,6 @@ import torch
 from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_gguf_import import PROMPT, _blob, _deq, _encode, _gguf, _logits, _tokenizer_meta, write_gguf
 
 from weightstream import native
 from weightstream.engine.loader import load_streaming_model
@@ -29,6 +28,19 @@ from weightstream.store.gguf import gguf_config, import_gguf, open_gguf, plan
 from weightstream.store.presets import preset_config
 from weightstream.store.quant_format import blob_key, read_manifest
 from weightstream.store.synth import synthesize
+
+from gguf_support import (
+    PROMPT,
+    built_once,
+    encode,
+    gguf_tensors,
+    gguf_values,
+    greedy_logits_of,
+    importer,
+    stored_blob,
+    tokenizer_meta,
+    write_gguf,
+)
 
 # hidden and expert widths of 256: whole Q4_K super-blocks on every expert input
 _MLA = dict(
@@ -215,7 +227,7 @@ def _tensors(src: str, arch: str, cfg: dict, expert_type, split_kv_b=False, next
         if w.dim() == 1 or "ffn_gate_inp" in name:  # llama.cpp keeps these F32
             out.append((name, "F32", w.float().numpy()))
         else:
-            rows = _encode(w.reshape(-1, w.shape[-1]), kind, 0)  # k_b and v_b are 3D: (heads, rows, inputs)
+            rows = encode(w.reshape(-1, w.shape[-1]), kind, 0)  # k_b and v_b are 3D: (heads, rows, inputs)
             out.append((name, kind, rows.reshape(*w.shape[:-1], -1)))
 
     for key in sorted(ckpt.tensors):
@@ -241,7 +253,7 @@ def _tensors(src: str, arch: str, cfg: dict, expert_type, split_kv_b=False, next
     for name, experts in sorted(stacks.items()):
         layer, proj = int(name.split(".")[1]), name.split(".")[2].split("_")[1]
         kind = expert_type(layer, proj)
-        out.append((name, kind, np.stack([_encode(experts[e], kind, seed=e) for e in range(len(experts))])))
+        out.append((name, kind, np.stack([encode(experts[e], kind, seed=e) for e in range(len(experts))])))
     if nextn:  # GLM's MTP layer: the last layer's tensors again, and its own
         last, rng = f"blk.{layers - 1}.", np.random.default_rng(3)
         hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
@@ -296,7 +308,7 @@ def _gpt_oss_tensors(src: str, arch: str, cfg: dict, expert_type, **_):
     out = []
 
     def experts(name: str, rows: torch.Tensor, kind: str) -> None:  # rows (experts, outputs, inputs), in one call
-        out.append((name, kind, _encode(rows.reshape(-1, rows.shape[-1]), kind, 0).reshape(*rows.shape[:2], -1)))
+        out.append((name, kind, encode(rows.reshape(-1, rows.shape[-1]), kind, 0).reshape(*rows.shape[:2], -1)))
 
     def f32(name: str, w: torch.Tensor) -> None:
         out.append((name, "F32", np.ascontiguousarray(w.float().numpy())))
@@ -324,7 +336,7 @@ def _gpt_oss_tensors(src: str, arch: str, cfg: dict, expert_type, **_):
         elif w.dim() == 1 or ".router." in key:
             f32(f"{names.get_name(base)}.{leaf}", w)
         else:
-            out.append((f"{names.get_name(base)}.{leaf}", "BF16", _encode(w, "BF16", 0)))
+            out.append((f"{names.get_name(base)}.{leaf}", "BF16", encode(w, "BF16", 0)))
     return out
 
 
@@ -334,7 +346,7 @@ def family_gguf(src: str, path, expert_type, meta=None, drop=(), replace=None, *
     cfg = json.load(open(os.path.join(src, "config.json")))
     arch = GGUF_ARCH[cfg["model_type"]]
     metadata, tensors_of = (_gpt_oss_metadata, _gpt_oss_tensors) if arch == "gpt-oss" else (_metadata, _tensors)
-    keys = dict([*metadata(arch, cfg, **layout), *_tokenizer_meta(src, cfg["vocab_size"])])
+    keys = dict([*metadata(arch, cfg, **layout), *tokenizer_meta(src, cfg["vocab_size"])])
     for key, value in (meta or {}).items():
         if value is None:
             del keys[key]
@@ -347,36 +359,24 @@ def family_gguf(src: str, path, expert_type, meta=None, drop=(), replace=None, *
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    built = {}
-
     def make(arch: str) -> str:
-        if arch not in built:
-            out = str(tmp_path_factory.mktemp(f"src-{arch}") / "model")
-            synthesize(out, {**preset_config("tiny", arch), **SOURCES[arch]}, dtype="bf16", seed=1)
-            _randomize_biases(out)
-            built[arch] = out
-        return built[arch]
+        out = str(tmp_path_factory.mktemp(f"src-{arch}") / "model")
+        synthesize(out, {**preset_config("tiny", arch), **SOURCES[arch]}, dtype="bf16", seed=1)
+        _randomize_biases(out)
+        return out
 
-    return make
+    return built_once(make)
 
 
 @pytest.fixture(scope="module")
 def imported(source, tmp_path_factory):
     """imported(recipe) -> (gguf path, imported directory), built once; imported.results[recipe]: its result."""
-    built = {}
 
-    def make(recipe: str):
-        if recipe not in built:
-            arch, experts, layout = RECIPES[recipe]
-            tmp = tmp_path_factory.mktemp(recipe)
-            path = family_gguf(source(arch), tmp / f"{recipe}.gguf", experts, **layout)
-            out = str(tmp / "out")
-            make.results[recipe] = import_gguf(path, out, log=lambda line: None)
-            built[recipe] = (path, out)
-        return built[recipe]
+    def gguf_of(recipe: str, tmp) -> str:
+        arch, experts, layout = RECIPES[recipe]
+        return family_gguf(source(arch), tmp / f"{recipe}.gguf", experts, **layout)
 
-    make.results = {}
-    return make
+    return importer(tmp_path_factory, gguf_of)
 
 
 # ---------------------------------------------------------------------------------------------------------- tests
@@ -460,12 +460,12 @@ def test_experts_are_the_ggufs_blocks_and_dense_weights_the_sources(imported, so
     router and its biases float32 as the file has them where transformers keeps them float32 (DeepSeek, GLM)."""
     assert native.available(), native.why_not()
     path, out = imported(recipe)
-    fmt, tensors = read_manifest(out), _gguf(path)
+    fmt, tensors = read_manifest(out), gguf_tensors(path)
     cfg = json.load(open(os.path.join(out, "config.json")))
     for layer in range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"]):
         table, blob_bytes = fmt.table(layer)
         for e in range(cfg.get("n_routed_experts") or cfg["num_local_experts"]):
-            blob = _blob(out, blob_key(f"model.layers.{layer}.mlp.experts", e))
+            blob = stored_blob(out, blob_key(f"model.layers.{layer}.mlp.experts", e))
             want = _want_blob(tensors, layer, e, cfg["model_type"] == "gpt_oss")
             assert blob.size == blob_bytes and [t.name for t in table] == list(want)
             for t in table:
@@ -488,10 +488,10 @@ def test_experts_are_the_ggufs_blocks_and_dense_weights_the_sources(imported, so
 def test_streamed_logits_equal_resident_bitwise(imported, recipe):
     """A one-token working set of experts, 1 and 8 I/O threads, against every expert resident."""
     _, out = imported(recipe)
-    tokens, logits, runtime = _logits(out, expert_cache="100x", io_threads=2)
+    tokens, logits, runtime = greedy_logits_of(out, expert_cache="100x", io_threads=2)
     assert all(k.endswith("-native") for k in runtime.kernels.values()), runtime.kernels
     for threads in (1, 8):
-        got_tokens, got_logits, _ = _logits(out, expert_cache="1x", io_threads=threads)
+        got_tokens, got_logits, _ = greedy_logits_of(out, expert_cache="1x", io_threads=threads)
         assert got_tokens == tokens, (recipe, threads)
         assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True)), (recipe, threads)
 
@@ -507,7 +507,7 @@ def _reference(src: str, tensors: dict, dtype=torch.bfloat16):
             experts = reference.model.layers[layer].mlp.experts
             gate, up, down = (tensors[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
             for e in range(experts.num_experts):
-                deq = [_deq(t.data[e], t.tensor_type).to(dtype) for t in (gate, up, down)]
+                deq = [gguf_values(t.data[e], t.tensor_type).to(dtype) for t in (gate, up, down)]
                 if experts.is_transposed:  # gpt-oss: (hidden, 2I), columns gate_0, up_0, gate_1, ...
                     experts.gate_up_proj[e].copy_(torch.stack(deq[:2], 1).reshape(-1, deq[0].shape[1]).t())
                     experts.down_proj[e].copy_(deq[2].t())
@@ -524,7 +524,7 @@ def test_logits_follow_the_source_given_the_ggufs_experts(imported, source, reci
     the same attention (kv_b, YaRN's scales), up to the native kernels' 8-bit activations."""
 
     path, out = imported(recipe)
-    tensors = _gguf(path)
+    tensors = gguf_tensors(path)
     with torch.no_grad():
         want = _reference(source(RECIPES[recipe][0]), tensors)(PROMPT).logits[0].float()
     model = load_streaming_model(out, expert_cache="4x")
@@ -553,7 +553,7 @@ def test_gpt_oss_with_dequantized_products_gives_transformers_logits(imported, s
     from weightstream.engine import kernels
 
     path, out = imported(recipe)
-    reference = _reference(source("gpt_oss"), _gguf(path))
+    reference = _reference(source("gpt_oss"), gguf_tensors(path))
     with torch.no_grad():
         ref = reference.generate(
             PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
@@ -604,13 +604,13 @@ def test_quantized_kv_b_halves_are_joined_from_their_decoded_values_and_the_loss
         source("deepseek_v3"), tmp_path / "q8.gguf", lambda layer, proj: "Q8_0", split_kv_b=True, halves="Q8_0"
     )
     result = import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
-    tensors, cfg = _gguf(path), json.load(open(tmp_path / "out" / "config.json"))
+    tensors, cfg = gguf_tensors(path), json.load(open(tmp_path / "out" / "config.json"))
     heads, nope, v, lora = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
     for layer in range(cfg["num_hidden_layers"]):
         k_b, v_b = (tensors[f"blk.{layer}.attn_{p}_b.weight"] for p in ("k", "v"))
         assert k_b.tensor_type.name == v_b.tensor_type.name == "Q8_0"
-        k = _deq(k_b.data, k_b.tensor_type).reshape(heads, lora, nope).transpose(1, 2)
-        vv = _deq(v_b.data, v_b.tensor_type).reshape(heads, v, lora)
+        k = gguf_values(k_b.data, k_b.tensor_type).reshape(heads, lora, nope).transpose(1, 2)
+        vv = gguf_values(v_b.data, v_b.tensor_type).reshape(heads, v, lora)
         want = torch.cat([k, vv], dim=1).reshape(heads * (nope + v), lora).to(torch.bfloat16)
         key = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
         info = open_checkpoint(str(tmp_path / "out")).tensors[key]

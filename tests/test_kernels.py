@@ -9,7 +9,7 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import experts_modules
 
-from test_engine_exact import EXPANDED, greedy_logits, reference
+from engine_support import EXPANDED, greedy_logits, reference
 
 
 def test_cli_choices_are_the_kernels():

@@ -6,7 +6,6 @@ compared with `weightstream generate` (once as the command, otherwise its Python
 """
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,16 +20,10 @@ import torch
 from weightstream.clock.activity import AnnounceListener
 from weightstream.engine.generate import generate
 from weightstream.engine.kv_cache import quiet_cache_kwarg
-from weightstream.engine.loader import load_streaming_model, load_tokenizer
 
-from serve_support import ServerProcess, endless, hang_up_after, metric
+from serve_support import NAME, chat_copy, endless, hang_up_after, loaded, metric, serving
 
 KEY = "sk-test-weightstream"
-NAME = "tiny-chat"
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 PROMPTS = [
     "Hello there",
     "The quick brown fox",
@@ -46,10 +39,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
     """A copy of the tiny model whose chat template is TEMPLATE (in place of synth's, which answers differently)."""
-    model_dir = tmp_path_factory.mktemp("serve") / NAME
-    shutil.copytree(tiny_model("qwen3_moe"), model_dir)
-    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
-    return str(model_dir)
+    return chat_copy(tiny_model("qwen3_moe"), tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +52,17 @@ def listener(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(chat_model, listener):
     args = ("--api-key", KEY, "--max-batch", "8", "--kv-cache", "256KiB", "--expert-cache", "2x", "--io-threads", "2")
-    server = ServerProcess(chat_model, *args, env={"WEIGHTSTREAM_CLOCKFLOOR_SOCKET": listener.path})
-    try:
-        server.wait_ready()
+    with serving(chat_model, *args, env={"WEIGHTSTREAM_CLOCKFLOOR_SOCKET": listener.path}) as server:
         yield server
         assert server.signal(signal.SIGINT) == 130, server.stderr  # Ctrl-C: the CLI's "interrupted" status
         assert "scheduler and I/O threads stopped" in server.stderr
-    finally:
-        server.kill()
 
 
 @pytest.fixture(scope="module")
 def engine(chat_model):
     """The same checkpoint in this process, as `weightstream generate` loads it, and its tokenizer."""
-    model = load_streaming_model(chat_model, expert_cache="2x", io_threads=2)
-    yield model, load_tokenizer(chat_model, required=True)
-    model.weightstream.close()
+    with loaded(chat_model, expert_cache="2x", io_threads=2) as both:
+        yield both
 
 
 def greedy_text(engine, ids, n):

@@ -21,9 +21,8 @@ from weightstream.engine.batching.sampling import SamplingParams
 from weightstream.engine.batching.scheduler import Scheduler
 from weightstream.engine.batching.sequence import Finished, PromptScored, Sequence
 from weightstream.engine.generate import generate
-from weightstream.engine.loader import load_streaming_model, load_tokenizer
 
-from serve_support import ServerProcess, metric
+from serve_support import loaded, metric, serving
 
 NAME = "model"
 TOL = 1e-5
@@ -36,19 +35,14 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = ServerProcess(model_dir, "--max-batch", "8", "--expert-cache", "2x", "--io-threads", "2")
-    try:
-        server.wait_ready()
+    with serving(model_dir, "--max-batch", "8", "--expert-cache", "2x", "--io-threads", "2") as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    model = load_streaming_model(model_dir, expert_cache="2x", io_threads=2)
-    yield model, load_tokenizer(model_dir, required=True)
-    model.weightstream.close()
+    with loaded(model_dir, expert_cache="2x", io_threads=2) as both:
+        yield both
 
 
 def client(server):

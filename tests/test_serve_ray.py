@@ -9,7 +9,6 @@ replica holds a prompt's experts is known: there the router's choices and a repl
 
 import json
 import os
-import shutil
 import socket
 import threading
 import time
@@ -29,13 +28,8 @@ from weightstream.serve.ray.app import REPLICA_DEPLOYMENT, RayOptions, applicati
 from weightstream.serve.service import ServeSettings  # noqa: E402
 from weightstream.trace import ModelShape, TraceWriter, save  # noqa: E402
 
-from serve_support import ServerProcess, endless, hang_up_after  # noqa: E402
+from serve_support import NAME, ServerProcess, chat_copy, endless, hang_up_after  # noqa: E402
 
-NAME = "tiny-chat"
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 PROMPTS = ["Hello there", "The quick brown fox", "def add(a, b):", "What is the capital of France?"]
 ENGINE = {"expert_cache": "2x", "io_threads": 2}
 TRACE_EXPERTS = ([0, 1], [6, 7])  # trace request r: every token, every layer
@@ -50,11 +44,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("ray") / NAME
     # a context of 4096 positions: the cancellation test's request must still be decoding when its client goes
-    shutil.copytree(tiny_model("qwen3_moe", max_position_embeddings=4096), model_dir)
-    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
-    return str(model_dir)
+    return chat_copy(tiny_model("qwen3_moe", max_position_embeddings=4096), tmp_path_factory.mktemp("ray"))
 
 
 @pytest.fixture(scope="module")
