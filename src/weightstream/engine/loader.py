@@ -38,6 +38,7 @@ from weightstream.engine.latent_attention import absorb_latent_attention, is_lat
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
+from weightstream.engine.sink_attention import install_sink_attention
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
@@ -134,6 +135,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     fused = fuse_dense_ops(model) if config.fuse and computes_float32 else []
     latent = any(is_latent_attention(m) for m in model.modules())
     absorb_latent_attention(model, config.latent_attention)
+    install_sink_attention(model)  # gpt-oss: long prompts without eager's score matrices
     modules = experts_modules(model)
     parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
     tied = ties_embeddings(model.config)

@@ -1,0 +1,84 @@
+"""Attention with sinks (gpt-oss) over long prompts, without the score matrix.
+
+transformers' gpt-oss has no SDPA path: its eager attention repeats the keys and values for every query head and
+materialises the scores of every (query, key) pair, then a copy with the sink's logit appended, its maximum
+subtracted and its softmax: at a 4096-token prompt and 64 heads that is four 4 GiB matrices a layer (measured
+2026-12-06: a 4096-token prompt ran 0.53x llama.cpp on gpt-oss-20b's shape). A sink is a learned logit per head in
+the softmax's denominator and nowhere else, so attention with it is attention without it, scaled per row:
+
+    out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) = O * sigmoid(lse - sink)
+
+where O is ordinary softmax attention and lse its row's log-sum-exp. torch's flash attention for CPU returns both
+(`_scaled_dot_product_flash_attention_for_cpu`: blocks of keys, an online softmax, no T x S matrix), with the eager
+mask (causal, or the sliding window's) as given.
+
+Where eager's matrix is small (under `EAGER_BELOW` elements: decode rows, short prompts) the module's own eager
+function runs, bitwise transformers'; a forward above it sums in flash attention's order, so its logits differ from
+eager's within rounding (tests/test_sink_attention.py states the tolerance). Streamed and resident runs take the
+same path at the same shapes and stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+IMPLEMENTATION = "weightstream_sinks"
+EAGER_BELOW = 2**24  # heads x query rows x keys: 64 MiB of float32 scores, of which eager holds four
+
+
+def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function the sink modules' configs name: eager for small matrices, flash plus the sink's
+    rescaling above."""
+    heads, rows, keys = query.shape[1], query.shape[2], key.shape[2]
+    if heads * rows * keys < EAGER_BELOW or dropout:
+        return module._ws_eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    groups = module.num_key_value_groups
+    k, v = repeat_kv(key, groups), repeat_kv(value, groups)
+    mask = _additive(attention_mask, rows, keys, query.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, k, v, 0.0, False, attn_mask=mask, scale=scaling
+    )
+    kept = torch.sigmoid(lse - module.sinks.float().view(1, -1, 1))  # the softmax's mass not on the sink
+    out = out * kept.unsqueeze(-1).to(out.dtype)  # a row that sees no key: lse -inf, nothing kept, as eager gives
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _additive(mask: torch.Tensor | None, rows: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' mask as an additive one over the keys (boolean: True attends); None: causal, the query rows the
+    last `rows` positions (flash's own `is_causal` would align them with the first)."""
+    if mask is None:
+        mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    mask = mask[..., :keys]
+    if mask.dtype is torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+AttentionInterface.register(IMPLEMENTATION, _forward)
+
+
+def has_sinks(module: torch.nn.Module) -> bool:
+    """Whether a module is an attention with a learned sink logit per head (transformers' gpt-oss)."""
+    sinks = getattr(module, "sinks", None)
+    return isinstance(sinks, torch.Tensor) and hasattr(module, "num_key_value_groups") and hasattr(module, "config")
+
+
+def install_sink_attention(model: torch.nn.Module) -> int:
+    """Route the model's sink attentions through `_forward` (eager kept for small matrices); how many modules."""
+    changed = 0
+    for module in model.modules():
+        if not has_sinks(module) or hasattr(module, "_ws_eager"):
+            continue
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None or module.config._attn_implementation != "eager":
+            continue  # another implementation chosen, or a model whose eager function this cannot find: as it is
+        module._ws_eager = eager
+        module.config = copy.copy(module.config)
+        module.config._attn_implementation_internal = IMPLEMENTATION
+        changed += 1
+    return changed

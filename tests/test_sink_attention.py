@@ -1,0 +1,105 @@
+"""gpt-oss's attention with sinks over long prompts (engine/sink_attention.py): flash attention plus the sink's
+per-row rescaling equals transformers' eager within rounding, the sliding window and chunked prompts included, and
+stays bitwise the same streamed or resident; small matrices still run eager, bitwise transformers'."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from weightstream.engine import sink_attention
+from weightstream.engine.loader import load_streaming_model
+
+from engine_support import greedy_run
+
+# relative to the logits' largest magnitude: float32 sums in flash attention's order (measured below 1e-6)
+TOLERANCE = 1e-5
+# bf16: transformers' eager attention computes its scores and softmax in bf16, flash attention accumulates in float32,
+# so the two are not within rounding of each other (0.26 on this random model's 40 positions); each is held to the
+# float32 model instead, flash no farther than eager's own bf16 (measured 0.2894 against eager's 0.2879)
+AS_FAR_AS_EAGER = 1.05
+LONG = (torch.arange(40) * 37 + 3).remainder(500).add(5).reshape(1, -1)  # past the tiny model's 16-token window
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+@pytest.fixture
+def always_flash(monkeypatch):
+    """Every forward of more than one row through flash attention (the tiny model's matrices are all small)."""
+    monkeypatch.setattr(sink_attention, "EAGER_BELOW", 2)
+
+
+def _gpt_oss(tiny_model, dtype: str) -> str:
+    return tiny_model("gpt_oss", dtype, sliding_window=16)
+
+
+def test_the_sink_is_a_per_row_scale_of_flash_attention(always_flash):
+    """On random tensors with GQA, an additive sliding-window mask and a row that sees no key: the flash path equals
+    the eager function it replaces within float32 rounding."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(0)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, training = 4, False
+        sinks = torch.randn(8) * 3
+
+    module = Module()
+    module._ws_eager = eager_attention_forward
+    rows = keys = 24
+    q, k, v = torch.randn(1, 8, rows, 16), torch.randn(1, 2, keys, 16), torch.randn(1, 2, keys, 16)
+    allowed = torch.ones(rows, keys, dtype=torch.bool).tril().triu(-6)
+    allowed[5] = False  # a row that sees nothing: all its weight on the sink, an output of zeros
+    mask = torch.zeros(rows, keys).masked_fill(~allowed, float("-inf"))[None, None]
+    got, _ = sink_attention._forward(module, q, k, v, mask, scaling=0.25)
+    want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape and torch.equal(got[:, 5], torch.zeros_like(got[:, 5]))
+    assert _relative(got, want) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_flash_with_sinks_gives_transformers_logits_within_rounding(tiny_model, always_flash, dtype):
+    model_dir = _gpt_oss(tiny_model, dtype)
+    with torch.inference_mode():
+        exact = _eager_logits(model_dir, torch.float32)
+        eager = _eager_logits(model_dir, torch.bfloat16) if dtype == "bf16" else exact
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
+    try:
+        assert sum(hasattr(m, "_ws_eager") for m in model.modules()) == model.config.num_hidden_layers
+        with torch.inference_mode():
+            got = model(LONG).logits
+    finally:
+        model.weightstream.close()
+    if dtype == "fp32":
+        assert _relative(got, exact) < TOLERANCE
+    else:
+        assert _relative(got, exact) <= AS_FAR_AS_EAGER * _relative(eager, exact)
+
+
+def _eager_logits(model_dir: str, dtype: torch.dtype) -> torch.Tensor:
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, experts_implementation="eager")
+    return ref(LONG).logits
+
+
+def test_streamed_equals_resident_and_chunks_equal_one_prompt(tiny_model, always_flash):
+    """Bitwise: a 1x cache with 8 I/O threads and every expert resident take the same path; a prompt prefilled in
+    chunks (their rows after cached positions: the causal mask offset) gives one prompt's tokens."""
+    model_dir = _gpt_oss(tiny_model, "fp32")
+    tokens, logits, _ = greedy_run(model_dir, LONG, 6, expert_cache="100x", io_threads=2)
+    streamed_tokens, streamed, _ = greedy_run(model_dir, LONG, 6, expert_cache="1x", io_threads=8)
+    assert streamed_tokens == tokens and all(torch.equal(a, b) for a, b in zip(streamed, logits, strict=True))
+    from weightstream.engine.generate import generate
+
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
+    try:
+        chunked, _ = generate(model, LONG, 6, prefill_chunk=16)
+    finally:
+        model.weightstream.close()
+    assert chunked[0].tolist() == tokens[LONG.shape[1] :]
+
+
+def test_small_matrices_stay_eager(tiny_model):
+    """At the default threshold the tiny model's forwards all run transformers' eager function (bitwise its logits,
+    tests/test_engine_exact.py), and a 4096-token prompt of gpt-oss-20b's 64 heads would not."""
+    assert 64 * 4096 * 4096 >= sink_attention.EAGER_BELOW > 64 * 1 * 131072  # decode rows stay eager at any depth
