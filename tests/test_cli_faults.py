@@ -10,12 +10,12 @@ import shutil
 import httpx
 import numpy as np
 import pytest
-from cli_support import refused_in_process
 
 from weightstream.cli import main
 from weightstream.trace import load, resolve_shape, save
 from weightstream.trace.format import Trace
 
+from cli_support import refused_in_process
 from serve_support import ServerProcess
 
 GOOD_CSV_ROWS = [f'{layer},0,tok{t},"[{t}, 1, 2, 3, 4, 5]"' for layer in range(1, 27) for t in range(2)]

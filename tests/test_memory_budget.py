@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from cgroup_support import cgroup_or_skip
 
 from weightstream.cache.warm import read_state, state_path
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK, machine_memory, margin_for, size_cache
@@ -22,6 +21,7 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.units import MIB
 
+from cgroup_support import cgroup_or_skip
 from engine_support import greedy_run
 
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_support import refused_in_process
 
 from weightstream.bench.child import run_streaming, warm_every_expert
 from weightstream.bench.runner import summarize
@@ -26,6 +25,7 @@ from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest, small_key
 from weightstream.store.quantize import quantize_checkpoint
 
+from cli_support import refused_in_process
 from engine_support import greedy_run
 
 PROMPT = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]])

@@ -9,11 +9,11 @@ import sys
 import threading
 
 import pytest
-from cgroup_support import cgroup_or_skip
 
 from weightstream.errors import WeightstreamError
 from weightstream.prefetch import numa
 
+from cgroup_support import cgroup_or_skip
 from prefetch_support import cli, drop, env_with_home, files, loader, make_checkpoint
 
 pytestmark = pytest.mark.usefixtures("no_proactive_reclaim")  # counts cached pages or bytes read

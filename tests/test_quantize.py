@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from cli_support import refused_in_process
 
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
@@ -29,6 +28,7 @@ from weightstream.store.quant import (
 from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
 from weightstream.store.quantize import quantize_checkpoint
 
+from cli_support import refused_in_process
 from engine_support import greedy_run
 from rss_support import peak_over_baseline
 
