@@ -1,4 +1,4 @@
-// llama.cpp's own product of one block type, for benchmarks/block_types.py --against-llamacpp: M rows (default 1) of
+// llama.cpp's own product of one block type, for `llamacpp.py products --against-llamacpp`: M rows (default 1) of
 // float32 activations against an N x K matrix of that type through ggml's CPU backend (ggml_mul_mat, the path llama.cpp's
 // decode and prompts take with --repack 0: activations quantized to the type's dot type, then one vec_dot an output
 // element, or llamafile's tinyBLAS where it takes the type). The weights are

@@ -1,15 +1,26 @@
-"""llama.cpp beside weightstream, for benchmarks only: build it once, convert and quantize our checkpoints, time it.
+"""llama.cpp beside weightstream, for benchmarks only: build it once, convert and quantize our checkpoints, time it;
+and every speed comparison with it, each on the same GGUF file and its `weightstream import`, rounds alternated.
 
 llama.cpp comes from the vendored tree of the `llama-cpp-python` source package on PyPI (no binary wheel exists for
 this platform), downloaded and built once into a cache outside the repository: $WEIGHTSTREAM_CACHE/llama.cpp, by
 default ~/.cache/weightstream/llama.cpp. Only llama-bench, llama-cli, llama-quantize and llama-perplexity are built
 (about 20 minutes on 2 cores). Where there is no compiler or cmake, `build()` returns None and says why, and the
-benchmarks that use it report llama.cpp as skipped.
+benchmarks that use it report llama.cpp as skipped. Other scripts import this file (`import llamacpp`) for these.
 
     .venv/bin/python benchmarks/llamacpp.py build
     .venv/bin/python benchmarks/llamacpp.py convert MODEL_DIR OUT.gguf [--outtype bf16] [--pre gpt-2]
     .venv/bin/python benchmarks/llamacpp.py quantize IN.gguf OUT.gguf Q4_K_M
     .venv/bin/python benchmarks/llamacpp.py bench OUT.gguf [--memory-limit 2GiB] [--timeout 900]
+
+The comparisons (each `llamacpp.py PART --help`; each prints one JSON object and writes it to --out):
+
+    speed      in-memory prompt and decode tok/s against llama-bench; --depths: at context depths (gguf_speed)
+    serve      `weightstream serve` against llama-server, concurrent clients (serve_vs_llamacpp)
+    prefill    time to the first token of a long prompt in a memory cgroup, against llama-bench (prefill_limit)
+    products   every block type's native product against llama.cpp's through ggml (--against-llamacpp) and/or
+               another checkout's build (--against) (block_types)
+
+(the modules under benchmarks/common/ that run them in parentheses)
 """
 
 from __future__ import annotations
@@ -25,13 +36,15 @@ import tarfile
 import time
 from pathlib import Path
 
+from common import Part, run_part
+
 CACHE = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream") / "llama.cpp"
 TARGETS = ("llama-bench", "llama-cli", "llama-quantize", "llama-perplexity")
 
 # The converter stops on a tokenizer whose pre-tokenizer hash it does not know (ours is trained locally), and on a
 # GLM tokenizer without GLM's special tokens (GLM's is written as GPT-2's instead), so the pre-tokenizer's
 # name is forced: llama.cpp's "default" where the vocabulary does not matter (speed), "gpt-2" where llama.cpp must
-# split text as our tokenizers do (GPT-2's ByteLevel pre-tokenizer; benchmarks/gguf_quality.py).
+# split text as our tokenizers do (GPT-2's ByteLevel pre-tokenizer; `gguf_import.py quality`).
 _CONVERT = """
 import runpy, sys
 sys.path.insert(0, {tree!r})
@@ -271,20 +284,30 @@ def bench(
     }
 
 
+PARTS = {
+    "speed": Part("gguf_speed", "in-memory prompt and decode tok/s against llama-bench (--depths: at depths)"),
+    "serve": Part("serve_vs_llamacpp", "`weightstream serve` against llama-server, concurrent clients"),
+    "prefill": Part("prefill_limit", "time to the first token in a memory cgroup against llama-bench (root)"),
+    "products": Part("block_types", "block types' native products against llama.cpp's and/or another build"),
+}
+
+
 def main() -> None:
+    if run_part("llamacpp.py", PARTS):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
-    sub.add_parser("build")
-    c = sub.add_parser("convert")
+    sub.add_parser("build", help="build llama.cpp's tools once (about 20 minutes)")
+    c = sub.add_parser("convert", help="a checkpoint directory to GGUF by llama.cpp's own converter")
     c.add_argument("model_dir")
     c.add_argument("out")
     c.add_argument("--outtype", default="bf16")
     c.add_argument("--pre", default="default", help="pre-tokenizer name llama.cpp gets (default: default)")
-    q = sub.add_parser("quantize")
+    q = sub.add_parser("quantize", help="llama-quantize")
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("qtype")
-    b = sub.add_parser("bench")
+    b = sub.add_parser("bench", help="llama-bench's decode tok/s, optionally in a memory cgroup")
     b.add_argument("gguf")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--tokens", type=int, default=32)
@@ -292,6 +315,8 @@ def main() -> None:
     b.add_argument("--timeout", type=float, default=900)
     b.add_argument("--repeats", type=int, default=2)
     b.add_argument("--repack", type=int, choices=(0, 1), default=1, help="llama-bench --repack (default 1, its own)")
+    for name, part in PARTS.items():  # run by run_part above; listed here for --help
+        sub.add_parser(name, help=part.help, add_help=False)
     args = ap.parse_args()
     if args.what == "build":
         print(build())

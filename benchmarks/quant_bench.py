@@ -18,10 +18,10 @@
 Prints one JSON object and writes it to --out. One part runs by name instead:
 
     quality    held-out perplexity of bf16, int8 and int4, experts alone and with dense weights quantized, on a
-               small MoE trained here, qwen3_moe or olmoe (common/quant_quality.py):
+               small MoE trained here, qwen3_moe or olmoe (parts/quant_quality.py):
                .venv/bin/python benchmarks/quant_bench.py quality --help
 
-Which kernel computes one quantized projection fastest is `quant_kernels.py`.
+Which kernel computes one quantized projection fastest is `kernel_bench.py routes`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the PNGs into --out.
 One part runs by name instead:
 
     speed      lookups per CPU second of every policy on one core, against the reference path (the runtime's
-               access_layer) and libCacheSim's C replay (common/sim_speed.py):
+               access_layer) and libCacheSim's C replay (parts/sim_speed.py):
                .venv/bin/python benchmarks/simulator.py speed --trace ds.npz
 
 Traces are imported from ../shared/traces as docs/trace-format.md shows.

@@ -31,9 +31,9 @@ measured). Needs root (bench's cgroups).
 
 Two parts run by name instead:
 
-    table      the Markdown tables of one or more reports (common/tune_table.py)
+    table      the Markdown tables of one or more reports (parts/tune_table.py)
     overhead   the runtime's memory beyond dense weights, expert cache and KV, which tune budgets as
-               `RUNTIME_OVERHEAD_BYTES` (common/tune_overhead.py)
+               `RUNTIME_OVERHEAD_BYTES` (parts/tune_overhead.py)
 
     .venv/bin/python benchmarks/tune_proof.py table benchmarks/results/tune-proof-olmoe16-8gib.json
     .venv/bin/python benchmarks/tune_proof.py overhead MODEL_DIR [MODEL_DIR ...] --prompt-tokens 256

@@ -1117,7 +1117,7 @@ int64_t row_path(int64_t path) { return path != 1 && have_avx2() ? 2 : 1; }
 // Rows of a product from which the best path computes them as tiles (of 16 rows, the last of 8 or fewer on 8
 // lanes). VNNI: from 4 rows tiles were faster for Q4_K, Q6_K and Q8_0, at 3 for the K types alone (2048 x 2048,
 // 1 thread: Q4_K 0.38 ms by rows against 0.28 by tiles at 4 rows, Q8_0 0.49 against 0.43, 0.37 against 0.43 at 3).
-// AVX2 (AMD EPYC without AVX-512, 2048 x 2048, 1 thread, ms by rows / by tiles; benchmarks/moe_layer.py
+// AVX2 (AMD EPYC without AVX-512, 2048 x 2048, 1 thread, ms by rows / by tiles; benchmarks/kernel_bench.py
 // crossover): Q4_K 0.61 / 0.67 at 4 rows, 0.96 / 0.65 at 6; Q6_K 0.84 / 0.97 at 5, 1.03 / 0.98 at 6; Q8_0, whose
 // signed codes take two more instructions a step, 2.25 / 2.37 at 12, 3.07 / 2.39 at 16.
 constexpr int64_t kTileRows = 4;

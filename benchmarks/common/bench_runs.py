@@ -1,5 +1,5 @@
 """One `weightstream bench` run of some expert caches under a memory cgroup, read back as a figure per cache: the
-part memory_budget.py and miss_bits.py share."""
+part `memory_bench.py budget` and `miss-bits` share."""
 
 from __future__ import annotations
 

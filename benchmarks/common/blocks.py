@@ -1,6 +1,6 @@
 """Random rows of GGML blocks for timing the native products: every code pattern, with fp16 scales in a sane range
 (random bytes there would be NaNs and infinities, and MXFP4's shared exponents around 2^0). Needs numpy and gguf
-only, so a timed child process of any build can import it (block_types, moe_layer)."""
+only, so a timed child process of any build can import it (common/products.py)."""
 
 from __future__ import annotations
 

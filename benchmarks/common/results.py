@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,3 +27,10 @@ def save(text: str, path: str | Path | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def emit(report: dict, path: str | Path | None, indent: int = 1) -> None:
+    """Print `report` as JSON and write it to `path` (see `save`): what every benchmark ends with."""
+    text = json.dumps(report, indent=indent)
+    print(text)
+    save(text, path)

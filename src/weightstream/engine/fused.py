@@ -23,7 +23,7 @@ process, a bf16 one or one loaded with `fuse=False`, computes the same bits as b
 
 A streamed run and the same model with every expert resident both run these ops, so they stay bitwise equal.
 bf16 checkpoints are left as they are (their eager-exact path). `use_native_ops` switches a fused model's ops off
-and on again, to time them against transformers' own in one process (benchmarks/decode_steps.py).
+and on again, to time them against transformers' own in one process (benchmarks/kernel_bench.py steps).
 """
 
 from __future__ import annotations

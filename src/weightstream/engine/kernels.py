@@ -68,18 +68,18 @@ class OneExpertEager:
 
 
 # Rows per expert from which a projection dequantizes its weight once and multiplies in the activation dtype
-# instead of calling a packed-weight kernel (slow per row); benchmarks/quant_kernels.py measures where the two
+# instead of calling a packed-weight kernel (slow per row); benchmarks/kernel_bench.py routes measures where the two
 # cross on this machine (docs/benchmarks.md). Fixed numbers, so a row count always picks the same route.
 DEQUANT_ROWS = {"int8": 32, "int4": 128}
 # GGML blocks: where the CPU runs the native multi-row tiles, every row count stays native. AVX-512 VNNI's tiles ran
-# 256 rows of Q4_K at 2.3x, 32 rows at 2.7x the dequantize-and-F.linear route (benchmarks/block_types.py --rows).
+# 256 rows of Q4_K at 2.3x, 32 rows at 2.7x the dequantize-and-F.linear route (benchmarks/llamacpp.py products --rows).
 # AVX2's (AMD EPYC, 2048 x 2048, 2 threads, ms, tiles / dequantized with bfloat16 rows / with float32 rows;
-# `benchmarks/moe_layer.py dequant --dtype`): Q4_K 256 rows 10.1 / 103 / 14.0, 32 rows 1.8 / 14.7 / 3.7; Q6_K 256
+# `benchmarks/kernel_bench.py dequant --dtype`): Q4_K 256 rows 10.1 / 103 / 14.0, 32 rows 1.8 / 14.7 / 3.7; Q6_K 256
 # rows 14.1 / 107 / 23.9; Q8_0 256 rows 18.1 / 113 / 13.8, the one case float32 rows gain by dequantizing. A CPU
 # without AVX2 dequantizes from this many rows.
 NATIVE_DEQUANT_ROWS = 16
 # BF16 weights, whose products are float and rows only, cross later: one 2048 x 2048 product, 2 threads (AMD EPYC,
-# AVX-512; `benchmarks/moe_layer.py dequant`, two runs), rows / dequantized and F.linear in ms: 16 rows 1.11 / 1.38
+# AVX-512; `benchmarks/kernel_bench.py dequant`, two runs), rows / dequantized and F.linear in ms: 16 rows 1.11 / 1.38
 # and 1.13 / 1.40, 24 rows 1.63 / 1.69 and 1.64 / 1.65, 28 rows 1.91 / 1.91 and 1.89 / 1.90, 32 rows 2.26 / 2.05 and
 # 2.20 / 2.04. A multi-row BF16 product (each weight widened once for 2-4 rows) gained nothing: the rows re-read the
 # activations from L2 for every weight row, whatever widens the weights.

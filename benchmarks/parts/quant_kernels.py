@@ -9,19 +9,19 @@ on GGML blocks (Q8_0, Q4_K, Q4_1: native.py), and each dequantized then F.linear
 one process, on this machine's threads. Prints JSON with the crossover row counts and, at M = 1, each route's
 weight bytes per second against the machine's read bandwidth (a float32 sum of 1 GiB). Examples:
 
-    .venv/bin/python benchmarks/quant_kernels.py --hidden 2048 --intermediate 1024
-    .venv/bin/python benchmarks/quant_kernels.py --square 8192 --rows 1 --groups 128
+    .venv/bin/python benchmarks/kernel_bench.py routes --hidden 2048 --intermediate 1024
+    .venv/bin/python benchmarks/kernel_bench.py routes --square 8192 --rows 1 --groups 128
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from common.products import median_ms
 
 from weightstream import native
 from weightstream.store.ggml_quant import ENCODERS
@@ -35,17 +35,6 @@ from weightstream.store.quant import (
 )
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs) * 1000
 
 
 def routes(w: torch.Tensor, groups: tuple[int, ...]) -> tuple[dict, dict]:
@@ -83,7 +72,7 @@ def routes(w: torch.Tensor, groups: tuple[int, ...]) -> tuple[dict, dict]:
 def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second of a float32 sum over 1 GiB (best of `repeats`): what reading memory costs here."""
     t = torch.ones(2**28)
-    best = min(timed(lambda: t.sum(), 1) for _ in range(repeats))
+    best = min(median_ms(lambda: t.sum(), 1) for _ in range(repeats))
     return t.nbytes / (best / 1000)
 
 
@@ -95,15 +84,15 @@ def crossover(times: dict, kernel: str, dequant: str, rows: tuple[int, ...] = RO
     return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--groups", default="32,64,128,256")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--square", type=int, metavar="N", help="one N x N matrix instead of an expert's shapes")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to time (comma-separated)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     groups = tuple(int(g) for g in args.groups.split(","))
     rows = tuple(int(m) for m in args.rows.split(","))
     gen = torch.Generator().manual_seed(0)
@@ -128,7 +117,8 @@ def main() -> None:
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             for route, fn in fns.items():
-                times[m][route] = timed(lambda f=fn, x=x: f(x), args.repeats if m <= 64 else max(5, args.repeats // 4))
+                calls = args.repeats if m <= 64 else max(5, args.repeats // 4)
+                times[m][route] = median_ms(lambda f=fn, x=x: f(x), calls)
         pairs = {"int8": ("int8-kernel", "int8-dequant")}
         pairs |= {f"int4-g{g}": (f"int4-g{g}-kernel", f"int4-g{g}-dequant") for g in groups}
         pairs |= {t: (f"{t}-native", f"{t}-dequant") for t in ENCODERS if f"{t}-native" in fns}
@@ -144,7 +134,3 @@ def main() -> None:
         }
         report["shapes"][name] = {"out_in": [n, k], "ms": times, "dequant_from_rows": cross, "at_one_row": at_one}
     print(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()

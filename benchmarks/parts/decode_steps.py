@@ -14,30 +14,26 @@ ops of one decode token with everything on (TorchDispatchMode: the calls Python 
 floor: a decode step with the native products (`linear`, `moe_layer`) replaced by zeros of their shape, i.e. what
 a token costs besides the weight arithmetic (transformers' modules, attention, the cache's bookkeeping, Python).
 
-    .venv/bin/python benchmarks/decode_steps.py .work/bench-models/olmoe-8l-q4k-d4 --tokens 400 \\
+    .venv/bin/python benchmarks/kernel_bench.py steps .work/bench-models/olmoe-8l-q4k-d4 --tokens 400 \\
         --out benchmarks/results/decode-steps-olmoe8.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from common.results import emit
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.cache_utils import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from expert_compute import tokenized_prompts  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from transformers.cache_utils import DynamicCache  # noqa: E402
-
-from weightstream.bench.child import warm_every_expert  # noqa: E402
-from weightstream.engine.fused import use_native_ops  # noqa: E402
-from weightstream.engine.kv_cache import engine_cache  # noqa: E402
-from weightstream.engine.loader import load_streaming_model  # noqa: E402
+from weightstream.bench.child import warm_every_expert
+from weightstream.bench.prompts import tokenized_prompts
+from weightstream.engine.fused import use_native_ops
+from weightstream.engine.kv_cache import engine_cache
+from weightstream.engine.loader import load_streaming_model
 
 
 def _step(model, token, cache, position):
@@ -137,12 +133,12 @@ def floor(model, prompt, tokens: int) -> dict:
     return {"median_ms": {name: 1000 * statistics.median(t) for name, t in times.items()}, "tokens": tokens}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a checkpoint whose dense weights are GGML blocks (quantize --dense int4|int8)")
     ap.add_argument("--tokens", type=int, default=400, help="decode tokens of each paired run (default 400)")
     ap.add_argument("--out", help="also write the JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = load_streaming_model(args.model, expert_cache="1000x")
     try:
         warm_every_expert(model.weightstream.cache)
@@ -160,11 +156,4 @@ def main() -> None:
             }
     finally:
         model.weightstream.close()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

@@ -9,7 +9,7 @@ compared back to back; the types that build lacks are left out of its rows. With
 also times llama.cpp's own product of each type on the same shape and threads (benchmarks/ggml_product.c through
 ggml's CPU backend, its path with --repack 0), and the report gives this build's ratio to it per round.
 
-    .venv/bin/python benchmarks/block_types.py [--threads 1] [--rounds 2] [--against /path/to/old/src]
+    .venv/bin/python benchmarks/llamacpp.py products [--threads 1] [--rounds 2] [--against /path/to/old/src]
         [--against-llamacpp] [--types MXFP4 --n 5760 --k 2880] [--rows 256] [--out benchmarks/results/block-types.json]
 """
 
@@ -17,40 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH)
-from common.child import json_child  # noqa: E402
-from common.results import default, save  # noqa: E402
+from common.products import SRC, child
+from common.results import default, emit
 
-SRC = os.path.join(os.path.dirname(BENCH), "src")
 _CHILD = """
-import json, statistics, sys, time
-sys.path.insert(0, {src!r})
-sys.path.insert(0, {bench!r})
-import numpy as np, torch
-from common.blocks import random_blocks
-try:
-    from weightstream import native
-except ImportError:  # builds from before native.py moved below the packages
-    from weightstream.engine import native
 torch.set_num_threads({threads})
 assert native.available(), native.why_not()
 rng, out = np.random.default_rng(0), {{}}
 for wtype in [t for t in {types!r} if t in native.TYPE_IDS and t != "BF16"]:
     w, x = torch.from_numpy(random_blocks(wtype, {n}, {k}, rng)), torch.randn({rows}, {k})
-    for _ in range(5):
-        native.qmm(x, w, wtype, {n}, {k})
-    times = []
-    for _ in range({calls}):
-        start = time.perf_counter()
-        native.qmm(x, w, wtype, {n}, {k})
-        times.append(time.perf_counter() - start)
-    t = statistics.median(times)
+    t = statistics.median(call_times(lambda: native.qmm(x, w, wtype, {n}, {k}), {calls}, warmup=5))
     out[wtype] = {{"gb_per_s": w.numel() / t / 1e9, "g_weights_per_s": {rows} * {n} * {k} / t / 1e9}}
 print(json.dumps(out))
 """
@@ -58,17 +38,8 @@ TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
 
 
 def run(src: str, args) -> dict:
-    code = _CHILD.format(
-        src=src,
-        bench=BENCH,
-        threads=args.threads,
-        types=args.types,
-        n=args.n,
-        k=args.k,
-        rows=args.rows,
-        calls=args.calls,
-    )
-    return json_child(code, src, timeout=1800)
+    fields = {"threads": args.threads, "types": args.types, "n": args.n, "k": args.k, "rows": args.rows}
+    return child(_CHILD, src, failed=src, timeout=1800, calls=args.calls, **fields)
 
 
 def run_llamacpp(tool: str, args) -> dict:
@@ -85,8 +56,8 @@ def run_llamacpp(tool: str, args) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--n", type=int, default=4096, help="output rows (default 4096)")
@@ -97,7 +68,7 @@ def main() -> None:
     ap.add_argument("--against-llamacpp", action="store_true", help="also time llama.cpp's product of each type")
     ap.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES, metavar="TYPE", help="default: all")
     ap.add_argument("--out", default=default("block-types.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     llamacpp = None
     if args.against_llamacpp:
         import llamacpp as peer
@@ -129,10 +100,4 @@ def main() -> None:
         report["ratio_to_llamacpp"] = {
             t: [round(r["this"][t]["gb_per_s"] / r["llama.cpp"][t]["gb_per_s"], 3) for r in rounds] for t in args.types
         }
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common.results import default, save
+
 from weightstream.sim import Workload
 from weightstream.sim.replay import Options, run_one
 from weightstream.trace import load

@@ -15,7 +15,7 @@ also MXFP4_MOE):
   tokens' logits (8-bit activations against the blocks), the reference fed the engine's own tokens, as relative
   differences, and how often the two pick the same next token.
 
-    .venv/bin/python benchmarks/gguf_families.py [--families deepseek_v2,gpt_oss] [--types Q4_K_M,Q2_K]
+    .venv/bin/python benchmarks/gguf_import.py families [--families deepseek_v2,gpt_oss] [--types Q4_K_M,Q2_K]
         [--work .work/gguf-families] [--out benchmarks/results/gguf-families.json]
 
 Needs llama.cpp built (benchmarks/llamacpp.py build: about 20 minutes, once).
@@ -30,13 +30,11 @@ import sys
 import time
 import traceback
 
+import llamacpp
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llamacpp  # noqa: E402
-
-from weightstream.store.presets import preset_config  # noqa: E402
+from weightstream.store.presets import preset_config
 
 SMALL = dict(hidden_size=256, vocab_size=512, num_attention_heads=4, max_position_embeddings=4096)
 MLA = dict(kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, head_dim=32)
@@ -243,13 +241,13 @@ def run_one(family: str, qtype: str, work: str) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--types", default=",".join(TYPES), help="llama-quantize types (gpt-oss also gets MXFP4_MOE)")
     ap.add_argument("--work", default=".work/gguf-families")
     ap.add_argument("--out", default="benchmarks/results/gguf-families.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     rows = []
     for family in args.families.split(","):
@@ -264,7 +262,3 @@ def main() -> None:
     report = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ uses) after the model's files are dropped from the page cache (fadvise, these fi
 interleaved and repeated so that load from other work on the machine shows up as spread, not as a trend.
 Ratios compare prediction on with prediction off at the same cache size and routing, within the same repeat.
 Prints one JSON object and writes it to --out. Example:
-    .venv/bin/python benchmarks/bench_sweep.py predict-next --model .work/olmoe-4l --trace .work/ds.npz
+    .venv/bin/python benchmarks/engine_bench.py predict-next --model .work/olmoe-4l --trace .work/ds.npz
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 
 import psutil
-
 from common.results import default, save
+
 from weightstream.bench.prompts import BUILTIN_PROMPTS
 from weightstream.bench.runner import BenchConfig, child_config, run_child
 from weightstream.engine.loader import load_tokenizer

@@ -7,7 +7,7 @@ first (the cache refills in the background while it runs). (3) a cold restart (n
 Routing is a trace replayed (the shared DeepSeek-V2-Lite one), the restarts continuing the workload where the
 first run stopped, so what was hot stays hot as it does for a server. Reports tok/s of each and the ratios.
 
-    .venv/bin/python benchmarks/warm_restart.py .work/olmoe4/q4 --trace .work/ds.npz --rounds 3 \\
+    .venv/bin/python benchmarks/memory_bench.py warm-restart .work/olmoe4/q4 --trace .work/ds.npz --rounds 3 \\
         [--expert-cache 3x] [--tokens 32] [--warmup 96] [--out benchmarks/results/warm-restart-olmoe4.json]
 """
 
@@ -20,9 +20,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.child import json_child  # noqa: E402
-from common.results import default, save  # noqa: E402
+from common.child import json_child
+from common.results import default, emit
 
 _RUN = """
 import json, sys, torch
@@ -65,8 +64,8 @@ def run(args, warm: bool, cursor: int, warmup: int) -> dict:
     return json_child(code, "the timed run failed", timeout=1800)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--trace", required=True)
     ap.add_argument("--expert-cache", default="3x")
@@ -74,7 +73,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=default("warm-restart.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from weightstream.cache.warm import state_path
 
     rounds = []
@@ -100,10 +99,4 @@ def main() -> None:
         "warm_over_steady": {"per_round": ratio("warm"), "median": statistics.median(ratio("warm"))},
         "cold_over_steady": {"per_round": ratio("cold"), "median": statistics.median(ratio("cold"))},
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

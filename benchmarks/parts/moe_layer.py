@@ -14,10 +14,10 @@ avx512, or avx2-tiles on a CPU without AVX-512 VNNI), medians in ms: where `auto
 takes them) against the weight dequantized once and F.linear, medians in ms at --threads: where a projection
 should switch (`NATIVE_DEQUANT_ROWS`, `BF16_DEQUANT_ROWS` in engine/kernels.py).
 
-    .venv/bin/python benchmarks/moe_layer.py layer [--threads 2] [--tokens 256] [--calls 9] [--rounds 3]
+    .venv/bin/python benchmarks/kernel_bench.py layer [--threads 2] [--tokens 256] [--calls 9] [--rounds 3]
         [--against OLD/src]
-    .venv/bin/python benchmarks/moe_layer.py crossover [--types Q4_K Q6_K Q8_0]
-    .venv/bin/python benchmarks/moe_layer.py dequant [--types BF16] [--rows 8 16 24 32 64] [--threads 2]
+    .venv/bin/python benchmarks/kernel_bench.py crossover [--types Q4_K Q6_K Q8_0]
+    .venv/bin/python benchmarks/kernel_bench.py dequant [--types BF16] [--rows 8 16 24 32 64] [--threads 2]
         [--dtype float32|bfloat16]
 """
 
@@ -28,23 +28,12 @@ import json
 import os
 import sys
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, BENCH)
-from common.child import json_child  # noqa: E402
-from common.rounds import alternated  # noqa: E402
-
-SRC = os.path.join(os.path.dirname(BENCH), "src")
-FAILED = "the timed process failed"
+from common.products import SRC, child
+from common.rounds import alternated
 
 _LAYER = """
-import json, statistics, sys, time
-sys.path.insert(0, {src!r})
-sys.path.insert(0, {bench!r})
-import numpy as np, torch
-from common.blocks import random_blocks
-from weightstream import native
-assert native.available(), native.why_not()
 torch.set_num_threads({threads})
+assert native.available(), native.why_not()
 hidden, inter, n_experts, top_k, tokens = 2048, 1024, 64, 8, {tokens}
 rng = np.random.default_rng(0)
 blocks = lambda n, k: torch.from_numpy(random_blocks("Q4_K", n, k, rng))
@@ -55,13 +44,8 @@ x = torch.randn(tokens, hidden, generator=gen)
 weights, index = torch.randn(tokens, n_experts, generator=gen).softmax(-1).topk(top_k)
 experts = list(range(n_experts))
 run = lambda: native.moe_layer(x, index, weights, experts, gate_up, "Q4_K", down, "Q4_K")
-for _ in range(2):
-    run()
-times = []
-for _ in range({calls}):
-    start = time.perf_counter()
-    y = run()
-    times.append(time.perf_counter() - start)
+times = call_times(run, {calls}, warmup=2)
+y = run()
 counts = torch.bincount(index.reshape(-1), minlength=n_experts)
 macs = tokens * top_k * 3 * hidden * inter
 print(json.dumps({{"ms_median": 1e3 * statistics.median(times), "ms_best": 1e3 * min(times),
@@ -69,11 +53,6 @@ print(json.dumps({{"ms_median": 1e3 * statistics.median(times), "ms_best": 1e3 *
                   "checksum": y.double().sum().item()}}))
 """
 _CROSSOVER = """
-import json, statistics, sys, time
-sys.path.insert(0, {bench!r})
-import numpy as np, torch
-from common.blocks import random_blocks
-from weightstream import native
 assert native.tiles_available(), "this CPU has no AVX2: there are no tiles to compare"
 tiles = "avx512" if native.vnni_available() else "avx2-tiles"
 torch.set_num_threads(1)
@@ -85,25 +64,14 @@ for wtype in {types!r}:
         x = torch.randn(rows, n)
         got = {{}}
         for path in ("avx2", tiles):
-            for _ in range(3):
-                native.qmm(x, w, wtype, n, n, path)
-            times = []
-            for _ in range(15):
-                start = time.perf_counter()
-                native.qmm(x, w, wtype, n, n, path)
-                times.append(time.perf_counter() - start)
-            got["rows_ms" if path == "avx2" else "tiles_ms"] = 1e3 * statistics.median(times)
+            ms = median_ms(lambda: native.qmm(x, w, wtype, n, n, path), 15)
+            got["rows_ms" if path == "avx2" else "tiles_ms"] = ms
         out[wtype][rows] = got
 print(json.dumps(out))
 """
 
 _DEQUANT = """
-import json, statistics, sys, time
-sys.path.insert(0, {bench!r})
-import numpy as np, torch
-from common.blocks import random_blocks
 from gguf import GGMLQuantizationType, quants
-from weightstream import native
 from weightstream.engine.kernels import native_product
 assert native.available(), native.why_not()
 torch.set_num_threads({threads})
@@ -119,21 +87,14 @@ for wtype in {types!r}:
         x = torch.randn(rows, n).to(getattr(torch, {dtype!r}))
         got = {{}}
         for route, switch in (("native_ms", float("inf")), ("dequantized_ms", 0)):
-            for _ in range(3):
-                native_product(x, w, wtype, n, n, switch)
-            times = []
-            for _ in range(15):
-                start = time.perf_counter()
-                native_product(x, w, wtype, n, n, switch)
-                times.append(time.perf_counter() - start)
-            got[route] = 1e3 * statistics.median(times)
+            got[route] = median_ms(lambda: native_product(x, w, wtype, n, n, switch), 15)
         out[wtype][rows] = got
 print(json.dumps(out))
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     layer = sub.add_parser("layer", help="one MoE layer call, optionally against another build")
     layer.add_argument("--threads", type=int, default=2)
@@ -148,27 +109,20 @@ def main() -> None:
     deq.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the activations' dtype")
     deq.add_argument("--rows", nargs="+", type=int, default=[8, 16, 24, 32, 64])
     deq.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.what == "crossover":
-        print(json.dumps(json_child(_CROSSOVER.format(bench=BENCH, types=args.types), FAILED), indent=1))
+        print(json.dumps(child(_CROSSOVER, types=args.types), indent=1))
         return
     if args.what == "dequant":
-        code = _DEQUANT.format(bench=BENCH, types=args.types, rows=args.rows, threads=args.threads, dtype=args.dtype)
-        print(json.dumps({"threads": args.threads, "dtype": args.dtype, "ms": json_child(code, FAILED)}, indent=1))
+        ms = child(_DEQUANT, types=args.types, rows=args.rows, threads=args.threads, dtype=args.dtype)
+        print(json.dumps({"threads": args.threads, "dtype": args.dtype, "ms": ms}, indent=1))
         return
     builds = {"this": SRC} | ({"against": os.path.abspath(args.against)} if args.against else {})
-    code = {
-        name: _LAYER.format(src=src, bench=BENCH, threads=args.threads, tokens=args.tokens, calls=args.calls)
-        for name, src in builds.items()
-    }
+    fields = {"threads": args.threads, "tokens": args.tokens, "calls": args.calls}
     runs = alternated(
         args.rounds,
-        {name: (lambda name=name: json_child(code[name], FAILED)) for name in builds},
+        {name: (lambda src=src: child(_LAYER, src, **fields)) for name, src in builds.items()},
         lambda r, name, got: print(f"[moe-layer] round {r} {name}: {got}", file=sys.stderr, flush=True),
     )
     rounds = [{name: runs[name][r] for name in builds} for r in range(args.rounds)]
     print(json.dumps({"threads": args.threads, "tokens": args.tokens, "rounds": rounds}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Baseline in the same run: transformers with every weight in memory (eager experts), when RAM allows.
 Prints one JSON object and writes it to --out. Example:
-    .venv/bin/python benchmarks/engine_cache_sizes.py --preset olmoe-1b-7b --layers 16 --tokens 32 \
+    .venv/bin/python benchmarks/engine_bench.py cache-sizes --preset olmoe-1b-7b --layers 16 --tokens 32 \
         --out benchmarks/results/engine-cache-sizes-olmoe16.json
 """
 
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import time
 
 import psutil
 import torch
-from common.results import default, save
+from common.results import default, emit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -61,8 +60,8 @@ def in_memory(model_dir: str, ids: torch.Tensor, tokens: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="olmoe-1b-7b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
@@ -70,7 +69,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--root", default=".work/bench-models")
     ap.add_argument("--out", default=default("engine-cache-sizes.json"), help="result file (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     model_dir = ensure_model(args.preset, args.layers, args.root)
     ids = torch.tensor([AutoTokenizer.from_pretrained(model_dir)(PROMPT).input_ids])
@@ -104,7 +103,7 @@ def main() -> None:
             run["tokens_equal_in_memory"] = new[0].tolist() == baseline["token_ids"]
             run["decode_speed_vs_in_memory"] = stats.decode_tokens_per_s / baseline["decode_tokens_per_s"]
         runs.append(run)
-    text = json.dumps(
+    emit(
         {
             "machine": {
                 "cpus": os.cpu_count(),
@@ -119,11 +118,5 @@ def main() -> None:
             "in_memory": {k: v for k, v in baseline.items() if k != "token_ids"},
             "runs": runs,
         },
-        indent=1,
+        args.out,
     )
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()

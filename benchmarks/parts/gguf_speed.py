@@ -10,8 +10,8 @@ tokens in the context first), since ours decodes after its 256-token prompt; its
 drift by 15-25% between runs minutes apart), and the figures are medians with the spread of the rounds; the ratio
 of medians is ours / llama.cpp's.
 
-    .venv/bin/python benchmarks/gguf_speed.py FILE.gguf IMPORTED_DIR [--rounds 4] [--threads 2]
-        [--out benchmarks/results/gguf-speed-NAME.json]
+    .venv/bin/python benchmarks/llamacpp.py speed FILE.gguf IMPORTED_DIR [--rounds 4] [--threads 2]
+        [--prompt-tokens 4096] [--out benchmarks/results/gguf-speed-NAME.json]
 
 `--depths 256,1024,4096` measures at those context depths instead (issue 50: decode that does not fall with the
 context): llama.cpp's `llama-bench -p 256 -n 16 -d DEPTHS` (its pp and tg tests at each depth), ours in one process
@@ -28,13 +28,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llamacpp  # noqa: E402
-from common.child import json_child  # noqa: E402
-from common.results import default, save  # noqa: E402
-from common.rounds import alternated  # noqa: E402
+import llamacpp
+from common.child import json_child
+from common.results import default, emit
+from common.rounds import alternated, head
 
 PROMPT_TOKENS, NEW_TOKENS = 256, 32
 _OURS = """
@@ -55,8 +53,8 @@ model.weightstream.close()
 """
 
 
-def ours(model_dir: str, threads: int) -> dict:
-    code = _OURS.format(model=model_dir, threads=threads, prompt=PROMPT_TOKENS, new=NEW_TOKENS)
+def ours(model_dir: str, threads: int, prompt: int = PROMPT_TOKENS) -> dict:
+    code = _OURS.format(model=model_dir, threads=threads, prompt=prompt, new=NEW_TOKENS)
     return json_child(code, "weightstream run failed", timeout=3600)
 
 
@@ -141,7 +139,9 @@ def depth_report(runs: dict, depths: list[int]) -> dict:
     return out
 
 
-def llama(gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKENS) -> dict:
+def llama(
+    gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKENS, prompt: int = PROMPT_TOKENS
+) -> dict:
     got = llamacpp.bench(
         gguf,
         threads,
@@ -149,7 +149,7 @@ def llama(gguf: str, threads: int, repack: bool = True, depth: int = PROMPT_TOKE
         repeats=1,
         timeout=3600,
         repack=repack,
-        prompt_tokens=PROMPT_TOKENS,
+        prompt_tokens=prompt,
         decode_depth=depth,
     )
     if "decode_tokens_per_s" not in got:
@@ -165,8 +165,8 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", help="llama.cpp's file")
     ap.add_argument("imported", help="`weightstream import` of it")
     ap.add_argument("--rounds", type=int, default=4)
@@ -179,11 +179,17 @@ def main() -> None:
         help="llama-bench --repack (default 1, its own; its repacked path asserts on some small MoE files)",
     )
     ap.add_argument(
-        "--decode-depth",
+        "--prompt-tokens",
         type=int,
         default=PROMPT_TOKENS,
-        help=f"tokens in llama.cpp's context before its decode (default {PROMPT_TOKENS}: where ours decodes, after "
-        "the prompt; 0: llama-bench's own default, an empty context)",
+        help=f"the prompt's length on both sides (default {PROMPT_TOKENS}; ours prefills it in one forward, "
+        "llama-bench -p N)",
+    )
+    ap.add_argument(
+        "--decode-depth",
+        type=int,
+        help="tokens in llama.cpp's context before its decode (default: the prompt's length, where ours decodes; 0: "
+        "llama-bench's own default, an empty context)",
     )
     ap.add_argument("--depths", help="context depths to measure at, e.g. 256,1024,4096 (see above)")
     ap.add_argument(
@@ -192,17 +198,18 @@ def main() -> None:
         help="with --depths: the forms of DeepSeek's latent attention to time, each a side (absorbed,expanded)",
     )
     ap.add_argument("--out", default=default("gguf-speed.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.depths:
         return at_depths(args)
+    depth = args.prompt_tokens if args.decode_depth is None else args.decode_depth
     sides = {
-        "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack), args.decode_depth),
-        "weightstream": lambda: ours(args.imported, args.threads),
+        "llama.cpp": lambda: llama(args.gguf, args.threads, bool(args.repack), depth, args.prompt_tokens),
+        "weightstream": lambda: ours(args.imported, args.threads, args.prompt_tokens),
     }
     runs, report = run_rounds(args, sides)
     report |= {
-        "llama_decode_depth": args.decode_depth,
-        "prompt_tokens": PROMPT_TOKENS,
+        "llama_decode_depth": depth,
+        "prompt_tokens": args.prompt_tokens,
         "new_tokens": NEW_TOKENS,
         "llama.cpp": summary(runs["llama.cpp"]),
         "weightstream": summary(runs["weightstream"]),
@@ -215,9 +222,7 @@ def main() -> None:
         key: [o[key] / t[key] for o, t in zip(runs["weightstream"], runs["llama.cpp"], strict=True)]
         for key in ("prompt_tokens_per_s", "decode_tokens_per_s")
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
+    emit(report, args.out)
 
 
 def run_rounds(args, sides: dict) -> tuple[dict, dict]:
@@ -227,14 +232,13 @@ def run_rounds(args, sides: dict) -> tuple[dict, dict]:
         sides,
         lambda r, who, got: print(f"[gguf-speed] round {r} {who}: {got}", file=sys.stderr, flush=True),
     )
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gguf": os.path.basename(args.gguf),
-        "gguf_bytes": os.path.getsize(args.gguf),
-        "threads": args.threads,
-        "llama_repack": bool(args.repack),
-        "rounds": args.rounds,
-    }
+    report = head(
+        args.gguf,
+        gguf_bytes=os.path.getsize(args.gguf),
+        threads=args.threads,
+        llama_repack=bool(args.repack),
+        rounds=args.rounds,
+    )
     return runs, report
 
 
@@ -249,10 +253,4 @@ def at_depths(args) -> None:
         "new_tokens": DEPTH_NEW,
         "depths": depth_report(runs, depths),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

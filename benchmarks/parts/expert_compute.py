@@ -8,7 +8,7 @@ memory limit, the lean kernel against the one-expert-eager path it replaces.
 3. under --memory-limit at --caches, `weightstream bench` expert-cache runs with each kernel (cold, own cgroup).
 4. `--profile`: where the time of one decode token goes, by torch op, for eager and both engine kernels.
 
-    .venv/bin/python benchmarks/expert_compute.py .work/bench-models/olmoe-16l-bf16 --llamacpp \\
+    .venv/bin/python benchmarks/engine_bench.py compute .work/bench-models/olmoe-16l-bf16 --llamacpp \\
         --memory-limit 5GiB --caches 1x,2x --profile --out benchmarks/results/expert-compute-olmoe16.json
 
 Prints one JSON object and writes it to --out.
@@ -25,15 +25,17 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llamacpp
+from common.results import default, emit
 
-import llamacpp  # noqa: E402
-from common.results import default, save  # noqa: E402
+from weightstream.bench.machine import block_device_of, machine_info
+from weightstream.bench.prompts import tokenized_prompts
+from weightstream.bench.runner import BenchConfig, child_config, run_bench, run_child, summarize
+from weightstream.units import parse_size
 
-from weightstream.bench.machine import block_device_of, machine_info  # noqa: E402
-from weightstream.bench.prompts import tokenized_prompts  # noqa: E402
-from weightstream.bench.runner import BenchConfig, child_config, run_bench, run_child, summarize  # noqa: E402
-from weightstream.units import parse_size  # noqa: E402
+# `--profile` runs each configuration in a process of its own through the entry point this part runs under:
+# `engine_bench.py compute --profile-child MODE MODEL --tokens N`
+ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_bench.py")
 
 KERNELS = ("auto", "one-expert-eager")
 CATEGORIES = {
@@ -156,7 +158,16 @@ def profile(args) -> dict:
     for mode in ("transformers-eager", *[f"engine-{k}" for k in KERNELS]):
         print(f"[profile] {mode}", file=sys.stderr, flush=True)
         done = subprocess.run(
-            [sys.executable, __file__, "--profile-child", mode, args.model, "--tokens", str(args.profile_tokens)],
+            [
+                sys.executable,
+                ENTRY,
+                "compute",
+                "--profile-child",
+                mode,
+                args.model,
+                "--tokens",
+                str(args.profile_tokens),
+            ],
             capture_output=True,
             text=True,
         )
@@ -228,11 +239,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--profile-child":  # --profile-child MODE MODEL --tokens N
-        profile_child(sys.argv[2], sys.argv[3], int(sys.argv[5]))
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--profile-child"]:  # --profile-child MODE MODEL --tokens N
+        profile_child(argv[1], argv[2], int(argv[4]))
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="model directory, e.g. a `weightstream synth --preset olmoe-1b-7b` checkpoint")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per prompt (default 32)")
     ap.add_argument("--prompts", type=int, default=2, help="built-in prompts to run (default 2)")
@@ -246,7 +258,7 @@ def main() -> None:
     ap.add_argument("--profile-tokens", type=int, default=8)
     ap.add_argument("--skip-compute-only", action="store_true")
     ap.add_argument("--out", default=default("expert-compute.json"), help="result file (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     prompts = tokenized_prompts(args.model, None)[: args.prompts]
     report = {
         "machine": machine_info(block_device_of(args.model)),
@@ -263,10 +275,4 @@ def main() -> None:
         report["limited"] = limited(args, prompts)
     if args.profile:
         report["profile"] = profile(args)
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

@@ -1,29 +1,25 @@
 """Decode under a memory limit, and the engine settings chosen from it: sweeps over `weightstream bench`.
 
 The headline comparison (expert cache against the page cache and accelerate at one limit) is `weightstream bench`
-itself (docs/benchmarks.md). This script sweeps around it, each point a full bench run (own cgroup, cold cache):
+itself (docs/benchmarks.md). These sweep around it, each point a full bench run (own cgroup, cold cache):
 
     pipeline   one pipeline setting varied at a time (I/O threads, compute threads, chunk size): the defaults
     limits     expert cache against page cache at several memory limits (--plot draws tok/s against the limit)
-    predict-next   next-layer prediction (read-ahead) on against off, interleaved repeats (common/predict_next.py)
-    plot       decode tok/s against expert-cache size from `weightstream bench --json` reports (common/plot_bench.py)
 
-    .venv/bin/python benchmarks/bench_sweep.py pipeline MODEL_DIR --memory-limit 5GiB --expert-cache 1x
-    .venv/bin/python benchmarks/bench_sweep.py limits MODEL_DIR --limits 3GiB,4GiB,5GiB,6GiB --plot limits.png
-    .venv/bin/python benchmarks/bench_sweep.py predict-next --help
-    .venv/bin/python benchmarks/bench_sweep.py plot --help
+    .venv/bin/python benchmarks/engine_bench.py pipeline MODEL_DIR --memory-limit 5GiB --expert-cache 1x
+    .venv/bin/python benchmarks/engine_bench.py limits MODEL_DIR --limits 3GiB,4GiB,5GiB,6GiB --plot limits.png
 
-Each prints one JSON object and writes it to --out (plot writes a PNG).
+Beside them, `engine_bench.py predict-next` (next-layer prediction on against off, parts/predict_next.py) and
+`engine_bench.py plot` (decode tok/s against expert-cache size from `weightstream bench --json` reports,
+parts/plot_bench.py). Each prints one JSON object and writes it to --out (plot writes a PNG).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from common import run_part
-from common.results import default, save
+from common.results import default, emit
 
 from weightstream.bench.prompts import tokenized_prompts
 from weightstream.bench.runner import BenchConfig, run_bench
@@ -101,14 +97,9 @@ def plot(points: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-PARTS = {"predict-next": "predict_next", "plot": "plot_bench"}
-
-
-def main() -> None:
-    if run_part("bench_sweep.py", PARTS):
-        return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sweep", choices=("pipeline", "limits", *PARTS), help="pipeline, limits, or a part (above)")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep", choices=("pipeline", "limits"), help="pipeline or limits (above)")
     ap.add_argument("model")
     ap.add_argument("--memory-limit", default="5GiB")
     ap.add_argument("--expert-cache", default="1x")
@@ -123,18 +114,10 @@ def main() -> None:
         "--out",
         help="result file (default: benchmarks/results/engine-pipeline-sweep.json, or decode-limit-sweep.json)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = args.out or default("engine-pipeline-sweep.json" if args.sweep == "pipeline" else "decode-limit-sweep.json")
     args.prompt_ids = tokenized_prompts(args.model, args.prompts)
     points = pipeline(args) if args.sweep == "pipeline" else limits(args)
     if args.plot:
         plot(points, args.plot)
-    text = json.dumps(
-        {"sweep": args.sweep, "model": args.model, "routing_trace": args.routing_trace, "points": points}, indent=1
-    )
-    print(text)
-    save(text, out)
-
-
-if __name__ == "__main__":
-    main()
+    emit({"sweep": args.sweep, "model": args.model, "routing_trace": args.routing_trace, "points": points}, out)

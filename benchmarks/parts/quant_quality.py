@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from common.results import default, save
 
 ROOT = Path(os.environ.get("WEIGHTSTREAM_CACHE") or Path.home() / ".cache" / "weightstream")
-CACHE = ROOT / "small-moe"  # the qwen3_moe model's (benchmarks/gguf_quality.py uses it too)
+CACHE = ROOT / "small-moe"  # the qwen3_moe model's (`gguf_import.py quality` uses it too)
 _SHAPE = dict(
     hidden_size=256,
     num_hidden_layers=4,

@@ -12,27 +12,23 @@ the file's pages are dropped:
 Medians and the spread of the rounds; the ratio is llama.cpp's time / ours (above 1: ours answers first). Needs
 root (cgroups, page-cache drops).
 
-    .venv/bin/python benchmarks/prefill_limit.py FILE.gguf IMPORTED_DIR --memory 2GiB --trace .work/ds.npz \\
+    .venv/bin/python benchmarks/llamacpp.py prefill FILE.gguf IMPORTED_DIR --memory 2GiB --trace .work/ds.npz \\
         [--tokens 256] [--rounds 4] [--threads 2] [--out benchmarks/results/prefill-limit.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llamacpp  # noqa: E402
-from common.bench_runs import MIB, bench_caches  # noqa: E402
-from common.results import default, save  # noqa: E402
-from common.rounds import alternated  # noqa: E402
+import llamacpp
+from common.bench_runs import MIB, bench_caches
+from common.results import default, emit
+from common.rounds import against_llamacpp, alternated, head
 
-from weightstream.units import parse_size  # noqa: E402
+from weightstream.units import parse_size
 
 
 def say(msg: str) -> None:
@@ -74,8 +70,8 @@ def llama(args) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", help="llama.cpp's file")
     ap.add_argument("imported", help="`weightstream import` of it")
     ap.add_argument("--memory", required=True, help="the memory cgroup's limit, e.g. 2GiB")
@@ -84,30 +80,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=default("prefill-limit.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = alternated(
         args.rounds,
         {"llama.cpp": lambda: llama(args), "weightstream": lambda: ours(args)},
         lambda r, who, got: say(f"round {r} {who}: {got['prompt_s']:.2f} s for {args.tokens} tokens"),
     )
-    times = {who: [g["prompt_s"] for g in got] for who, got in runs.items()}
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gguf": os.path.basename(args.gguf),
-        "gguf_bytes": os.path.getsize(args.gguf),
-        "memory": args.memory,
-        "trace": os.path.basename(args.trace) if args.trace else None,
-        "tokens": args.tokens,
-        "threads": args.threads,
-        "runs": runs,
-        "median_prompt_s": {who: statistics.median(v) for who, v in times.items()},
-        "ratio_per_round": [t / o for o, t in zip(times["weightstream"], times["llama.cpp"], strict=True)],
-    }
-    report["ratio"] = report["median_prompt_s"]["llama.cpp"] / report["median_prompt_s"]["weightstream"]
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    report = head(
+        args.gguf,
+        gguf_bytes=os.path.getsize(args.gguf),
+        memory=args.memory,
+        trace=os.path.basename(args.trace) if args.trace else None,
+        tokens=args.tokens,
+        threads=args.threads,
+    )
+    emit(against_llamacpp(report, runs, "prompt_s", "median_prompt_s", higher_is_better=False), args.out)

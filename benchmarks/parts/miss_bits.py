@@ -11,8 +11,8 @@ cache the ratios miss-copy / exact of bytes a token (target <= 0.65) and tok/s (
 1,never` runs --miss-copy once per value (the hit on a small copy that reads the full blob; never: small copies stay
 until evicted). Needs root (cgroups), like `bench`; timing-sensitive (an idle machine).
 
-    .venv/bin/python benchmarks/miss_bits.py timing .work/olmoe4/q4-miss2 --memory 1GiB --trace .work/ds.npz \\
-        --rounds 5 [--caches 1x,2x,memory] [--out benchmarks/results/miss-bits-timing-olmoe4.json]
+    .venv/bin/python benchmarks/memory_bench.py miss-bits timing .work/olmoe4/q4-miss2 --memory 1GiB \\
+        --trace .work/ds.npz --rounds 5 [--caches 1x,2x,memory] [--out benchmarks/results/miss-bits-timing-olmoe4.json]
 
 `perplexity` scores held-out text token by token (one decode step a token, the KV cache kept per window of 256, the
 expert cache kept across windows), so the cache sees what generation does and the small copies are used exactly
@@ -26,7 +26,7 @@ model's own routing: a bytes figure without timing) and its small reads, upgrade
 of exact.
 `100x` holds every expert: what `--memory` gives models this small.
 
-    .venv/bin/python benchmarks/miss_bits.py perplexity [--arch deepseek_v3,gpt_oss] [--miss-bits 2,3] \\
+    .venv/bin/python benchmarks/memory_bench.py miss-bits perplexity [--arch deepseek_v3,gpt_oss] [--miss-bits 2,3] \\
         [--caches 1x,2x,100x] [--chunks 32] [--out benchmarks/results/miss-bits-perplexity.json]
 """
 
@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.bench_runs import MIB, bench_caches  # noqa: E402
-from common.results import default, save  # noqa: E402
+from common.bench_runs import MIB, bench_caches
+from common.results import default, emit
 
 BYTES_TARGET, SPEED_TARGET, PERPLEXITY_TARGET = 0.65, 1.4, 0.02  # the issue's: miss-copy against exact mode
 
@@ -181,8 +179,9 @@ def say(arch: str, msg: str) -> None:
 
 def perplexity(args) -> dict:
     import torch
-    from common.quant_quality import ROOT, cache_dir, corpus, token_stream
     from transformers import AutoTokenizer
+
+    from parts.quant_quality import ROOT, cache_dir, corpus, token_stream
 
     torch.set_num_threads(args.threads)
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
@@ -236,8 +235,8 @@ def perplexity(args) -> dict:
     return report
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="part", required=True)
     t = sub.add_parser("timing", help="bytes a token and tok/s under a memory cgroup (root, an idle machine)")
     t.add_argument("model", help="a directory quantized with --miss-bits")
@@ -258,13 +257,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=32, help="held-out windows of 256 tokens (default 32)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--out", default=default("miss-bits-perplexity.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report |= timing(args) if args.part == "timing" else perplexity(args)
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

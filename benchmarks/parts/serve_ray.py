@@ -17,9 +17,9 @@ engine runs, cache/policy.py), one request after another, prompt and answer toke
 on one replica (what affinity aims at) or each request on a replica at random; misses a token per cache size. It
 says whether a routing leaves room for affinity before the real run measures it.
 
-    .venv/bin/python benchmarks/serve_ray.py simulate .work/olmoe4/q4 --trace .work/ds.npz --caches 1x,2x,4x
+    .venv/bin/python benchmarks/serve_bench.py ray simulate .work/olmoe4/q4 --trace .work/ds.npz --caches 1x,2x,4x
 
-    .venv/bin/python benchmarks/serve_ray.py .work/olmoe4/q4 --trace .work/ds.npz --expert-cache 2x --rounds 3 \\
+    .venv/bin/python benchmarks/serve_bench.py ray .work/olmoe4/q4 --trace .work/ds.npz --expert-cache 2x --rounds 3 \\
         --out benchmarks/results/serve-ray-olmoe4.json
 """
 
@@ -36,7 +36,7 @@ from collections import Counter
 
 import httpx
 from common.clients import free_port, run_clients
-from common.results import default, save
+from common.results import default, emit
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightstream.bench.machine import block_device_of, machine_info
@@ -148,7 +148,7 @@ def ratios(rounds: list[dict], key: str) -> dict:
     return {"per_round": [round(q, 3) for q in per_round], "median": round(statistics.median(per_round), 3)}
 
 
-def simulate(argv: list[str]) -> None:
+def simulate(argv: list[str], prog: str) -> None:
     import numpy as np
 
     from weightstream.cache.policy import LRUPolicy, access_layer
@@ -157,7 +157,7 @@ def simulate(argv: list[str]) -> None:
     from weightstream.engine.routing import per_token_choices
     from weightstream.trace import load
 
-    ap = argparse.ArgumentParser(prog="serve_ray.py simulate")
+    ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("model")
     ap.add_argument("--trace", required=True)
     ap.add_argument("--caches", default="1x,2x,4x", help="cache sizes as multiples of one token's experts")
@@ -198,10 +198,11 @@ def simulate(argv: list[str]) -> None:
     print(json.dumps({"model": args.model, "trace": args.trace, "requests": len(order), "caches": out}, indent=2))
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["simulate"]:
-        return simulate(sys.argv[2:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:
+        return simulate(argv[1:], f"{prog or 'serve_ray'} simulate")
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--trace", help="routing trace to replay per prompt (the shared DeepSeek-V2-Lite); default: own")
     size = ap.add_mutually_exclusive_group()
@@ -218,7 +219,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=default("serve-ray.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.expert_cache = args.expert_cache or (None if args.memory else "2x")
 
     import ray
@@ -263,10 +264,4 @@ def main() -> None:
             "mib_read_per_token": ratios(rounds, "mib_read_per_token"),
         },
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out, indent=2)

@@ -1,6 +1,6 @@
 """GGUF import against llama.cpp on the same files: held-out perplexity and greedy tokens.
 
-The small qwen3_moe trained here on the Python standard library (common/quant_quality.py, the quality model of the
+The small qwen3_moe trained here on the Python standard library (parts/quant_quality.py, the quality model of the
 quantized experts; `--arch` takes another of its architectures, e.g. deepseek_v3 or gpt_oss, trained the same way)
 is converted by llama.cpp's own converter (bf16 GGUF, the pre-tokenizer named "gpt-2", which is how llama.cpp
 knows our GPT-2 style ByteLevel BPE) and quantized by llama-quantize to each of --types (gpt_oss also MXFP4_MOE,
@@ -25,9 +25,9 @@ for another --arch); the conversion, quantization and imports are redone on ever
 a run after a change to the importer measures the new one.
 
     .venv/bin/python benchmarks/quant_bench.py quality --minutes 8    # trains the model once
-    .venv/bin/python benchmarks/gguf_quality.py    # -> benchmarks/results/gguf-quality-small-moe.json
+    .venv/bin/python benchmarks/gguf_import.py quality    # -> benchmarks/results/gguf-quality-small-moe.json
     .venv/bin/python benchmarks/quant_bench.py quality --arch deepseek_v3 --steps 500 --threads 1 --groups ""
-    .venv/bin/python benchmarks/gguf_quality.py --arch deepseek_v3 --types Q8_0,Q4_K_M,Q2_K
+    .venv/bin/python benchmarks/gguf_import.py quality --arch deepseek_v3 --types Q8_0,Q4_K_M,Q2_K
         # -> benchmarks/results/gguf-quality-small-deepseek_v3.json
 """
 
@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -45,11 +44,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llamacpp
+from common.clients import free_port
+from common.results import default, emit
 
-import llamacpp  # noqa: E402
-from common.quant_quality import CONFIGS, cache_dir, corpus, perplexity  # noqa: E402
-from common.results import default, save  # noqa: E402
+from parts.quant_quality import CONFIGS, cache_dir, corpus, perplexity
 
 _CLI = os.path.join(os.path.dirname(sys.executable), "weightstream")  # the venv's console script
 WEIGHTSTREAM = [_CLI] if os.path.exists(_CLI) else [sys.executable, "-m", "weightstream.cli"]
@@ -184,9 +183,7 @@ class LlamaServer:
     """llama-server on a free local port, for greedy completions from token ids."""
 
     def __init__(self, gguf: str, threads: int, extra: tuple[str, ...] = ()):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         argv = [str(llamacpp.tool("llama-server")), "-m", gguf, "-c", "512", "-t", str(threads), "-np", "1"]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -257,8 +254,8 @@ def agreement(ours: list[int], theirs: tuple[list[int], list[list]]) -> dict:
     return row | {"weightstream": ",".join(map(str, ours)), "llama_cpp": ",".join(map(str, theirs))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--arch",
         choices=sorted(CONFIGS),
@@ -284,7 +281,7 @@ def main() -> None:
         help="result file (default: benchmarks/results/gguf-quality-small-moe.json for qwen3_moe, "
         "gguf-quality-small-ARCH.json otherwise)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
     cache = cache_dir(args.arch)
@@ -418,10 +415,4 @@ def main() -> None:
     report["import"] = imports
     first = ("date", "arch", "model", "llama_cpp", "training", "protocol", "tokens", "summary")
     report = {k: report[k] for k in first} | {k: v for k, v in report.items() if k not in first}
-    text_out = json.dumps(report, indent=1)
-    print(text_out)
-    save(text_out, out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, out)

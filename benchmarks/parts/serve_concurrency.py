@@ -16,7 +16,7 @@ runs without both, for a smoke test). Example:
     weightstream synth --preset olmoe-1b-7b --layers 16 --out models/olmoe-16l
     weightstream trace import --format moe-beyond-csv --model-shape deepseek-v2-lite -o ds.npz \\
         $(ls ../shared/traces/deepseek-v2-lite-chat/prompt_*_data.csv | sort -t_ -k3 -n)
-    sudo .venv/bin/python benchmarks/serve_concurrency.py models/olmoe-16l --routing-trace ds.npz \\
+    sudo .venv/bin/python benchmarks/serve_bench.py concurrency models/olmoe-16l --routing-trace ds.npz \\
         --expert-cache 1.5x --clients 1,4,8 --requests 16 --max-tokens 64 -o benchmarks/results/serve-olmoe16.json
 """
 
@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
-from common.clients import run_clients
-from common.results import default, save
+from common.clients import run_clients, stderr_lines, wait_ready
+from common.results import default, emit
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightstream.bench.cgroup import MemoryCgroup
@@ -64,22 +62,10 @@ class Server:
         cmd += ["--batch-beyond-cache"] if args.batch_beyond_cache else []
         spawn = cgroup.popen if cgroup is not None else subprocess.Popen
         self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        self.url = self._wait_ready()
-
-    def _wait_ready(self) -> str:
-        url, deadline = None, time.monotonic() + 1800
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            match = url or re.search(r"listening on (http://\S+?);", "".join(self.lines))
-            url = url or (match.group(1) if match else None)
-            try:
-                if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server did not become ready:\n{''.join(self.lines)}")
+        self.lines = stderr_lines(self.proc)
+        self.url = wait_ready(self.proc, self.lines)
+        if self.url is None:
+            raise RuntimeError(f"server did not become ready:\n{''.join(self.lines)}")
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as {name{labels}: value}."""
@@ -247,8 +233,8 @@ def versus_sequential(phases: list[dict]) -> list[dict]:
     ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("--routing-trace", help="also run with this trace's routing replayed (a .npz)")
     ap.add_argument("--clients", default="1,4,8", help="client counts, one phase each; 1 = sequential (default 1,4,8)")
@@ -265,7 +251,7 @@ def main() -> None:
         help="let batches outgrow the expert cache (serve's flag): shows what the cap avoids",
     )
     ap.add_argument("-o", "--out", default=default("serve.json"), help="result file (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
     ckpt = open_checkpoint(args.model_dir)
     args.memory_limit = parse_size(args.memory_limit) if args.memory_limit else int(ckpt.total_bytes() / 2.75)
@@ -281,10 +267,4 @@ def main() -> None:
         "batch_beyond_cache": args.batch_beyond_cache,
         "runs": [run_routing(args, r, ckpt.files, device) for r in routings],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(result, args.out)

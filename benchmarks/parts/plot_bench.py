@@ -1,7 +1,7 @@
 """Plot decode tok/s against expert cache size from `weightstream bench --json` reports (direct points per cache
 size; page-cache, which has no cache of its own, as a line at the same memory limit).
 
-    .venv/bin/python benchmarks/bench_sweep.py plot own.json replay.json --out docs/bench-tok-s-vs-cache.png
+    .venv/bin/python benchmarks/engine_bench.py plot own.json replay.json --out docs/bench-tok-s-vs-cache.png
 """
 
 from __future__ import annotations

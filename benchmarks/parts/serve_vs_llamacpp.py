@@ -11,31 +11,24 @@ clients; aggregate tok/s = completion tokens / wall time of the phase. llama-ser
 end-of-text token (our random-weight models rarely emit one; tokens are counted either way). Medians and the
 spread of the rounds; the ratio is ours / llama.cpp's per round.
 
-    .venv/bin/python benchmarks/serve_vs_llamacpp.py FILE.gguf IMPORTED_DIR [--clients 8] [--requests 16]
+    .venv/bin/python benchmarks/llamacpp.py serve FILE.gguf IMPORTED_DIR [--clients 8] [--requests 16]
         [--max-tokens 64] [--rounds 4] [--threads 2] [--out benchmarks/results/serve-vs-llamacpp.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import statistics
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
+import llamacpp
+from common.clients import free_port, run_clients, stderr_lines, wait_ready
+from common.results import default, emit
+from common.rounds import against_llamacpp, alternated, head
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llamacpp  # noqa: E402
-from common.clients import free_port, run_clients  # noqa: E402
-from common.results import default, save  # noqa: E402
-from common.rounds import alternated  # noqa: E402
-
-from weightstream.bench.prompts import BUILTIN_PROMPTS  # noqa: E402
+from weightstream.bench.prompts import BUILTIN_PROMPTS
 
 MODEL = "bench"
 
@@ -49,22 +42,11 @@ class Child:
 
     def __init__(self, cmd: list[str], url: str | None, env: dict | None = None):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        deadline = time.monotonic() + 1800
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if url is None:  # ours says where it listens
-                found = re.search(r"listening on (http://\S+?);", "".join(self.lines))
-                url = found.group(1) if found else None
-            try:
-                if url and httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    self.url = url
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise SystemExit(f"{cmd[0]} did not become ready:\n{''.join(self.lines)[-3000:]}")
+        self.lines = stderr_lines(self.proc)
+        self.url = wait_ready(self.proc, self.lines, url)  # ours (url None) says where it listens
+        if self.url is None:
+            self.stop()
+            raise SystemExit(f"{cmd[0]} did not become ready:\n{''.join(self.lines)[-3000:]}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -109,8 +91,8 @@ def run(who: str, args, prompts: list[str]) -> dict:
         server.stop()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", help="llama.cpp's file")
     ap.add_argument("imported", help="`weightstream import` of it")
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients and llama-server slots (default 8)")
@@ -120,7 +102,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=default("serve-vs-llamacpp.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if llamacpp.tool("llama-server") is None:
         raise SystemExit("llama-server could not be built here (see above)")
     prompts = [f"Request {i}: {BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]}" for i in range(args.requests)]
@@ -131,23 +113,7 @@ def main() -> None:
             f"round {r} {who}: {got['aggregate_tokens_per_s']:.1f} tok/s ({got['completion_tokens']} tokens)"
         ),
     )
-    rates = {who: [g["aggregate_tokens_per_s"] for g in got] for who, got in runs.items()}
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gguf": os.path.basename(args.gguf),
-        "clients": args.clients,
-        "requests": args.requests,
-        "max_tokens": args.max_tokens,
-        "threads": args.threads,
-        "runs": runs,
-        "median_tokens_per_s": {who: statistics.median(v) for who, v in rates.items()},
-        "ratio_per_round": [o / t for o, t in zip(rates["weightstream"], rates["llama.cpp"], strict=True)],
-    }
-    report["ratio"] = report["median_tokens_per_s"]["weightstream"] / report["median_tokens_per_s"]["llama.cpp"]
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    report = head(
+        args.gguf, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens, threads=args.threads
+    )
+    emit(against_llamacpp(report, runs, "aggregate_tokens_per_s", "median_tokens_per_s", True), args.out)

@@ -6,7 +6,7 @@ reads what real routing reads); the configurations' order alternates between rou
 it ran with, decode tok/s, MiB read a token, the cgroup's peak and file refaults, whether the kernel killed it; per
 round the ratio of `memory`'s tok/s to each fixed cache's. Needs root (cgroups), like `bench`.
 
-    .venv/bin/python benchmarks/memory_budget.py .work/olmoe4/q4 --memory 1GiB --trace .work/ds.npz --rounds 5 \\
+    .venv/bin/python benchmarks/memory_bench.py budget .work/olmoe4/q4 --memory 1GiB --trace .work/ds.npz --rounds 5 \\
         [--caches 1x,2x] [--out benchmarks/results/memory-budget-olmoe4-1gib.json]
 """
 
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.bench_runs import MIB, bench_caches  # noqa: E402
-from common.results import default, save  # noqa: E402
+from common.bench_runs import MIB, bench_caches
+from common.results import default, emit
 
 
 def _mib(footprint: dict) -> dict:
@@ -38,8 +36,8 @@ def bench_round(args, caches: list[str]) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--memory", default="1GiB", help="the cgroup limit and --memory (default 1GiB)")
     ap.add_argument("--caches", default="1x", help="fixed caches to compare with (default 1x)")
@@ -47,7 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--out", default=default("memory-budget.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     fixed = [c.strip() for c in args.caches.split(",") if c.strip()]
     rounds = []
     for r in range(args.rounds):
@@ -82,10 +80,4 @@ def main() -> None:
         "rounds": rounds,
         "summary": summary,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    save(text, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    emit(report, args.out)

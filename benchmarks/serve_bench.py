@@ -1,0 +1,28 @@
+"""`weightstream serve` with concurrent clients, each against its baseline in the same run; `serve` against
+llama-server is `llamacpp.py serve`.
+
+    concurrency   concurrent clients under a memory limit (root): aggregate tok/s, time per output token, device
+                  bytes a token, the expert union of batched steps; against the same requests one at a time
+    ray           `serve --ray`: Ray Serve replicas routed by expert affinity, against Ray Serve's default router
+                  on the same replicas, prompts and routing, rounds alternated; `ray simulate`: the same requests
+                  through one LRU cache per replica (seconds, no Ray)
+
+    sudo .venv/bin/python benchmarks/serve_bench.py concurrency MODEL --routing-trace ds.npz --memory-limit 5GiB
+    .venv/bin/python benchmarks/serve_bench.py ray MODEL --trace .work/ds.npz --expert-cache 2x --rounds 3
+    .venv/bin/python benchmarks/serve_bench.py ray simulate MODEL --trace .work/ds.npz --caches 1x,2x,4x
+
+Each prints one JSON object (concurrency and ray also write it to --out). The subcommands run
+parts/serve_concurrency.py and parts/serve_ray.py; `serve_bench.py PART --help`.
+"""
+
+from __future__ import annotations
+
+from common import Part, entry
+
+PARTS = {
+    "concurrency": Part("serve_concurrency", "concurrent clients under a memory limit, against one at a time"),
+    "ray": Part("serve_ray", "Ray Serve replicas by expert affinity against the default router; `ray simulate`"),
+}
+
+if __name__ == "__main__":
+    entry("serve_bench.py", __doc__, PARTS)
