@@ -1,6 +1,7 @@
-"""gpt-oss's attention with sinks over long prompts (engine/sink_attention.py): flash attention plus the sink's
-per-row rescaling equals transformers' eager within rounding, the sliding window and chunked prompts included, and
-stays bitwise the same streamed or resident; small matrices still run eager, bitwise transformers'."""
+"""gpt-oss's attention with sinks over long contexts (engine/sink_attention.py): flash attention plus the sink's
+per-row rescaling for long prompts, and the query heads grouped by key head for decode rows over a long cache,
+each equal to transformers' eager within rounding, the sliding window and chunked prompts included, and bitwise
+the same streamed or resident; small shapes still run eager, bitwise transformers'."""
 
 import pytest
 import torch
@@ -99,7 +100,44 @@ def test_streamed_equals_resident_and_chunks_equal_one_prompt(tiny_model, always
     assert chunked[0].tolist() == tokens[LONG.shape[1] :]
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_heads_are_eager_without_its_copies(rows):
+    """Decode rows over a long cache: each key head's query heads as rows of one product (no repeat_kv copies),
+    eager's arithmetic otherwise, the sliding window's mask and the sink included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(rows)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, training = 4, False
+        sinks = torch.randn(8) * 3
+
+    module, keys = Module(), 50
+    q, k, v = torch.randn(1, 8, rows, 16), torch.randn(1, 2, keys, 16), torch.randn(1, 2, keys, 16)
+    allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows).triu(keys - rows - 20)
+    mask = torch.zeros(rows, keys).masked_fill(~allowed, float("-inf"))[None, None]
+    got, _ = sink_attention._grouped(module, q, k, v, mask, 0.25)
+    want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape and _relative(got, want) < 2e-6
+
+
+def test_grouped_decode_gives_transformers_tokens_and_streams_bitwise(tiny_model, monkeypatch):
+    """Every forward the tiny model runs through the grouped path: greedy tokens and logits of transformers' eager
+    model within rounding, and a streamed run bitwise the resident one."""
+    monkeypatch.setattr(sink_attention, "REPEAT_BELOW", 1)
+    model_dir = _gpt_oss(tiny_model, "fp32")
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+    with torch.inference_mode():
+        want = ref.generate(LONG, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens, logits, _ = greedy_run(model_dir, LONG, 6, expert_cache="100x", io_threads=2)
+    assert tokens == want.sequences[0].tolist()
+    assert max(_relative(g, w) for g, w in zip(logits, want.logits, strict=True)) < TOLERANCE
+    streamed_tokens, streamed, _ = greedy_run(model_dir, LONG, 6, expert_cache="1x", io_threads=8)
+    assert streamed_tokens == tokens and all(torch.equal(a, b) for a, b in zip(streamed, logits, strict=True))
+
+
 def test_small_matrices_stay_eager(tiny_model):
     """At the default threshold the tiny model's forwards all run transformers' eager function (bitwise its logits,
     tests/test_engine_exact.py), and a 4096-token prompt of gpt-oss-20b's 64 heads would not."""
-    assert 64 * 4096 * 4096 >= sink_attention.EAGER_BELOW > 64 * 1 * 131072  # decode rows stay eager at any depth
+    assert 64 * 4096 * 4096 >= sink_attention.EAGER_BELOW > 64 * 1 * 131072  # decode rows: no flash at any depth
+    assert 64 * 4096 * 64 >= sink_attention.REPEAT_BELOW > 4 * 512 * 64  # the tiny model's keys: eager's copies
