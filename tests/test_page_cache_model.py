@@ -37,7 +37,7 @@ def test_readahead_splits_the_calibrated_extra_bytes_around_the_span():
 def test_an_expert_in_several_tensors_shares_its_extra_bytes_among_its_spans_by_length():
     """gpt-oss's layout: down (16 MiB) and gate_up (32 MiB) far apart, a tiny bias beside each. The expert's
     calibrated 24 MiB extra goes 8 / 16 to the two large spans, each with the window's half ahead; giving every
-    span the whole expert's extra read 1.8x the kernel's bytes (docs/benchmarks.md)."""
+    span the whole expert's extra read 1.8x the kernel's bytes (docs/benchmarks.md as of commit 8df4075)."""
     spans = [(0, 0, 16 * MIB), (0, 100 * MIB, 100 * MIB + 8192), (0, 200 * MIB, 232 * MIB)]
     total = 48 * MIB + 8192
     shares = Readahead.per_span(1 + 24 * MIB / total, spans, 8 * MIB)

@@ -86,7 +86,7 @@ def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     of its own (decode reads one row of it per token; a tied head reads all of it every token). Dense weights are
     loaded through safetensors' mmap, so the rows no token uses never come in: on gpt-oss-20b's shape 1.08 GiB
     of a 4 GiB limit's 2.36 GiB of dense weights, room for the expert cache or the page cache. Measured there
-    (docs/benchmarks.md): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
+    (docs/benchmarks.md as of commit 8df4075): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the
     1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's bytes to 3%."""
     return sum(n for name, n in dense_nbytes.items() if is_lazy_dense(name, tied))
 
