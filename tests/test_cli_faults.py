@@ -191,3 +191,44 @@ def test_a_small_models_summary_says_its_sizes_in_units_that_scale_down(tiny_mod
     summary = next(line for line in err.splitlines() if line.startswith("prefill "))
     assert " 0 MiB" not in summary and " 0.0 MiB" not in summary, summary
     assert "KiB" in summary, summary  # the tiny model's experts are a few KiB each
+
+
+def test_tune_refuses_a_memory_larger_than_the_machine(tiny_model, nothing_loads):
+    """Case 6: `tune --memory 10TiB` on a machine of a few GiB is refused as generate refuses it, not answered with a
+    recommendation generate then refuses."""
+    code, err = refused_in_process("tune", tiny_model("qwen3_moe"), "--memory", "10TiB")
+    assert_one_line_error(code, err, "tune", "--memory 10.0 TiB", "more than this machine's")
+
+
+TRUNCATE_AFTER_LOAD = """
+import glob, os, sys, torch
+from weightstream.engine.generate import generate
+from weightstream.engine.loader import load_streaming_model
+from weightstream.errors import WeightstreamError
+model = load_streaming_model(sys.argv[1], expert_cache="1x", io_threads=2)
+generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2)  # every dense page touched, some experts cached
+for shard in glob.glob(os.path.join(sys.argv[1], "*.safetensors")):
+    os.truncate(shard, 1000)
+try:
+    generate(model, torch.tensor([[7, 300, 11, 5]]), max_new_tokens=4)
+except WeightstreamError as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+finally:
+    model.weightstream.close()
+"""
+
+
+def test_a_checkpoint_truncated_after_loading_is_an_error_naming_it_not_a_sigbus(tiny_model, tmp_path):
+    """Case 1: every shard truncated under a loaded model. Dense weights were copied out of their mappings, the
+    input embedding is read by row and experts by O_DIRECT, so the next token that needs the files fails with an
+    error naming one (a SIGBUS killed the process before: exit status -7)."""
+    import subprocess
+    import sys
+
+    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
+    run = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_AFTER_LOAD, str(model)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr and ".safetensors" in run.stderr, run.stderr[-2000:]
