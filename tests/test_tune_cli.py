@@ -293,3 +293,12 @@ def test_calibrations_add_up_and_forget_drops_them(first_tune, model_dir, capsys
     report = json.loads(capsys.readouterr().out)
     (only,) = json.loads(store.read_text())["entries"]
     assert report["calibration"]["samples"] == 1 and report["calibration"]["params"] == only["params"]
+
+
+def test_the_table_says_small_sizes_in_units_that_scale_down(first_tune, model_dir):
+    """Issue 52, case 11: a tiny model's caches are KiB, not 0.00 GiB in every row."""
+    r = run_cli("tune", model_dir, "--memory", "1GiB", "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "0.00 GiB" not in r.stdout and " KiB" in r.stdout, r.stdout
+    header = next(line for line in r.stdout.splitlines() if "policy" in line and "hit rate" in line)
+    assert "cache GiB" not in header and "cache" in header

@@ -86,6 +86,9 @@ def _check_args(args) -> None:
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise WeightstreamError(f"--plot {args.plot}: its directory does not exist")
     args.memory_bytes = parse_size(args.memory, what="--memory")
+    from weightstream.engine.footprint import check_memory
+
+    check_memory(args.memory_bytes)  # a budget larger than the machine: refused, as generate refuses it
     args.gpu_memory_bytes = None
     if args.gpu_memory is not None:
         args.gpu_memory_bytes = parse_size(args.gpu_memory, what="--gpu-memory")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from weightstream.units import GIB
+from weightstream.units import format_bytes
 
 
 def _fmt(x, spec: str, none: str = "-") -> str:
@@ -16,7 +16,7 @@ def table(report: dict) -> list[str]:
     ws = report["budget"]["working_set_bytes"]
     rec = report["recommendation"]
     lines = [
-        f"{'':2}{'path':<13}{'policy':<19}{'cache GiB':>10}{'x WS':>8}{'hit rate':>9}{'MiB/token':>10}"
+        f"{'':2}{'path':<13}{'policy':<19}{'cache':>12}{'x WS':>8}{'hit rate':>9}{'MiB/token':>10}"
         f"{'tok/s':>8}{'prefill s':>10}{'of Belady':>10}"
     ]
     for c in report["configs"]:
@@ -27,7 +27,7 @@ def table(report: dict) -> list[str]:
         )
         lines.append(
             f"{mark:<2}{c['path']:<13}{c['policy'] + (' (bound)' if c['bound'] else ''):<19}"
-            f"{c['cache_bytes'] / GIB:>10.2f}{c['cache_bytes'] / ws:>8.2f}{c['hit_rate']:>9.1%}"
+            f"{format_bytes(c['cache_bytes']):>12}{c['cache_bytes'] / ws:>8.2f}{c['hit_rate']:>9.1%}"
             f"{c['mib_read_per_token']:>10.1f}{_fmt(c['predicted_decode_tokens_per_s'], '.2f'):>8}"
             f"{_fmt(c['predicted_prefill_s'], '.2f'):>10}{_fmt(c.get('of_belady_tokens_per_s'), '.2f'):>10}"
         )
@@ -37,13 +37,13 @@ def table(report: dict) -> list[str]:
 def text(report: dict) -> list[str]:
     b, r, rec = report["budget"], report["routing"], report["recommendation"]
     out = [
-        f"model {report['model']}: memory {b['memory_bytes'] / GIB:.2f} GiB = dense "
-        f"{b['resident_dense_bytes'] / GIB:.2f} + "
-        f"KV ({b['context_tokens']} tokens) {b['kv_cache_bytes'] / GIB:.2f} + runtime "
-        f"{b['runtime_overhead_bytes'] / GIB:.2f} + experts {b['expert_bytes'] / GIB:.2f} GiB "
-        f"(one token's working set {b['working_set_bytes'] / GIB:.2f} GiB)"
+        f"model {report['model']}: memory {format_bytes(b['memory_bytes'])} = dense "
+        f"{format_bytes(b['resident_dense_bytes'])} + "
+        f"KV ({b['context_tokens']} tokens) {format_bytes(b['kv_cache_bytes'])} + runtime "
+        f"{format_bytes(b['runtime_overhead_bytes'])} + experts {format_bytes(b['expert_bytes'])} "
+        f"(one token's working set {format_bytes(b['working_set_bytes'])})"
         + (
-            f"; the input embedding's {b['lazy_dense_bytes'] / GIB:.2f} GiB stays on disk (mmap reads only the rows "
+            f"; the input embedding's {format_bytes(b['lazy_dense_bytes'])} stays on disk (mmap reads only the rows "
             "of tokens seen)"
             if b["lazy_dense_bytes"]
             else ""
@@ -55,7 +55,7 @@ def text(report: dict) -> list[str]:
         "",
         *table(report),
         "",
-        f"recommendation: {rec['path']} {rec['policy']} {rec['cache_bytes'] / GIB:.2f} GiB, predicted "
+        f"recommendation: {rec['path']} {rec['policy']} {format_bytes(rec['cache_bytes'])}, predicted "
         f"{_fmt(rec['predicted_decode_tokens_per_s'], '.2f', 'unknown')} tok/s decode, "
         f"{_fmt(rec['predicted_prefill_s'], '.2f', 'unknown')} s prefill ({rec['reason']})",
         f"  {shlex.join(rec['command'])}",
@@ -80,7 +80,7 @@ def miss_copy_text(report: dict) -> list[str]:
     out = [
         "",
         f"with --miss-copy ({small['label']}; {bits}small copies {small['small_copy_ratio']:.2f}x a blob), "
-        f"{rec['policy']} {rec['cache_bytes'] / GIB:.2f} GiB:",
+        f"{rec['policy']} {format_bytes(rec['cache_bytes'])}:",
         f"  {'upgrade after':<15}{'MiB/token':>10}{'tok/s':>8}{'x exact':>9}{'upgrades/token':>16}"
         f"{'small hits/token':>18}",
     ]
@@ -99,7 +99,7 @@ def miss_copy_text(report: dict) -> list[str]:
         " - predicted no faster than the exact recommendation: keep exact mode" if vs is not None and vs <= 1 else ""
     )
     out += [
-        f"recommendation with --miss-copy ({small['label']}): {rec['policy']} {rec['cache_bytes'] / GIB:.2f} GiB, "
+        f"recommendation with --miss-copy ({small['label']}): {rec['policy']} {format_bytes(rec['cache_bytes'])}, "
         f"--upgrade-after {rec['upgrade_after']}, predicted "
         f"{_fmt(rec['predicted_decode_tokens_per_s'], '.2f', 'unknown')} tok/s decode, "
         f"{rec['mib_read_per_token']:.1f} MiB/token"
