@@ -100,10 +100,12 @@ def test_streamed_equals_resident_and_chunks_equal_one_prompt(tiny_model, always
     assert chunked[0].tolist() == tokens[LONG.shape[1] :]
 
 
+@pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_grouped_heads_are_eager_without_its_copies(rows):
+def test_grouped_heads_are_eager_without_its_copies(rows, window):
     """Decode rows over a long cache: each key head's query heads as rows of one product (no repeat_kv copies),
-    eager's arithmetic otherwise, the sliding window's mask and the sink included."""
+    eager's arithmetic otherwise, the sliding window's mask and the sink included; a sliding layer's hidden keys
+    left out."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     torch.manual_seed(rows)
@@ -113,8 +115,9 @@ def test_grouped_heads_are_eager_without_its_copies(rows):
         sinks = torch.randn(8) * 3
 
     module, keys = Module(), 50
+    module.sliding_window = window  # 21: the keys before the window are left out, not only masked
     q, k, v = torch.randn(1, 8, rows, 16), torch.randn(1, 2, keys, 16), torch.randn(1, 2, keys, 16)
-    allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows).triu(keys - rows - 20)
+    allowed = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows).triu(keys - rows - 20)  # a 21-key window
     mask = torch.zeros(rows, keys).masked_fill(~allowed, float("-inf"))[None, None]
     got, _ = sink_attention._grouped(module, q, k, v, mask, 0.25)
     want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.25)

@@ -61,14 +61,20 @@ def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.
 def _grouped(module, query, key, value, mask, scaling):
     """Eager's arithmetic (scores, the sink appended, softmax, weighted values) without its copies of the keys and
     values for every query head: each key head's query heads as rows of one product. At depth 4096 on gpt-oss-20b's
-    64 heads of 8 key heads those copies were 134 MB a layer and token (decode 0.47x llama.cpp)."""
+    64 heads of 8 key heads those copies were 134 MB a layer and token (decode 0.47x llama.cpp). A sliding-window
+    layer reads only the keys its window shows (the mask hides the others: their weights are exactly 0)."""
     batch, heads, rows, dim = query.shape
     kv, keys = key.shape[1], key.shape[2]
+    mask = _additive(mask, rows, keys, query.dtype) if mask is not None else None
+    window = getattr(module, "sliding_window", None)
+    if window and mask is not None and keys > window + rows:  # keys the window hides: left out, not masked
+        start = keys - rows - window + 1
+        key, value, mask, keys = key[:, :, start:], value[:, :, start:], mask[..., start:], keys - start
     groups = heads // kv  # repeat_kv's order: query head h reads key head h // groups
     scores = torch.matmul(query.reshape(batch, kv, groups * rows, dim), key.transpose(2, 3)) * scaling
     scores = scores.view(batch, heads, rows, keys)
     if mask is not None:
-        scores = scores + _additive(mask, rows, keys, scores.dtype)
+        scores = scores + mask
     sinks = module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, rows, -1).to(scores.dtype)
     logits = torch.cat([scores, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
