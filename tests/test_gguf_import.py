@@ -350,7 +350,7 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     byte for byte (Mixtral's q/k: the file's rows of bytes moved back whole), listed in the manifest's dense table,
     and loads as NativeLinear. The quantized embedding (a lookup) and the IQ4_NL weight (a type the kernels do not
     run) are dequantized as before, each said with its reason; the router and norms stay float."""
-    from weightstream.engine.kernels import FileEmbedding, NativeLinear
+    from weightstream.engine.kernels import NativeLinear, StoredEmbedding
 
     path, out = imported(recipe)
     src = source(DENSE_RECIPES[recipe][0])
@@ -386,8 +386,8 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
         linears = {f"{p}.weight": m for p, m in model.named_modules() if isinstance(m, NativeLinear)}
         assert sorted(linears) == sorted(kept)  # these architectures' parameter names are their checkpoint keys
         assert all(m.wtype == fmt.dense[key][0] for key, m in linears.items())
-        embedding = model.get_input_embeddings()  # read from the file as stored, its rows converted to float32
-        assert isinstance(embedding, FileEmbedding) and embedding.stored_dtype == torch.bfloat16
+        embedding = model.get_input_embeddings()  # kept as stored, its rows converted to the compute dtype
+        assert isinstance(embedding, StoredEmbedding) and embedding.weight.dtype == torch.bfloat16
         assert model.dtype == fmt.compute_dtype == torch.float32
         assert not [n for n, m in model.named_modules() if n.endswith(".gate") and isinstance(m, NativeLinear)]
     finally:

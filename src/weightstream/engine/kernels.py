@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -279,53 +278,18 @@ class NativeLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class FileEmbedding(torch.nn.Module):
-    """An untied input embedding read from its file a row at a time (pread), never mapped, its rows converted to the
-    compute dtype as they are looked up. Decode reads one row a token, so the table stays on disk (in the page
-    cache, not in the process); and a file truncated under the running process is an error naming it where a mapped
-    table's page would kill the process with SIGBUS (a file replaced or deleted keeps being read through the open
-    descriptor: the bytes that were loaded). Rows are bytes of the file as stored: the values are the table's."""
+class StoredEmbedding(torch.nn.Module):
+    """An input embedding kept in the dtype it is stored in (a buffer, so the model's dtype is that of its
+    parameters), its rows converted to the compute dtype as they are looked up: a quantized-dense model computes
+    in float32 without a float32 copy of the table, of which a token reads one row."""
 
-    def __init__(self, info, dtype: torch.dtype, compute_dtype: torch.dtype, padding_idx: int | None = None):
+    def __init__(self, table: torch.Tensor, padding_idx: int | None, dtype: torch.dtype):
         super().__init__()
-        self.path, self.offset = info.path, info.offset
-        self.num_embeddings, self.embedding_dim = info.shape
-        self.stored_dtype, self.dtype, self.padding_idx = dtype, compute_dtype, padding_idx
-        self.row_bytes = info.nbytes // self.num_embeddings
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.register_buffer("weight", table, persistent=False)
+        self.padding_idx, self.dtype = padding_idx, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        buf = bytearray(len(unique) * self.row_bytes)
-        for i, row in enumerate(unique.tolist()):
-            if not 0 <= row < self.num_embeddings:
-                raise WeightstreamError(f"token id {row} is outside the vocabulary (size {self.num_embeddings})")
-            at = self.offset + row * self.row_bytes
-            try:
-                got = os.pread(self._fd, self.row_bytes, at)
-            except OSError as exc:
-                raise WeightstreamError(
-                    f"{self.path}: reading the embedding's row {row} failed ({exc.strerror})"
-                ) from None
-            if len(got) != self.row_bytes:
-                raise WeightstreamError(
-                    f"{self.path}: the input embedding's row {row} (bytes {at}-{at + self.row_bytes}) is past the "
-                    f"file's end: it was truncated or rewritten after loading; restore the checkpoint and restart"
-                )
-            buf[i * self.row_bytes : (i + 1) * self.row_bytes] = got
-        rows = torch.frombuffer(buf, dtype=self.stored_dtype).view(len(unique), self.embedding_dim)
-        return rows.to(self.dtype)[inverse]
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        self.close()
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, read from {self.path}"
+        return F.embedding(ids, self.weight, self.padding_idx).to(self.dtype)
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, Params], torch.Tensor]

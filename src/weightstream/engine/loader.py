@@ -29,9 +29,9 @@ from weightstream.engine.footprint import (
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
 from weightstream.engine.kernels import (
-    FileEmbedding,
     NativeLinear,
     QuantizedExperts,
+    StoredEmbedding,
     choose_kernel,
 )
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
@@ -42,7 +42,6 @@ from weightstream.engine.sink_attention import install_sink_attention
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
-from weightstream.store.dtypes import torch_dtype
 from weightstream.store.facts import context_temporaries, is_lazy_dense, longest_context, ties_embeddings
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
@@ -211,8 +210,8 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
         release_heap()  # the warm-up's temporaries: counted in `peak`, not held in between
         steady = rss()[0]
         cache_resident = mapped_resident_bytes(cache.arena.address, cache.arena.nbytes)
-        table = getattr(model.get_input_embeddings(), "weight", None)  # a FileEmbedding maps nothing
-        embedding = mapped_resident_bytes(table.data_ptr(), table.nbytes) if table is not None else 0
+        table = model.get_input_embeddings().weight
+        embedding = mapped_resident_bytes(table.data_ptr(), table.nbytes)
         return size_cache(
             memory,
             libraries,
@@ -279,15 +278,11 @@ def _kernels(model, expert_kernel: str, quant: QuantFormat | None, miss_copy: bo
 
 def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = None) -> None:
     """Load every non-expert tensor into memory, tie weights, and compute buffers the checkpoint lacks; dense
-    weights stored as GGML blocks (`quantize --dense`) become NativeLinear modules. Each is copied out of the file's
-    mapping (a file truncated under the running process would otherwise kill it with SIGBUS at the next touch of
-    a page), but an untied input embedding: decode reads a row of it a token, from the file (FileEmbedding)."""
+    weights stored as GGML blocks (`quantize --dense`) become NativeLinear modules."""
     state = {}
     by_file: dict[str, list[tuple[str, str]]] = {}
-    embedding = _file_embedding(model, dense)
     for target, info in dense.items():
-        if embedding is None or target != embedding[0]:
-            by_file.setdefault(info.path, []).append((target, info.name))
+        by_file.setdefault(info.path, []).append((target, info.name))
     for path, keys in by_file.items():
         with safe_open(path, framework="pt") as f:
             for target, name in keys:
@@ -310,11 +305,8 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
         parent, _, attr = path.rpartition(".")
         linear = model.get_submodule(path)
         wtype, (n, k) = blocks[dense[target].name]
-        blocks_of = unmapped(state.pop(target))
-        setattr(model.get_submodule(parent), attr, NativeLinear(blocks_of, wtype, n, k, linear.bias))
+        setattr(model.get_submodule(parent), attr, NativeLinear(state.pop(target), wtype, n, k, linear.bias))
     _to_compute_dtype(model, state)
-    if embedding is not None:
-        model.set_input_embeddings(embedding[1])
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     _init_buffers(model)
@@ -331,45 +323,19 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
 
 def _to_compute_dtype(model, state: dict) -> None:
     """Float tensors stored in another dtype than the model computes in (a quantized-dense checkpoint computes in
-    float32: `QuantFormat.compute_dtype`) are converted; the others copied as they are. Either way no tensor of the
-    model is left in a file's mapping."""
+    float32: `QuantFormat.compute_dtype`) are converted, but an untied input embedding: it is read one row a token,
+    so it stays as stored (StoredEmbedding) and its rows are converted as they are looked up."""
     params = dict(model.named_parameters())
+    embedding = model.get_input_embeddings()
+    tied = ties_embeddings(model.config)
     for name, tensor in list(state.items()):
         param = params.get(name)
-        if param is not None and tensor.is_floating_point() and tensor.dtype != param.dtype:
-            state[name] = tensor.to(param.dtype)
-        else:
-            state[name] = unmapped(tensor)
-
-
-def unmapped(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a tensor in a file's mapping, in anonymous memory at the same address modulo 64: float32 products
-    round differently 8 bytes off 16 (tests/test_engine_exact.py's misaligned files), so the copy keeps the
-    alignment transformers' own model, which computes from the mapping, has."""
-    shift = tensor.data_ptr() % 64
-    raw = torch.empty(tensor.nbytes + 128, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % 64 + shift
-    out = raw[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
-    return out
-
-
-def _file_embedding(model, dense: dict) -> tuple[str, FileEmbedding] | None:
-    """(its checkpoint key, the FileEmbedding reading it) for an untied input embedding; None for a tied one."""
-    if ties_embeddings(model.config):
-        return None
-    embedding = model.get_input_embeddings()
-    target = next((t for t in dense if is_lazy_dense(t, False)), None)
-    if target is None or not isinstance(embedding, torch.nn.Embedding):
-        return None
-    if model.get_submodule(target.removesuffix(".weight")) is not embedding:
-        return None
-    info = dense[target]
-    try:
-        stored = torch_dtype(info.dtype)
-    except KeyError:  # not a float table: loaded as the other dense tensors are
-        return None
-    return target, FileEmbedding(info, stored, embedding.weight.dtype, embedding.padding_idx)
+        if param is None or not tensor.is_floating_point() or tensor.dtype == param.dtype:
+            continue
+        if param is embedding.weight and not tied:
+            model.set_input_embeddings(StoredEmbedding(state.pop(name), embedding.padding_idx, param.dtype))
+            continue
+        state[name] = tensor.to(param.dtype)
 
 
 def _init_buffers(model) -> None:

@@ -83,12 +83,12 @@ class Budget:
 
 def lazy_dense_bytes(dense_nbytes: dict[str, int], tied: bool) -> int:
     """Dense bytes a process maps but hardly touches: the input embedding table where the output head is a tensor
-    of its own (decode reads one row of it per token; a tied head reads all of it every token). The engine reads
-    that table a row at a time from its file (engine/kernels.py FileEmbedding), so the rows no token uses never come
-    in: on gpt-oss-20b's shape 1.08 GiB of a 4 GiB limit's 2.36 GiB of dense weights, room for the expert cache or the
-    page cache. Measured there when the table was mapped (docs/benchmarks.md as of commit 8df4075): a 2.18 GiB slru
-    cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x the tok/s of the 1.11 GiB cache the whole table's count allowed;
-    and the page-cache model read the kernel's bytes to 3%."""
+    of its own (decode reads one row of it per token; a tied head reads all of it every token). Dense weights are
+    loaded through safetensors' mmap, so the rows no token uses never come in: on gpt-oss-20b's shape 1.08 GiB
+    of a 4 GiB limit's 2.36 GiB of dense weights, room for the expert cache or the page cache. Measured there
+    (docs/benchmarks.md as of commit 8df4075): a 2.18 GiB slru cache ran under 4 GiB at 3.9 GiB peak RSS, 1.41x
+    the tok/s of the 1.11 GiB cache the whole table's count allowed; and the page-cache model read the kernel's
+    bytes to 3%."""
     return sum(n for name, n in dense_nbytes.items() if is_lazy_dense(name, tied))
 
 
