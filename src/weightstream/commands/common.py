@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER, check_cache_size
+from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
 from weightstream.errors import WeightstreamError
@@ -169,7 +169,7 @@ def engine_config(args, **more) -> EngineConfig:
     from weightstream.engine.config import EngineConfig  # torch and transformers: not for `--help`
 
     return EngineConfig(
-        expert_cache=check_cache_size(args.expert_cache),
+        expert_cache=args.expert_cache,
         io_threads=args.io_threads,
         policy=args.policy,
         policy_options=_policy_options(args.policy, args.pinned_experts),

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from weightstream.cache.policies import POLICY_NAMES
-from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, multiple_of, parse_cache_size
+from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.kernels import check_kernel_name
 from weightstream.engine.latent_attention import check_form as check_latent_form
@@ -75,8 +75,8 @@ class EngineConfig:
             raise WeightstreamError(f"warmup_tokens {self.warmup_tokens}: the warm-up needs at least 1 token")
         if self.upgrade_after is not None and self.upgrade_after < 1:
             raise WeightstreamError(f"--upgrade-after {self.upgrade_after}: give a number of hits (1 or more) or never")
-        if self.expert_cache is not None and multiple_of(str(self.expert_cache)) is None:
-            parse_cache_size(self.expert_cache, what="--expert-cache")  # a typo refused before anything loads
+        if self.expert_cache is not None:
+            check_cache_size(str(self.expert_cache))  # a typo refused before anything loads
         self._check_source()
         self._check_memory()
 
