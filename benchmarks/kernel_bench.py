@@ -5,8 +5,8 @@ in the same run (another checkout's build with --against, the dequantized weight
                 multiply-adds a second, an output checksum; against another build (--against), alternated
     crossover   rows against tiles at 1-24 rows per block type (where `auto` switches to tiles)
     dequant     the native product against the dequantized weight and F.linear (where a projection switches)
-    routes      each route for one quantized projection by rows per expert (`engine/kernels.py: DEQUANT_ROWS`),
-                against bf16 F.linear
+    routes      each route for one quantized projection by rows per expert (engine/kernels/quantized.py:
+                DEQUANT_ROWS), against bf16 F.linear
     steps       what the steps between the products cost a decode token: the fused ops against transformers',
                 the engine's KV cache against DynamicCache, paired token by token
 

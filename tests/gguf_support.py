@@ -11,8 +11,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from weightstream.store.checkpoint import open_checkpoint
-from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.gguf_import import import_gguf
+from weightstream.store.quant.ggml_blocks import ENCODERS
 
 from engine_support import greedy_run
 

@@ -105,7 +105,7 @@ def test_bench_refuses_unknown_mode_and_bad_limit(tiny_model):
 
 @pytest.mark.skipif(not ROOT, reason="bench needs root for memory cgroups and the system-wide cache drop (CI is root)")
 def test_bench_takes_a_quantized_directory(tiny_model, tmp_path):
-    from weightstream.store.quantize import quantize_checkpoint
+    from weightstream.store.quant.pipeline import quantize_checkpoint
 
     out = str(tmp_path / "q4")
     quantize_checkpoint(tiny_model("olmoe", "bf16", intermediate_size=64), out, 4, 32)

@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from weightstream import native
 from weightstream.engine.fused import NORM_TOLERANCE, NativeRMSNorm, NativeRotary, _norm_proves, _rope_proves
 from weightstream.store.presets import TINY
-from weightstream.store.quantize import quantize_checkpoint
+from weightstream.store.quant.pipeline import quantize_checkpoint
 
 from engine_support import greedy_run
 

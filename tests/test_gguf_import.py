@@ -21,10 +21,10 @@ from weightstream import native
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import open_checkpoint
-from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.gguf_import import import_gguf
 from weightstream.store.presets import preset_config
-from weightstream.store.quant_format import BLOCK_TYPES, blob_key, read_manifest
+from weightstream.store.quant.ggml_blocks import ENCODERS
+from weightstream.store.quant.manifest import BLOCK_TYPES, blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
 from gguf_support import (
@@ -350,7 +350,7 @@ def test_dense_linear_weights_keep_the_ggufs_blocks_and_load_as_native_linear(im
     byte for byte (Mixtral's q/k: the file's rows of bytes moved back whole), listed in the manifest's dense table,
     and loads as NativeLinear. The quantized embedding (a lookup) and the IQ4_NL weight (a type the kernels do not
     run) are dequantized as before, each said with its reason; the router and norms stay float."""
-    from weightstream.engine.kernels import NativeLinear, StoredEmbedding
+    from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding
 
     path, out = imported(recipe)
     src = source(DENSE_RECIPES[recipe][0])
@@ -439,7 +439,8 @@ def test_block_dense_logits_equal_those_of_the_dequantized_blocks(imported, sour
     reference bit for bit; with tiles it runs the native products as decoding does. Native products (int8
     activations against the blocks) give logits within 3%, and the same greedy tokens up to a near-tie (the
     reference's two best nearer than the two runs differ: measured 0.006 apart against 0.012 at step 7 of mixtral)."""
-    from weightstream.engine.kernels import NATIVE_DEQUANT_ROWS, NativeLinear, native_dequant_rows
+    from weightstream.engine.kernels.dense import NativeLinear
+    from weightstream.engine.kernels.quantized import NATIVE_DEQUANT_ROWS, native_dequant_rows
 
     assert LONG_PROMPT.shape[1] >= NATIVE_DEQUANT_ROWS
     path, out = imported(recipe)

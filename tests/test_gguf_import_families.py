@@ -26,7 +26,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.gguf import gguf_config, import_gguf, open_gguf, plan
 from weightstream.store.presets import preset_config
-from weightstream.store.quant_format import blob_key, read_manifest
+from weightstream.store.quant.manifest import blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
 from gguf_support import (
@@ -550,7 +550,7 @@ def test_gpt_oss_with_dequantized_products_gives_transformers_logits(imported, s
     prefill and in 8 decoded tokens (the sliding layers' cache). Measured bitwise equal. With one fault the
     prefill on the 8-bit route measured 18-90% off (gate/up not interleaved 90%, no sliding window 54%, rope
     without YaRN 18%), the import itself 0.9%."""
-    from weightstream.engine import kernels
+    from weightstream.engine.kernels import dense, quantized
 
     path, out = imported(recipe)
     reference = _reference(source("gpt_oss"), gguf_tensors(path))
@@ -559,7 +559,8 @@ def test_gpt_oss_with_dequantized_products_gives_transformers_logits(imported, s
             PROMPT, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
         want_prefill = reference(PROMPT).logits[0].float()
-    monkeypatch.setattr(kernels, "native_dequant_rows", lambda wtypes: 1)  # every product dequantized
+    for module in (dense, quantized):  # every product dequantized
+        monkeypatch.setattr(module, "native_dequant_rows", lambda wtypes: 1)
     model = load_streaming_model(out, expert_cache="1x", io_threads=8)
     try:
         with torch.inference_mode():

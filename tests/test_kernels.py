@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from weightstream.commands.common import KERNEL_CHOICES
-from weightstream.engine.kernels import KERNELS, EagerLinear, EagerMatmulBias, OneExpertEager, choose_kernel, prove
+from weightstream.engine.kernels.choice import KERNELS, choose_kernel
+from weightstream.engine.kernels.eager import EagerLinear, EagerMatmulBias, OneExpertEager, prove
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import experts_modules
@@ -47,7 +48,7 @@ def test_forcing_a_kernel_that_is_not_eager_is_refused(tiny_model):
 
 def test_auto_falls_back_to_the_view_when_no_lean_kernel_is_proven(tiny_model, monkeypatch):
     module = _experts_module(tiny_model("olmoe"))
-    monkeypatch.setattr("weightstream.engine.kernels.prove", lambda kernel, module: False)
+    monkeypatch.setattr("weightstream.engine.kernels.eager.prove", lambda kernel, module: False)
     assert isinstance(choose_kernel(module), OneExpertEager)
 
 

@@ -21,9 +21,9 @@ from weightstream.engine.loader import load_streaming_model, read_layout
 from weightstream.errors import WeightstreamError
 from weightstream.native import row_bytes
 from weightstream.store.checkpoint import open_checkpoint, read_bytes
-from weightstream.store.ggml_quant import ENCODERS
-from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest, small_key
-from weightstream.store.quantize import quantize_checkpoint
+from weightstream.store.quant.ggml_blocks import ENCODERS
+from weightstream.store.quant.manifest import MANIFEST, blob_key, read_manifest, small_key
+from weightstream.store.quant.pipeline import quantize_checkpoint
 
 from cli_support import refused_in_process
 from engine_support import greedy_run

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from weightstream import native
-from weightstream.store.ggml_quant import ENCODERS
+from weightstream.store.quant.ggml_blocks import ENCODERS
 
 TYPES = list(native.BLOCK_TYPES)
 # where a K type keeps its fp16 super-block scales (d, and dmin where it has one): byte offsets in the block
@@ -436,7 +436,12 @@ def test_a_bf16_projection_takes_its_rows_below_its_switch_and_the_dequantized_w
     """BF16 products stay native (each row its one-row product, bitwise) below BF16_DEQUANT_ROWS and are F.linear
     on the dequantized weight from it; integer block types keep their own switch (every row count native with the
     tiles, else NATIVE_DEQUANT_ROWS)."""
-    from weightstream.engine.kernels import BF16_DEQUANT_ROWS, NATIVE_DEQUANT_ROWS, native_dequant_rows, native_product
+    from weightstream.engine.kernels.quantized import (
+        BF16_DEQUANT_ROWS,
+        NATIVE_DEQUANT_ROWS,
+        native_dequant_rows,
+        native_product,
+    )
 
     n, k = 64, 256
     w = torch.from_numpy(_blocks("BF16", n, k, seed=8)).reshape(n, -1)

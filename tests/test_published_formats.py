@@ -23,8 +23,8 @@ from weightstream.store.published import (
     ggml_mxfp4_rows,
     read_published,
 )
-from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
-from weightstream.store.quantize import quantize_checkpoint
+from weightstream.store.quant.manifest import MANIFEST, blob_key, read_manifest
+from weightstream.store.quant.pipeline import quantize_checkpoint
 
 from engine_support import greedy_run
 from published_support import (
@@ -283,7 +283,7 @@ def test_quantize_from_published_holds_one_expert_at_a_time(tmp_path, kind):
     code = (
         "import json, sys; import torch, transformers; from weightstream.bench.child import peak_rss; "
         "from weightstream.store.model import map_model; map_model(sys.argv[1], convert=False); base = peak_rss(); "
-        "from weightstream.store.quantize import quantize_checkpoint; "
+        "from weightstream.store.quant.pipeline import quantize_checkpoint; "
         f"quantize_checkpoint(sys.argv[1], sys.argv[2], {16 if kind == 'fp8' else 4}); "
         "print(json.dumps([base, peak_rss()]))"
     )

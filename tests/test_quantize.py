@@ -16,7 +16,9 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.presets import TINY
-from weightstream.store.quant import (
+from weightstream.store.quant.manifest import MANIFEST, blob_key, read_manifest
+from weightstream.store.quant.pipeline import quantize_checkpoint
+from weightstream.store.quant.torch_codes import (
     dequantize_int4,
     dequantize_int8,
     pack_int4,
@@ -25,8 +27,6 @@ from weightstream.store.quant import (
     torch_int4_layout,
     unpack_int4,
 )
-from weightstream.store.quant_format import MANIFEST, blob_key, read_manifest
-from weightstream.store.quantize import quantize_checkpoint
 
 from cli_support import refused_in_process
 from engine_support import greedy_run
@@ -366,7 +366,7 @@ def test_peak_rss_is_bounded_on_a_model_whose_experts_are_16x_the_bound(tmp_path
     code = (
         "import json, sys; import torch, transformers; from weightstream.bench.child import peak_rss; "
         "from weightstream.store.model import map_model; map_model(sys.argv[1]); base = peak_rss(); "
-        "from weightstream.store.quantize import quantize_checkpoint; "
+        "from weightstream.store.quant.pipeline import quantize_checkpoint; "
         "quantize_checkpoint(sys.argv[1], sys.argv[2], 4); print(json.dumps([base, peak_rss()]))"
     )
     base, peak = peak_over_baseline(code, src, str(tmp_path / "out"))
@@ -417,7 +417,8 @@ def test_the_dequantize_route_for_many_rows_is_the_dequantized_product(quantized
     within the load-time tolerance of the packed kernel's rows."""
     import torch.nn.functional as F
 
-    from weightstream.engine.kernels import DEQUANT_ROWS, QUANT_TOLERANCE, quantized_kernel_for
+    from weightstream.engine.kernels.choice import QUANT_TOLERANCE, quantized_kernel_for
+    from weightstream.engine.kernels.quantized import DEQUANT_ROWS
     from weightstream.store.layout import experts_modules
     from weightstream.store.model import map_model
 
@@ -448,10 +449,11 @@ def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model, mo
     AVX-512 (on AVX2 alone it is right); a manifest that slipped such a shape past quantize's own check is caught by
     the load-time comparison where the kernel is wrong, and passes it where it is right. A kernel made wrong on
     purpose is refused on every CPU."""
-    from weightstream.engine.kernels import PackedExperts, quantized_kernel_for
+    from weightstream.engine.kernels.choice import quantized_kernel_for
+    from weightstream.engine.kernels.quantized import PackedExperts
     from weightstream.store.layout import experts_modules
     from weightstream.store.model import map_model
-    from weightstream.store.quant_format import QuantFormat, blob_layout
+    from weightstream.store.quant.manifest import QuantFormat, blob_layout
 
     mapped = map_model(tiny_model("olmoe", "bf16", intermediate_size=40))
     module = next(iter(experts_modules(mapped.model).values()))
@@ -488,7 +490,7 @@ def test_the_load_time_check_refuses_a_kernel_that_computes_wrong(tiny_model, mo
 def test_dense_weights_quantized_run_natively_and_stream_bitwise(tiny_model, tmp_path, dense):
     """`--dense`: attention, shared experts and the untied head become GGML blocks run by NativeLinear; the
     router stays as it was; streamed equals resident bitwise, and the answer stays near the dense-keep model's."""
-    from weightstream.engine.kernels import NativeLinear
+    from weightstream.engine.kernels.dense import NativeLinear
 
     src = tiny_model("qwen2_moe", "bf16")
     out = str(tmp_path / dense)
@@ -531,7 +533,7 @@ def test_bf16_blocks_keep_the_weights_and_run_every_product_natively(tiny_model,
     run by the native kernels in float32; streamed equals resident bitwise at every cache size and thread count,
     and the logits stay near the bf16 model's, which rounds every step to bf16 where this keeps float32."""
     from weightstream import native
-    from weightstream.engine.kernels import NativeLinear
+    from weightstream.engine.kernels.dense import NativeLinear
 
     src = tiny_model(arch, "bf16")
     out = str(tmp_path / "bf16n")

@@ -19,7 +19,7 @@ from weightstream.engine.loader import read_layout
 from weightstream.sim import Workload, replay
 from weightstream.sim.miss_copy import MissCopy
 from weightstream.sim.replay import Options, run_one
-from weightstream.store.quantize import quantize_checkpoint
+from weightstream.store.quant.pipeline import quantize_checkpoint
 from weightstream.trace import ModelShape, Trace, TraceWriter, save
 
 WIDE = dict(hidden_size=256, moe_intermediate_size=256)  # every weight's inputs whole blocks: Q2_K copies

@@ -161,7 +161,7 @@ def test_budget_parts_add_up():
 @pytest.fixture(scope="module")
 def bf16_and_quantized(tmp_path_factory):
     """A tiny bf16 OLMoE and its int4 and int8 quantizations."""
-    from weightstream.store.quantize import quantize_checkpoint
+    from weightstream.store.quant.pipeline import quantize_checkpoint
     from weightstream.store.synth import synthesize
 
     root = tmp_path_factory.mktemp("budget")

@@ -105,7 +105,7 @@ def blocks_equal(gguf: str, out: str) -> dict:
     from gguf import GGUFReader
 
     from weightstream.store.checkpoint import open_checkpoint
-    from weightstream.store.quant_format import read_manifest
+    from weightstream.store.quant.manifest import read_manifest
 
     fmt, ckpt = read_manifest(out), open_checkpoint(out)
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
@@ -143,7 +143,7 @@ def reference_model(out: str) -> torch.nn.Module:
 
     from weightstream import native
     from weightstream.store.checkpoint import open_checkpoint
-    from weightstream.store.quant_format import read_manifest
+    from weightstream.store.quant.manifest import read_manifest
 
     def read_tensor(key: str) -> torch.Tensor:
         with safe_open(ckpt.tensors[key].path, "pt") as f:

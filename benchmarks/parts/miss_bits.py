@@ -123,8 +123,8 @@ def _judged(values: list[float], met, target: str) -> dict:
 
 def with_copies(bf16, out, miss_bits: int) -> str:
     """`weightstream quantize BF16 --bits 4 --miss-bits B` into `out`, unless it is there already."""
-    from weightstream.store.quant_format import read_manifest
-    from weightstream.store.quantize import quantize_checkpoint
+    from weightstream.store.quant.manifest import read_manifest
+    from weightstream.store.quant.pipeline import quantize_checkpoint
 
     fmt = read_manifest(str(out)) if (out / "config.json").exists() else None
     if fmt is None or fmt.miss_copy is None or fmt.miss_copy.bits != miss_bits:

@@ -12,7 +12,7 @@ avx512, or avx2-tiles on a CPU without AVX-512 VNNI), medians in ms: where `auto
 
 `dequant`: one 2048 x 2048 product per block type at --rows rows, the native product (rows or tiles, as `auto`
 takes them) against the weight dequantized once and F.linear, medians in ms at --threads: where a projection
-should switch (`NATIVE_DEQUANT_ROWS`, `BF16_DEQUANT_ROWS` in engine/kernels.py).
+should switch (`NATIVE_DEQUANT_ROWS`, `BF16_DEQUANT_ROWS` in engine/kernels/quantized.py).
 
     .venv/bin/python benchmarks/kernel_bench.py layer [--threads 2] [--tokens 256] [--calls 9] [--rounds 3]
         [--against OLD/src]
@@ -72,7 +72,7 @@ print(json.dumps(out))
 
 _DEQUANT = """
 from gguf import GGMLQuantizationType, quants
-from weightstream.engine.kernels import native_product
+from weightstream.engine.kernels.quantized import native_product
 assert native.available(), native.why_not()
 torch.set_num_threads({threads})
 rng, out, n = np.random.default_rng(0), {{}}, 2048

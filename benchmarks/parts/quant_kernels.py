@@ -1,5 +1,5 @@
 """Which kernel computes one quantized expert projection fastest, by rows per expert: the numbers behind
-`engine.kernels.DEQUANT_ROWS`, the int4 group-size default, and how close each kernel comes to the machine's
+`engine.kernels.quantized.DEQUANT_ROWS`, the int4 group-size default, and how close each kernel comes to the machine's
 memory bandwidth.
 
 For each weight shape of the model (gate_up and down of one expert, or one square matrix with --square N) and each
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from common.products import median_ms
 
 from weightstream import native
-from weightstream.store.ggml_quant import ENCODERS
-from weightstream.store.quant import (
+from weightstream.store.quant.ggml_blocks import ENCODERS
+from weightstream.store.quant.torch_codes import (
     dequantize_int4,
     dequantize_int8,
     quantize_int4,

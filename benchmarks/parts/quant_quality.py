@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 def quantized(src: str, out: str, bits: int, group_size: int | None = None, dense: str = "keep", only=None) -> str:
     """`weightstream quantize SRC --bits BITS [--group-size G] [--dense DENSE]` into `out`; with `only`, just the
     dense weights whose name ends in `only.weight` are quantized (the rest kept), to see what each kind costs."""
-    from weightstream.store import quantize
+    from weightstream.store.quant import pipeline as quantize
 
     kernel = "torch" if group_size else "auto"
     if only is None:
@@ -387,7 +387,7 @@ def quantized(src: str, out: str, bits: int, group_size: int | None = None, dens
 def dense_kinds(model_dir: str) -> list[str]:
     """The kinds of dense weight --dense quantizes (q_proj, ..., lm_head): the last part of each module's name."""
     from weightstream.store.model import map_model
-    from weightstream.store.quantize import dense_plan
+    from weightstream.store.quant.plan import dense_plan
 
     return sorted({k.removesuffix(".weight").rpartition(".")[2] for k in dense_plan(map_model(model_dir), "int4")})
 

@@ -22,7 +22,7 @@ from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
 from weightstream.errors import WeightstreamError
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint
-from weightstream.store.quant_format import read_manifest
+from weightstream.store.quant.manifest import read_manifest
 from weightstream.units import GIB, MIB
 
 MODES = ("expert-cache", "page-cache", "accelerate")

@@ -76,21 +76,13 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from weightstream.progress import byte_progress
-    from weightstream.store.quantize import quantize_checkpoint
+    from weightstream.store.quant.options import QuantizeOptions
+    from weightstream.store.quant.pipeline import quantize_checkpoint
 
+    options = QuantizeOptions(args.bits, args.group_size, args.kernel, args.dense, args.miss_bits)
     target = "bf16 blocks" if args.bits == 16 else f"int{args.bits}"
     with byte_progress(f"quantizing {args.model} to {target}") as progress:
-        result = quantize_checkpoint(
-            args.model,
-            args.out,
-            args.bits,
-            args.group_size,
-            args.force,
-            progress,
-            args.kernel,
-            args.dense,
-            args.miss_bits,
-        )
+        result = quantize_checkpoint(args.model, args.out, force=args.force, progress=progress, options=options)
     summary = {
         "out": result.out_dir,
         "scheme": result.scheme,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from weightstream.cache.policies import POLICY_NAMES
 from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
-from weightstream.engine.kernels import check_kernel_name
+from weightstream.engine.kernels.choice import check_kernel_name
 from weightstream.engine.latent_attention import check_form as check_latent_form
 from weightstream.errors import WeightstreamError
 from weightstream.units import parse_size

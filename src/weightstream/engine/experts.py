@@ -20,7 +20,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from weightstream import native
 from weightstream.cache.expert_cache import ExpertSource
-from weightstream.engine.kernels import Kernel
+from weightstream.engine.kernels.eager import Kernel
 
 IMPLEMENTATION = "weightstream"
 

@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from weightstream import native
-from weightstream.engine.kernels import NativeLinear
+from weightstream.engine.kernels.dense import NativeLinear
 from weightstream.errors import WeightstreamError
 from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
 

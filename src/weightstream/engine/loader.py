@@ -28,12 +28,9 @@ from weightstream.engine.footprint import (
 )
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
-from weightstream.engine.kernels import (
-    NativeLinear,
-    QuantizedExperts,
-    StoredEmbedding,
-    choose_kernel,
-)
+from weightstream.engine.kernels.choice import choose_kernel
+from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding
+from weightstream.engine.kernels.quantized import QuantizedExperts
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
@@ -46,7 +43,7 @@ from weightstream.store.facts import context_temporaries, is_lazy_dense, longest
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
-from weightstream.store.quant_format import QuantFormat
+from weightstream.store.quant.manifest import QuantFormat
 
 DEFAULT_CONTEXT = 4096  # tokens of KV cache `memory` reserves when the caller does not say
 

@@ -15,7 +15,7 @@ from weightstream.cache.expert_cache import ExpertSource
 from weightstream.cache.policy import split_waves
 from weightstream.clock.activity import Announcer
 from weightstream.engine.experts import LayerRouting, compute_layer, compute_layer_native
-from weightstream.engine.kernels import Kernel
+from weightstream.engine.kernels.eager import Kernel
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.store.layout import ModelLayout
 

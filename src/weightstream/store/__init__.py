@@ -12,10 +12,9 @@ Reading:
 Writing:
 - safetensors_writer: .safetensors files written tensor by tensor with aligned data, and sharded checkpoints;
 - outdir: output directories that appear only when complete, and what `--force` may replace;
-- quant: round-to-nearest int8 and int4 of expert weights, and the int4 layouts torch's CPU kernel takes;
-- ggml_quant: round-to-nearest encoders for GGML's block formats, the ones the native kernels run;
-- quant_format: the quantized-experts format (one packed blob per expert, and the manifest);
-- quantize: `weightstream quantize`, a checkpoint's experts (and with `--dense` its dense linears) rewritten;
+- quant/: quantized experts (its own docstring maps it): the codes (torch's int8/int4, GGML's blocks), the
+  manifest, the plan of a blob, the checked options and the `weightstream quantize` pipeline;
+- convert: a published FP8 / MXFP4 checkpoint converted once, beside it, as an explicit step;
 - gguf/: `weightstream import`, a GGUF file as a model directory (its own docstring maps it);
 - gguf_import: the gguf/ package under the importer's older single-module name;
 - synth: random-weight checkpoints of real shapes, in the architecture's on-disk form;

@@ -20,7 +20,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.progress import byte_progress
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.store.published import Published, copy_path, fresh_copy, read_published
-from weightstream.store.quantize import quantize_checkpoint
+from weightstream.store.quant.pipeline import quantize_checkpoint
 
 
 def runnable_dir(model_dir: str) -> str:

@@ -26,7 +26,7 @@ from transformers.core_model_loading import (
 from weightstream.errors import WeightstreamError
 from weightstream.io.aligned import region_bytes
 from weightstream.store.checkpoint import Checkpoint
-from weightstream.store.quant_format import QuantFormat, blob_key, small_key
+from weightstream.store.quant.manifest import QuantFormat, blob_key, small_key
 from weightstream.store.safetensors_index import TensorInfo
 
 TESTED_ARCHITECTURES = (

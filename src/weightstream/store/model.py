@@ -14,7 +14,7 @@ from weightstream.store.dtypes import FLOATS, torch_dtype, weights_dtype
 from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.layout import ModelLayout, build_layout, streamable_modules
 from weightstream.store.published import Published, fresh_copy, read_published
-from weightstream.store.quant_format import QuantFormat, read_manifest
+from weightstream.store.quant.manifest import QuantFormat, read_manifest
 
 
 @dataclass(slots=True)

@@ -366,7 +366,7 @@ def copy_path(published: Published) -> str:
 def fresh_copy(published: Published) -> str | None:
     """The converted copy of `published` when one is there and was made from its files as they are now, else None.
     Reads only."""
-    from weightstream.store.quant_format import read_manifest
+    from weightstream.store.quant.manifest import read_manifest
 
     out = copy_path(published)
     try:

@@ -2,7 +2,7 @@
 
 Routed experts keep their GGML blocks byte for byte when they are a type weightstream's native kernels run
 (`weightstream.native.BLOCK_TYPES`; docs/kernels.md): one blob per expert in the quantized-experts format
-(store/quant_format.py), gate rows then up rows (gpt-oss: alternating, as its model's gate takes them), then
+(store/quant/manifest.py), gate rows then up rows (gpt-oss: alternating, as its model's gate takes them), then
 down, and gpt-oss's expert biases after their projection; a layer whose types differ from the others' (Q4_K_M
 stores some down projections as Q6_K) gets its own table in the manifest. Other block types are dequantized and
 requantized to Q8_0 or Q4_K, the error measured and said; experts stored as floats make a plain checkpoint (or,

@@ -18,13 +18,13 @@ import torch
 
 from weightstream.errors import WeightstreamError
 from weightstream.store.dtypes import torch_name
-from weightstream.store.ggml_quant import ENCODERS
 from weightstream.store.gguf.config import gguf_config
 from weightstream.store.gguf.planner import Dense, Layer, activation_dtype, plan, scheme, tables
 from weightstream.store.gguf.reader import FLOATS, GgufTensor, decode, ggml_kind, open_gguf, read_at, read_values
 from weightstream.store.gguf.tokenizer import gguf_tokenizer
 from weightstream.store.outdir import built_in_place, refuse_existing
-from weightstream.store.quant_format import DTYPES, blob_key, row_bytes, write_manifest
+from weightstream.store.quant.ggml_blocks import ENCODERS
+from weightstream.store.quant.manifest import DTYPES, blob_key, row_bytes, write_manifest
 from weightstream.store.safetensors_writer import write_shards
 
 REQUANTIZE = ("auto", "q8_0", "q4_k")

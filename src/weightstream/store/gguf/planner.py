@@ -15,7 +15,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.store.gguf.families import FAMILIES, DenseSource
 from weightstream.store.gguf.families.base import check_shape
 from weightstream.store.gguf.reader import FLOATS, GgufFile, GgufTensor, dequantizable
-from weightstream.store.quant_format import BLOCK_TYPES, GGML_SCHEMES, BlobTensor, QuantFormat, blob_layout
+from weightstream.store.quant.manifest import BLOCK_TYPES, GGML_SCHEMES, BlobTensor, QuantFormat, blob_layout
 
 # block types the native kernels run as they are stored
 DIRECT = tuple(BLOCK_TYPES)
@@ -76,7 +76,7 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
     from transformers.core_model_loading import revert_weight_conversion
 
     from weightstream.store.layout import experts_modules, layer_index
-    from weightstream.store.quantize import dense_linears
+    from weightstream.store.quant.plan import dense_linears
 
     family = FAMILIES[arch]
     fields = dict(fields)

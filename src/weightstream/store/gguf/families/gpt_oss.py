@@ -6,7 +6,7 @@ output of its projection; the import interleaves them back, row by row (gate_0, 
 of blocks, so an MXFP4, Q4_K or Q8_0 expert keeps the file's bytes), and the biases `ffn_gate_exps.bias` and
 `ffn_up_exps.bias` the same way into `gate_up_proj_bias`; `ffn_down_exps.bias` is `down_proj_bias`. The biases go
 into the expert's blob after their projection in the activation dtype, as `weightstream quantize` lays out a
-gpt-oss expert (store/quantize.py), and the engine adds them after each native product, around the module's own
+gpt-oss expert (store/quant/pipeline.py), and the engine adds them after each native product, around the module's own
 clamped SwiGLU (swiglu_alpha 1.702, swiglu_limit 7.0: llama.cpp's LLM_FFN_SWIGLU_OAI_MOE has them as constants
 and the file no key for them, so the config keeps transformers' defaults, the same values).
 

@@ -24,7 +24,7 @@ import torch
 from weightstream.errors import WeightstreamError
 from weightstream.native import BLOCK_TYPES, row_bytes
 from weightstream.store.dtypes import from_torch_name
-from weightstream.store.quant import INT4_GROUPS, INT4_LAYOUTS
+from weightstream.store.quant.torch_codes import INT4_GROUPS, INT4_LAYOUTS
 
 MANIFEST = "weightstream-quantized.json"
 FORMAT = "weightstream-quantized-experts"
