@@ -6,8 +6,10 @@
 //   T::id           GGML's type id; T::name; T::elements per block; T::act, the activation block it meets
 //   T::codes        the block's codes as unsigned bytes (stored code + T::code_offset), the portable reference
 //   T::scales       its integer scales and mins per 16 weights, and its float d and m
-//   T::part_avx2    the block's integer sums against one row on AVX2 (Part: exactly the portable integers)
-//   T::codes_avx2   T::codes on AVX2, for the multi-row tiles
+//   T::sub_avx2     the codes of one 32-element sub-block on AVX2: the type's one vector decoder, which feeds both
+//                   its rows (T::part_avx2, the block's integer sums against one row: exactly the portable
+//                   integers) and the multi-row tiles (codes_avx2<T>: T::codes on AVX2); signed values where
+//                   T::signed_subs (T::codes adds code_offset to them), else the unsigned codes themselves
 //   T::dequantize   one block to float32, bitwise as the `gguf` package's decoder
 // and listed once in WS_TYPES; everything else (row sizes, checks, dispatch, the table Python checks itself against
 // at load: native.py) is derived from those. Adding a type is its struct and its line in WS_TYPES.
@@ -281,11 +283,10 @@ struct Q8_0 {  // w = d q
     for (int i = 0; i < 32; i++) o[i] = d * (float)x.qs[i];
   }
 #ifdef WS_X86
+  static constexpr bool signed_subs = true;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int) { return load256(x.qs); }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    return {lanes_s8_s8(load256(x.qs), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
-  }
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
-    _mm256_storeu_si256((__m256i*)u, _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8((char)0x80)));
+    return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
   }
 #endif
 };
@@ -344,7 +345,8 @@ struct Legacy32 {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static __m256i codes_v(const Block& x) {
+  static constexpr bool signed_subs = false;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int) {
     const __m256i low = nibbles32_avx2(x.qs);
     if constexpr (!Fifth) {
       return low;
@@ -361,9 +363,8 @@ struct Legacy32 {
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const float d = fp16_hw(x.d);
-    return {lanes_u8_s8(codes_v(x), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
+    return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
   }
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) { _mm256_storeu_si256((__m256i*)u, codes_v(x)); }
 #endif
 };
 struct Q4_0 : Legacy32<BlockQ4_0, false, false> {
@@ -383,9 +384,21 @@ struct Q5_1 : Legacy32<BlockQ5_1, true, true> {
   static constexpr const char* name = "Q5_1";
 };
 
+// The portable decoder of the 256-element types: T::code(x, sub, l), the value of element l of sub-block sub, and
+// T::codes from it (the value plus code_offset, unsigned): one definition of where each type keeps its bits.
+template <typename T>
+struct SubCodes {
+  template <typename B>
+  static void codes(const B& x, uint8_t* u) {
+    for (int sub = 0; sub < 8; sub++) {
+      for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(T::code(x, sub, l) + T::code_offset);
+    }
+  }
+};
+
 // Q2_K: per 16 a 4-bit scale and a 4-bit min, codes 0..3; w = d sc q - dmin m. Sub-block s of 32 (half n = s / 4,
 // j = s % 4) is bits 2j of bytes 32n..32n+31; its scale bytes are 2s (elements 0-15) and 2s + 1 (16-31).
-struct Q2_K {
+struct Q2_K : SubCodes<Q2_K> {
   static constexpr int64_t id = 10, elements = 256, act = 256;
   static constexpr const char* name = "Q2_K";
   struct Block {
@@ -396,11 +409,6 @@ struct Q2_K {
   static constexpr int code_offset = 0, scale_group = 16, min_group = 16;
   static constexpr bool has_min = true;
   static uint8_t code(const Block& x, int sub, int l) { return (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3; }
-  static void codes(const Block& x, uint8_t* u) {
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[32 * sub + l] = code(x, sub, l);
-    }
-  }
   static void scales(const Block& x, ScalesOut& o) {
     for (int g = 0; g < 16; g++) {
       o.sc[g] = x.scales[g] & 0xF;
@@ -417,28 +425,18 @@ struct Q2_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++) {
-      const __m256i q = load256(x.qs + 32 * n);
-      for (int j = 0; j < 4; j++) {
-        _mm256_storeu_si256((__m256i*)(u + 32 * (4 * n + j)), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3));
-      }
-    }
+  static constexpr bool signed_subs = false;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int sub) {
+    return _mm256_and_si256(_mm256_srli_epi16(load256(x.qs + 32 * (sub / 4)), 2 * (sub % 4)), _mm256_set1_epi8(3));
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), low4 = _mm_set1_epi8(0xF);
     const Scales16 sc = scales16_avx2(_mm_and_si128(raw, low4), false);
     const int8_t* xq = a.q + b * 256;
     __m256i isum = _mm256_setzero_si256();
-    for (int n = 0; n < 2; n++) {
-      const __m256i q = load256(x.qs + 32 * n);
-      for (int j = 0; j < 4; j++) {
-        const int sub = 4 * n + j;
-        const __m256i w = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w, load256(xq + 32 * sub), per16(sc, sub)));
-      }
+#pragma GCC unroll 8
+    for (int sub = 0; sub < 8; sub++) {
+      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(sub_avx2(x, sub), load256(xq + 32 * sub), per16(sc, sub)));
     }
     // min term: the 16 mins times the 16 sums of qx, in integers
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
@@ -450,7 +448,7 @@ struct Q2_K {
 
 // Q3_K: per 16 a 6-bit scale (stored - 32), codes -4..3: 2 low bits as Q2_K lays them out, the third bit (set:
 // no -4) bit s of hmask byte l for element l of sub-block s; w = d (sc - 32) q.
-struct Q3_K {
+struct Q3_K : SubCodes<Q3_K> {
   static constexpr int64_t id = 11, elements = 256, act = 256;
   static constexpr const char* name = "Q3_K";
   static constexpr int code_offset = 4, scale_group = 16, min_group = 0;
@@ -478,11 +476,6 @@ struct Q3_K {
     const int low = (x.qs[32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
     return (int8_t)(low - ((x.hmask[l] >> sub) & 1 ? 0 : 4));
   }
-  static void codes(const Block& x, uint8_t* u) {
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 4);
-    }
-  }
   static void scales(const Block& x, ScalesOut& o) {
     int8_t sc[16];
     scales16(x, sc);
@@ -503,21 +496,16 @@ struct Q3_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {  // code + 4: the low bits, 4 where set
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
-    const __m256i hm = load256(x.hmask);
-    for (int n = 0; n < 2; n++) {
-      const __m256i q = load256(x.qs + 32 * n);
-      for (int j = 0; j < 4; j++) {
-        const int sub = 4 * n + j;
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-        const __m256i set = _mm256_and_si256(_mm256_srli_epi16(hm, sub), ones);
-        _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(low, _mm256_slli_epi16(set, 2)));
-      }
-    }
+  static constexpr bool signed_subs = true;
+  // the codes -4..3: the low bits, less 4 where the third bit is clear (0 or 4 a byte: no carries)
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int sub) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load256(x.qs + 32 * (sub / 4)), 2 * (sub % 4)),
+                                         _mm256_set1_epi8(3));
+    const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(load256(x.hmask), sub), ones), ones);
+    return _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
     // scales16's arithmetic on the four words in a vector register (the 12 bytes read as 8 + 4: no read past them)
     uint32_t w2;
     std::memcpy(&w2, x.scales + 8, 4);
@@ -527,18 +515,11 @@ struct Q3_K {
     const __m128i sc6 = _mm_or_si128(_mm_and_si128(lows, _mm_set1_epi8(0xF)),
                                      _mm_slli_epi32(_mm_and_si128(highs, _mm_set1_epi8(3)), 4));
     const Scales16 sc = scales16_avx2(_mm_sub_epi8(sc6, _mm_set1_epi8(32)), true);
-    const __m256i hm = load256(x.hmask);
     __m256i isum = _mm256_setzero_si256();
-    for (int n = 0; n < 2; n++) {
-      const __m256i q = load256(x.qs + 32 * n);
-      for (int j = 0; j < 4; j++) {
-        const int sub = 4 * n + j;
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-        const __m256i clear = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(hm, sub), ones), ones);
-        const __m256i w = _mm256_sub_epi8(low, _mm256_slli_epi16(clear, 2));  // 0 or 4 a byte: no carries
-        const __m256i xv = load256(a.q + b * 256 + 32 * sub);
-        isum = _mm256_add_epi32(isum, lanes_s8_s8_times(w, xv, per16(sc, sub)));
-      }
+#pragma GCC unroll 8
+    for (int sub = 0; sub < 8; sub++) {
+      const __m256i xv = load256(a.q + b * 256 + 32 * sub);
+      isum = _mm256_add_epi32(isum, lanes_s8_s8_times(sub_avx2(x, sub), xv, per16(sc, sub)));
     }
     return {isum, 0, fp16_hw(x.d), 0.f};
   }
@@ -546,17 +527,11 @@ struct Q3_K {
 };
 
 // Q4_K and Q5_K: per 32 a 6-bit scale and min, w = d sc q - dmin m; T::code(x, sub, l) is the code of element l
-// of sub-block sub (the portable path and the decoder; each AVX2 path unpacks its codes its own way).
+// of sub-block sub (the portable path), T::sub_avx2 the same codes 32 at a time (rows and tiles).
 template <typename T>
-struct ScalesMinsK {
+struct ScalesMinsK : SubCodes<T> {
   static constexpr int code_offset = 0, scale_group = 32, min_group = 32;
   static constexpr bool has_min = true;
-  template <typename B>
-  static void codes(const B& x, uint8_t* u) {
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[32 * sub + l] = T::code(x, sub, l);
-    }
-  }
   template <typename B>
   static void scales(const B& x, ScalesOut& o) {
     uint8_t sc[8], mn[8];
@@ -594,6 +569,20 @@ struct ScalesMinsK {
   }
 };
 
+#ifdef WS_X86
+// Q4_K's and Q5_K's integer sum: each sub-block's codes (T::sub_avx2) against its activations, times its scale.
+template <typename T>
+WS_AVX2_INLINE __m256i sum_subs_k4(const typename T::Block& x, const int8_t* xq, __m256i scales) {
+  __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int sub = 0; sub < 8; sub++) {
+    isum = _mm256_add_epi32(
+        isum, lanes_u8_s8_times(T::sub_avx2(x, sub), load256(xq + 32 * sub), broadcast_i16(scales, sub)));
+  }
+  return isum;
+}
+#endif
+
 // Q4_K: per 32 a 6-bit scale and min; 64-element chunk c holds sub-block 2c in the low nibbles of its 32 bytes,
 // 2c + 1 in the high ones; w = d sc q - dmin m.
 struct Q4_K : ScalesMinsK<Q4_K> {
@@ -609,16 +598,12 @@ struct Q4_K : ScalesMinsK<Q4_K> {
     return sub & 1 ? byte >> 4 : byte & 0xF;
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
-    const __m256i mask = _mm256_set1_epi8(0xF);
-    for (int c = 0; c < 4; c++) {
-      const __m256i raw = load256(x.qs + 32 * c);
-      _mm256_storeu_si256((__m256i*)(u + 64 * c), _mm256_and_si256(raw, mask));
-      _mm256_storeu_si256((__m256i*)(u + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
-    }
+  static constexpr bool signed_subs = false;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int sub) {
+    const __m256i raw = load256(x.qs + 32 * (sub / 2));
+    return _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0xF));
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i mask = _mm256_set1_epi8(0xF);
     uint32_t halves;
     std::memcpy(&halves, x.d, 4);
     const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));  // d, dmin: exact, as fp16() gives them
@@ -627,15 +612,7 @@ struct Q4_K : ScalesMinsK<Q4_K> {
     __m128i mins;
     scales_mins_k4_avx2(x.scales, scales, mins);
     const int8_t* xq = a.q + b * 256;
-    __m256i isum = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-      const __m256i raw = load256(x.qs + 32 * c);
-      isum = _mm256_add_epi32(
-          isum, lanes_u8_s8_times(_mm256_and_si256(raw, mask), load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
-      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
-                                                      load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
-    }
-    return {isum, min_term_k4(mins, a.s + b * 8), d, -dmin};
+    return {sum_subs_k4<Q4_K>(x, xq, scales), min_term_k4(mins, a.s + b * 8), d, -dmin};
   }
 #endif
 };
@@ -655,36 +632,19 @@ struct Q5_K : ScalesMinsK<Q5_K> {
     return (sub & 1 ? byte >> 4 : byte & 0xF) | (((x.qh[l] >> sub) & 1) << 4);
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
-    const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
-    const __m256i qh = load256(x.qh);
-    for (int c = 0; c < 4; c++) {
-      const __m256i raw = load256(x.qs + 32 * c);
-      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), ones), 4);
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), ones), 4);
-      _mm256_storeu_si256((__m256i*)(u + 64 * c), _mm256_or_si256(_mm256_and_si256(raw, mask), h0));
-      _mm256_storeu_si256((__m256i*)(u + 64 * c + 32),
-                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), h1));
-    }
+  static constexpr bool signed_subs = false;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int sub) {  // Q4_K's nibble, the fifth bit as 16
+    const __m256i raw = load256(x.qs + 32 * (sub / 2)), ones = _mm256_set1_epi8(1);
+    const __m256i low = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0xF));
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load256(x.qh), sub), ones), 4);
+    return _mm256_or_si256(low, high);
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi8(1);
     __m256i scales;
     __m128i mins;
     scales_mins_k4_avx2(x.scales, scales, mins);
-    const __m256i qh = load256(x.qh);
     const int8_t* xq = a.q + b * 256;
-    __m256i isum = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-      const __m256i raw = load256(x.qs + 32 * c);
-      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), ones), 4);
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), ones), 4);
-      const __m256i w0 = _mm256_or_si256(_mm256_and_si256(raw, mask), h0);
-      const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), h1);
-      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w0, load256(xq + 64 * c), broadcast_i16(scales, 2 * c)));
-      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(w1, load256(xq + 64 * c + 32), broadcast_i16(scales, 2 * c + 1)));
-    }
-    return {isum, min_term_k4(mins, a.s + b * 8), fp16_hw(x.d), -fp16_hw(x.dmin)};
+    return {sum_subs_k4<Q5_K>(x, xq, scales), min_term_k4(mins, a.s + b * 8), fp16_hw(x.d), -fp16_hw(x.dmin)};
   }
 #endif
 };
@@ -692,7 +652,7 @@ struct Q5_K : ScalesMinsK<Q5_K> {
 // Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, int8 scales per 16; w = d sc (q - 32). Sub-block s of 32
 // (half n = s / 4, quarter r = s % 4): low nibbles of bytes 64n + 32(r & 1) (high nibbles when r >= 2), bits 2r
 // of bytes 32n of the highs; scales 8n + 2r and 8n + 2r + 1.
-struct Q6_K {
+struct Q6_K : SubCodes<Q6_K> {
   static constexpr int64_t id = 14, elements = 256, act = 256;
   static constexpr const char* name = "Q6_K";
   static constexpr int code_offset = 32, scale_group = 16, min_group = 0;
@@ -710,11 +670,6 @@ struct Q6_K {
     return (int8_t)((lo | (hi << 4)) - 32);
   }
   static int scale(const Block& x, int sub, int half) { return x.scales[8 * (sub / 4) + 2 * (sub % 4) + half]; }
-  static void codes(const Block& x, uint8_t* u) {
-    for (int sub = 0; sub < 8; sub++) {
-      for (int l = 0; l < 32; l++) u[32 * sub + l] = (uint8_t)(code(x, sub, l) + 32);
-    }
-  }
   static void scales(const Block& x, ScalesOut& o) {
     for (int g = 0; g < 16; g++) {
       o.sc[g] = scale(x, g / 2, g % 2);
@@ -730,36 +685,26 @@ struct Q6_K {
     }
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {  // code + 32: the 6 bits as stored
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    for (int sub = 0; sub < 8; sub++) {
-      const int n = sub / 4, r = sub % 4;
-      const __m256i l4 = load256(x.ql + 64 * n + 32 * (r & 1));
-      const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), m2);
-      _mm256_storeu_si256((__m256i*)(u + 32 * sub), _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-    }
+  static constexpr bool signed_subs = false;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int sub) {  // code + 32: the 6 bits as stored
+    const int n = sub / 4, r = sub % 4;
+    const __m256i l4 = load256(x.ql + 64 * n + 32 * (r & 1));
+    const __m256i lo = _mm256_and_si256(r >> 1 ? _mm256_srli_epi16(l4, 4) : l4, _mm256_set1_epi8(0xF));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(x.qh + 32 * n), 2 * r), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
   }
   // The stored 6 bits (code + 32, unsigned) against the activations, and the offset as 32 times the per-16 scales
   // against the rows' per-16 sums of qx: the same integers as signed codes, without making them signed (two
   // instructions a sub-block), each 32 bytes of codes loaded once.
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
     const __m128i sc8 = _mm_loadu_si128((const __m128i*)x.scales);
     const Scales16 sc = scales16_avx2(sc8, true);
     const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), load256(a.s16 + b * 16));
     __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
-    for (int n = 0; n < 2; n++) {
-      const __m256i qh = load256(x.qh + 32 * n), l0 = load256(x.ql + 64 * n), l1 = load256(x.ql + 64 * n + 32);
-      for (int r = 0; r < 4; r++) {
-        const int sub = 4 * n + r;
-        const __m256i l4 = r & 1 ? l1 : l0;
-        const __m256i lo = r >> 1 ? _mm256_and_si256(_mm256_srli_epi16(l4, 4), m4) : _mm256_and_si256(l4, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), m2);
-        const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        const __m256i xv = load256(a.q + b * 256 + sub * 32);
-        isum = _mm256_add_epi32(isum, lanes_u8_s8_times(u, xv, per16(sc, sub)));
-      }
+#pragma GCC unroll 8
+    for (int sub = 0; sub < 8; sub++) {
+      const __m256i xv = load256(a.q + b * 256 + sub * 32);
+      isum = _mm256_add_epi32(isum, lanes_u8_s8_times(sub_avx2(x, sub), xv, per16(sc, sub)));
     }
     return {isum, 0, fp16_hw(x.d), 0.f};
   }
@@ -813,15 +758,13 @@ struct MXFP4 {
     for (int i = 0; i < 32; i++) o[i] = d * (float)sv[i];
   }
 #ifdef WS_X86
-  WS_AVX2_INLINE static __m256i values_v(const Block& x) {
+  static constexpr bool signed_subs = true;
+  WS_AVX2_INLINE static __m256i sub_avx2(const Block& x, int) {  // the doubled E2M1 values, -12..12
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kvalues));
     return _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs));
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
-    return {lanes_s8_s8(values_v(x), load256(a.q + b * 32)), 0, scale(x), 0.f};
-  }
-  WS_AVX2_INLINE static void codes_avx2(const Block& x, uint8_t* u) {
-    _mm256_storeu_si256((__m256i*)u, _mm256_add_epi8(values_v(x), _mm256_set1_epi8(12)));
+    return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, scale(x), 0.f};
   }
 #endif
 };
@@ -1268,12 +1211,23 @@ concept HasTileScales = requires(const typename T::Block& x, int32_t* p, float& 
   T::tile_scales_avx2(x, p, p, f, f);
 };
 
+// T::codes on AVX2 from the type's one decoder: its sub-blocks, signed values moved up by code_offset.
+template <typename T>
+WS_AVX2_INLINE void codes_avx2(const typename T::Block& x, uint8_t* u) {
+#pragma GCC unroll 8
+  for (int sub = 0; sub < T::elements / 32; sub++) {
+    __m256i v = T::sub_avx2(x, sub);
+    if constexpr (T::signed_subs) v = _mm256_add_epi8(v, _mm256_set1_epi8((char)T::code_offset));
+    _mm256_storeu_si256((__m256i*)(u + 32 * sub), v);
+  }
+}
+
 template <typename T>
 WS_AVX2 void unpack_row(const uint8_t* row, int64_t k, RowCodes<T>& out) {
   constexpr int E = T::elements, SG = RowCodes<T>::SG, MG = RowCodes<T>::MG;
   const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
   for (int64_t b = 0; b < k / E; b++) {
-    T::codes_avx2(blocks[b], out.u.data() + b * E);
+    codes_avx2<T>(blocks[b], out.u.data() + b * E);
     if constexpr (HasTileScales<T>) {
       T::tile_scales_avx2(blocks[b], out.sc.data() + b * E / SG, out.mn2.data() + b * E / MG / 2, out.d[b], out.m[b]);
       continue;
@@ -1591,79 +1545,59 @@ void check_routing(const at::Tensor& x, const at::Tensor& index, const at::Tenso
   TORCH_CHECK(weights.sizes() == index.sizes(), "weightstream moe: top_k_weights must match top_k_index");
 }
 
-void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Tensor& weights_in,
-                const std::vector<int64_t>& experts, const std::vector<at::Tensor>& gate_up, int64_t gu_type,
-                const std::vector<at::Tensor>& down, int64_t down_type, const Gate& gate_in, int64_t path,
-                float* contrib) {
-  const int64_t ne = (int64_t)experts.size(), hidden = x_in.size(1), top_k = index_in.size(1);
-  TORCH_CHECK((int64_t)gate_up.size() == ne && (int64_t)down.size() == ne,
-              "weightstream moe: one gate_up and one down tensor per expert");
-  if (ne == 0) return;
-  const Format fd = format_of(down_type);
-  const int64_t inter = down[0].numel() / hidden / fd.bytes * fd.block;
-  for (int64_t i = 0; i < ne; i++) {
-    check_weights(gate_up[i], gu_type, 2 * inter, hidden);
-    check_weights(down[i], down_type, hidden, inter);
-  }
-  Gate gate = gate_in;
-  gate.gate_up_bias = float_biases(gate_in.gate_up_bias, ne, 2 * inter, "gate_up");
-  gate.down_bias = float_biases(gate_in.down_bias, ne, hidden, "down");
-  path = resolve_path(path);
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor index = index_in.contiguous();
-  const at::Tensor wr = weights_in.to(at::kFloat).contiguous();
-  const float* wp = wr.data_ptr<float>();
-  const auto pairs = pairs_of(index, experts);
-  std::vector<int64_t> first(ne + 1, 0);  // pair p of expert i is row first[i] + p of the buffers below
-  for (int64_t i = 0; i < ne; i++) first[i + 1] = first[i] + (int64_t)pairs[i].size();
-  const int64_t np = first[ne];
-  if (np == 0) return;
+// One call's routed experts, resolved: weights checked, the pairs routed to each expert, the rows of x each takes
+// (its tokens) and of h (its pairs, from first[i]), x quantized once for every expert; and the steps of a layer.
+struct LayerJob {
+  int64_t ne = 0, hidden = 0, top_k = 0, inter = 0, path = 0, gu_type = 0, down_type = 0;
+  int64_t gu_rows = 0, gu_bytes = 0, down_bytes = 0, np = 0;
+  Gate gate;
+  at::Tensor x, wr;  // float32, contiguous: the hidden states and the router weights
+  std::vector<std::vector<Pair>> pairs;
+  std::vector<int64_t> first, tokens, hrows;  // pair p of expert i is row first[i] + p of the buffers
+  std::vector<const uint8_t*> gu_ptr, down_ptr;
+  DotFn gu_dot = nullptr, down_dot = nullptr;
+  std::optional<QRows> ax;
+  float* contrib = nullptr;
 
-  // gate and up for every (expert, output row), each row of x quantized once for all experts
-  const QRows ax(x.data_ptr<float>(), x.size(0), hidden, gu_type, path);
-  std::vector<const uint8_t*> gu_ptr(ne), down_ptr(ne);
-  for (int64_t i = 0; i < ne; i++) {
-    gu_ptr[i] = gate_up[i].data_ptr<uint8_t>();
-    down_ptr[i] = down[i].data_ptr<uint8_t>();
-  }
-  const int64_t gu_rows = 2 * inter, gu_bytes = row_bytes_of(gu_type, hidden);
-  const int64_t down_bytes = row_bytes_of(down_type, inter);
-  const DotFn gu_dot = dot_fn(row_path(path), gu_type), down_dot = dot_fn(row_path(path), down_type);
-  const bool gu_biased = !gate.gate_up_bias.empty(), down_biased = !gate.down_bias.empty();
-  // the rows of x each expert takes (its tokens), and of h (its pairs, from first[i])
-  std::vector<int64_t> tokens(np), hrows(np);
-  for (int64_t i = 0; i < ne; i++) {
-    for (int64_t p = 0; p < (int64_t)pairs[i].size(); p++) {
-      tokens[first[i] + p] = pairs[i][p].token;
-      hrows[first[i] + p] = p;
-    }
-  }
-  auto count = [&](int64_t i) { return first[i + 1] - first[i]; };
+  int64_t count(int64_t i) const { return first[i + 1] - first[i]; }
+
   // expert i's gate/up outputs j0..j1 for its rows, into gi (tiles: its rows of x as tiles, or none)
-  auto gate_up_rows = [&](int64_t i, int64_t j0, int64_t j1, const Tiles* tiles, float* gi) {
-    const float* bias = gu_biased ? gate.gate_up_bias[i].data_ptr<float>() : nullptr;
-    rows_product(gu_type, gu_ptr[i], gu_bytes, hidden, j0, j1, ax, tokens.data() + first[i], count(i), tiles, gu_dot,
+  void gate_up_rows(int64_t i, int64_t j0, int64_t j1, const Tiles* tiles, float* gi) const {
+    const float* bias = gate.gate_up_bias.empty() ? nullptr : gate.gate_up_bias[i].data_ptr<float>();
+    rows_product(gu_type, gu_ptr[i], gu_bytes, hidden, j0, j1, *ax, tokens.data() + first[i], count(i), tiles, gu_dot,
                  [&](int64_t p, int64_t j, float y) { gi[p * gu_rows + j] = bias ? y + bias[j] : y; });
-  };
-  auto gated = [&](const float* g, float* h, int64_t rows) {  // the gate of `rows` rows of g, into h
+  }
+
+  void gated(const float* g, float* h, int64_t rows) const {  // the gate of `rows` rows of g, into h
     for (int64_t p = 0; p < rows; p++) gate.apply(g + p * gu_rows, h + p * inter, inter);
-  };
+  }
+
   // expert i's down outputs j0..j1 for its rows, their quantized h in ah (expert i's alone: hrows; all: first[i] on)
-  auto down_rows = [&](int64_t i, int64_t j0, int64_t j1, const QRows& ah, const int64_t* list, const Tiles* tiles) {
-    const float* bias = down_biased ? gate.down_bias[i].data_ptr<float>() : nullptr;
+  void down_rows(int64_t i, int64_t j0, int64_t j1, const QRows& ah, const int64_t* list, const Tiles* tiles) const {
+    const float* bias = gate.down_bias.empty() ? nullptr : gate.down_bias[i].data_ptr<float>();
+    const float* wp = wr.data_ptr<float>();
     rows_product(down_type, down_ptr[i], down_bytes, inter, j0, j1, ah, list, count(i), tiles, down_dot,
                  [&](int64_t p, int64_t j, float y) {
                    const Pair& pr = pairs[i][p];
                    const int64_t slot = pr.token * top_k + pr.choice;
                    contrib[slot * hidden + j] = (bias ? y + bias[j] : y) * wp[slot];
                  });
-  };
-  // The same dot products either way (an output is one dot, its activations quantized row by row), so the two
-  // schedules give the same bits: whole experts per task when there are enough of them to share out (one parallel
-  // region, no barrier between an expert's gate/up and its down), else each projection split across the threads.
-  if (ne >= 2 * (int64_t)at::get_num_threads()) {
-    // Each thread takes the next expert left, largest first (parallel_for would hand each thread a fixed run of
-    // experts, and the one with the larger share would keep the other waiting).
+  }
+
+  // One expert, whole: gate/up, gate, down, in g and h (room for count(i) rows).
+  void expert(int64_t i, float* g, float* h) const {
+    const std::optional<Tiles> gu_tiles = tiles_of(path, gu_type, *ax, tokens.data() + first[i], count(i));
+    gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr, g);
+    gated(g, h, count(i));
+    const QRows ah(h, count(i), inter, down_type, path);
+    const int64_t* own = hrows.data() + first[i];
+    const std::optional<Tiles> down_tiles = tiles_of(path, down_type, ah, own, count(i));
+    down_rows(i, 0, hidden, ah, own, down_tiles ? &*down_tiles : nullptr);
+  }
+
+  // Whole experts per task: each thread takes the next expert left, largest first (parallel_for would hand each
+  // thread a fixed run of experts, and the one with the larger share would keep the other waiting).
+  void by_expert() const {
     std::vector<int64_t> order(ne);
     for (int64_t i = 0; i < ne; i++) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count(a) > count(b); });
@@ -1672,44 +1606,103 @@ void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Te
       // one expert's gate/up outputs and gate at a time: the largest expert's rows, reused (they stay in cache,
       // and a prompt's temporaries are a few of its experts' rows, not every pair's)
       const std::unique_ptr<float[]> g(new float[count(order[0]) * gu_rows]), h(new float[count(order[0]) * inter]);
-      for (int64_t taken; (taken = next.fetch_add(1)) < ne;) {
-        const int64_t i = order[taken];
-        const int64_t* xrows = tokens.data() + first[i];
-        const std::optional<Tiles> gu_tiles = tiles_of(path, gu_type, ax, xrows, count(i));
-        gate_up_rows(i, 0, gu_rows, gu_tiles ? &*gu_tiles : nullptr, g.get());
-        gated(g.get(), h.get(), count(i));
-        const QRows ah(h.get(), count(i), inter, down_type, path);
-        const int64_t* own = hrows.data() + first[i];
-        const std::optional<Tiles> down_tiles = tiles_of(path, down_type, ah, own, count(i));
-        down_rows(i, 0, hidden, ah, own, down_tiles ? &*down_tiles : nullptr);
+      for (int64_t taken; (taken = next.fetch_add(1)) < ne;) expert(order[taken], g.get(), h.get());
+    });
+  }
+
+  // Each projection split across the threads: every expert's gate/up, the gate of all pairs, every expert's down.
+  void by_projection() const {
+    const std::unique_ptr<float[]> g(new float[np * gu_rows]), h(new float[np * inter]);  // every element written
+    std::vector<std::optional<Tiles>> gu_tiles(ne), down_tiles(ne);
+    for (int64_t i = 0; i < ne; i++) gu_tiles[i] = tiles_of(path, gu_type, *ax, tokens.data() + first[i], count(i));
+    at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end;) {  // the run of outputs of one expert at a time
+        const int64_t i = u / gu_rows, stop = std::min(end, (i + 1) * gu_rows);
+        gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows, gu_tiles[i] ? &*gu_tiles[i] : nullptr,
+                     g.get() + first[i] * gu_rows);
+        u = stop;
       }
     });
-    return;
+    gated(g.get(), h.get(), np);
+    const QRows ah(h.get(), np, inter, down_type, path);
+    std::vector<int64_t> all(np);
+    for (int64_t p = 0; p < np; p++) all[p] = p;
+    for (int64_t i = 0; i < ne; i++) down_tiles[i] = tiles_of(path, down_type, ah, all.data() + first[i], count(i));
+    at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end;) {
+        const int64_t i = u / hidden, stop = std::min(end, (i + 1) * hidden);
+        down_rows(i, u - i * hidden, stop - i * hidden, ah, all.data() + first[i],
+                  down_tiles[i] ? &*down_tiles[i] : nullptr);
+        u = stop;
+      }
+    });
   }
-  const std::unique_ptr<float[]> g(new float[np * gu_rows]), h(new float[np * inter]);  // every element written
-  std::vector<std::optional<Tiles>> gu_tiles(ne), down_tiles(ne);
-  for (int64_t i = 0; i < ne; i++) gu_tiles[i] = tiles_of(path, gu_type, ax, tokens.data() + first[i], count(i));
-  at::parallel_for(0, ne * gu_rows, grain_for(gu_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end;) {  // the run of outputs of one expert at a time
-      const int64_t i = u / gu_rows, stop = std::min(end, (i + 1) * gu_rows);
-      gate_up_rows(i, u - i * gu_rows, stop - i * gu_rows, gu_tiles[i] ? &*gu_tiles[i] : nullptr,
-                   g.get() + first[i] * gu_rows);
-      u = stop;
+};
+
+// The job's experts and routing: weights checked against their types and sizes, biases as float32, the pairs.
+void route(LayerJob& job, const at::Tensor& index_in, const std::vector<int64_t>& experts,
+           const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const Gate& gate_in) {
+  const int64_t ne = job.ne, hidden = job.hidden;
+  const Format fd = format_of(job.down_type);
+  job.inter = down[0].numel() / hidden / fd.bytes * fd.block;
+  job.gu_ptr.resize(ne);
+  job.down_ptr.resize(ne);
+  for (int64_t i = 0; i < ne; i++) {
+    check_weights(gate_up[i], job.gu_type, 2 * job.inter, hidden);
+    check_weights(down[i], job.down_type, hidden, job.inter);
+    job.gu_ptr[i] = gate_up[i].data_ptr<uint8_t>();
+    job.down_ptr[i] = down[i].data_ptr<uint8_t>();
+  }
+  job.gate = gate_in;
+  job.gate.gate_up_bias = float_biases(gate_in.gate_up_bias, ne, 2 * job.inter, "gate_up");
+  job.gate.down_bias = float_biases(gate_in.down_bias, ne, hidden, "down");
+  job.pairs = pairs_of(index_in.contiguous(), experts);
+  job.first.assign(ne + 1, 0);
+  for (int64_t i = 0; i < ne; i++) job.first[i + 1] = job.first[i] + (int64_t)job.pairs[i].size();
+  job.np = job.first[ne];
+  job.tokens.resize(job.np);
+  job.hrows.resize(job.np);
+  for (int64_t i = 0; i < ne; i++) {
+    for (int64_t p = 0; p < job.count(i); p++) {
+      job.tokens[job.first[i] + p] = job.pairs[i][p].token;
+      job.hrows[job.first[i] + p] = p;
     }
-  });
-  gated(g.get(), h.get(), np);
-  const QRows ah(h.get(), np, inter, down_type, path);
-  std::vector<int64_t> all(np);
-  for (int64_t p = 0; p < np; p++) all[p] = p;
-  for (int64_t i = 0; i < ne; i++) down_tiles[i] = tiles_of(path, down_type, ah, all.data() + first[i], count(i));
-  at::parallel_for(0, ne * hidden, grain_for(down_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end;) {
-      const int64_t i = u / hidden, stop = std::min(end, (i + 1) * hidden);
-      down_rows(i, u - i * hidden, stop - i * hidden, ah, all.data() + first[i],
-                down_tiles[i] ? &*down_tiles[i] : nullptr);
-      u = stop;
-    }
-  });
+  }
+}
+
+void contribute(const at::Tensor& x_in, const at::Tensor& index_in, const at::Tensor& weights_in,
+                const std::vector<int64_t>& experts, const std::vector<at::Tensor>& gate_up, int64_t gu_type,
+                const std::vector<at::Tensor>& down, int64_t down_type, const Gate& gate_in, int64_t path,
+                float* contrib) {
+  LayerJob job;
+  job.ne = (int64_t)experts.size();
+  job.hidden = x_in.size(1);
+  job.top_k = index_in.size(1);
+  job.gu_type = gu_type;
+  job.down_type = down_type;
+  TORCH_CHECK((int64_t)gate_up.size() == job.ne && (int64_t)down.size() == job.ne,
+              "weightstream moe: one gate_up and one down tensor per expert");
+  if (job.ne == 0) return;
+  route(job, index_in, experts, gate_up, down, gate_in);
+  if (job.np == 0) return;
+  job.path = resolve_path(path);
+  job.x = x_in.to(at::kFloat).contiguous();
+  job.wr = weights_in.to(at::kFloat).contiguous();
+  job.contrib = contrib;
+  job.ax.emplace(job.x.data_ptr<float>(), job.x.size(0), job.hidden, gu_type, job.path);
+  job.gu_rows = 2 * job.inter;
+  job.gu_bytes = row_bytes_of(gu_type, job.hidden);
+  job.down_bytes = row_bytes_of(down_type, job.inter);
+  job.gu_dot = dot_fn(row_path(job.path), gu_type);
+  job.down_dot = dot_fn(row_path(job.path), down_type);
+  // The same dot products either way (an output is one dot, its activations quantized row by row), so the two
+  // schedules give the same bits: whole experts per task when there are enough of them to share out (one parallel
+  // region, no barrier between an expert's gate/up and its down), else each projection split across the threads.
+  if (job.ne >= 2 * (int64_t)at::get_num_threads()) {
+    job.by_expert();
+  } else {
+    job.by_projection();
+  }
 }
 
 // out (tokens, hidden) in `dtype`: per token, its contributions added in ascending expert order, in float32.
