@@ -14,3 +14,33 @@ def test_every_subcommand_has_help():
         assert out.returncode == 0, (name, out.stderr)
         assert name in out.stdout
     assert parser.prog == "weightstream"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices if actions else {}
+
+
+def test_every_command_and_action_help_shows_an_example():
+    """Issue 52, case 13: a user reading `--help` of any command (and of each `trace`/`bench`/... action) sees at
+    least one example command line."""
+    missing = []
+    for name, sub in _subparsers(build_parser()).items():
+        for action, parser in {name: sub, **{f"{name} {a}": p for a, p in _subparsers(sub).items()}}.items():
+            text = parser.format_help()
+            if "example" not in text:
+                missing.append(action)
+    assert not missing, f"--help without an example: {missing}"
+
+
+def test_import_help_names_every_kept_block_type_and_every_architecture():
+    """`import --help` says which expert types are kept as they are (the native kernels' types, from the table the
+    kernels check themselves against) and which architectures import (the GGUF families): it cannot go stale."""
+    from weightstream import native
+    from weightstream.store.gguf.families import FAMILIES
+
+    text = " ".join(_subparsers(build_parser())["import"].format_help().split())
+    kept = text[text.index("exactly as the file stores them") : text.index("native kernels run")]
+    assert all(t in kept for t in native.BLOCK_TYPES), (kept, list(native.BLOCK_TYPES))
+    architectures = text[text.index("Architectures:") :]
+    assert all(arch in architectures for arch in FAMILIES), (architectures, list(FAMILIES))

@@ -3,6 +3,7 @@ transformers in memory."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -18,6 +19,9 @@ def register(sub) -> None:
         "unless --out already holds it, generates with transformers fully in memory as the reference, then "
         "streams the experts from disk at cache sizes of 1x, 2x and 4x one token's working set and shows that "
         "the tokens are identical, with speed, hit rate and bytes read for each.",
+        epilog="examples:\n  weightstream demo\n  weightstream demo --layers 4 --max-new-tokens 32 --out .work/demo4\n"
+        "  weightstream demo --json > demo.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default=".work/demo-model", metavar="DIR", help="where the demo model lives")
     p.add_argument("--layers", type=int, default=DEMO_FIELDS_LAYERS, help="decoder layers (default 2)")

@@ -13,15 +13,18 @@ def register(sub) -> None:
         help="make a GGUF file (llama.cpp) a model directory every command takes, weights kept in their blocks",
         description="Write MODEL.gguf as a model directory: config.json and the tokenizer from the file's metadata, "
         "every routed expert as one blob of its GGML blocks exactly as the file stores them (Q8_0, Q4_0, Q4_1, "
-        "Q4_K, Q6_K: the types weightstream's native kernels run), and the dense linear weights (attention, output "
-        "head, shared experts) of those types as their blocks too. The token embedding, router, norms and dense "
-        "weights of other types are stored in the activation dtype (bfloat16, or float32 when every such matrix is "
-        "F32; dequantized where the file quantized them). Other expert block types are requantized, and every "
-        "lossy step is said on stderr with its measured error. A split model (NAME-00001-of-0000N.gguf) is read "
-        "from all its parts. It streams: one tensor or one expert at a time; the output appears only when "
-        "complete. Architectures: qwen3moe, qwen2moe, olmoe, Mixtral, deepseek2 (DeepSeek-V2/V3, Kimi-K2), glm4moe "
-        "(GLM-4.5) (docs/gguf.md).",
+        "Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, BF16: the types weightstream's native kernels run), and "
+        "the dense linear weights (attention, output head, shared experts) of those types as their blocks too. The "
+        "token embedding, router, norms and dense weights of other types are stored in the activation dtype "
+        "(bfloat16, or float32 when every such matrix is F32; dequantized where the file quantized them). Expert "
+        "block types the kernels do not run (IQ*, TQ*, F16, ...) are requantized (--requantize), and every lossy "
+        "step is said on stderr with its measured error. A split model (NAME-00001-of-0000N.gguf) is read from all "
+        "its parts. It streams: one tensor or one expert at a time; the output appears only when complete. "
+        "Architectures: qwen3moe, qwen2moe, olmoe, llama (Mixtral), deepseek2 (DeepSeek-V2/V3, Kimi-K2), glm4moe "
+        "(GLM-4.5), gpt-oss (docs/gguf.md).",
         epilog="examples:\n  weightstream import Qwen3-30B-A3B-Q4_K_M.gguf --out models/qwen3-30b-q4km\n"
+        "  weightstream import gpt-oss-20b-mxfp4.gguf --out models/gpt-oss-20b --json\n"
+        "  weightstream import Kimi-K2-Q2_K-00001-of-00008.gguf --out models/kimi-k2-q2k\n"
         "  weightstream generate models/qwen3-30b-q4km --prompt 'Hello' --expert-cache 4GiB",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,7 +37,7 @@ def register(sub) -> None:
         "--requantize",
         choices=("auto", "q8_0", "q4_k"),
         default="auto",
-        help="what expert types the native kernels do not run (Q5_K, Q3_K, IQ4_NL, MXFP4, ...) become: auto "
+        help="what expert types the native kernels do not run (IQ4_NL, IQ2_XS, TQ1_0, F16, ...) become: auto "
         "(default) Q4_K for types of at most 4.5 bits a weight, else Q8_0; the error is measured and printed",
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -20,9 +20,17 @@ formats:
 shapes by name: mixtral-8x7b, deepseek-v2-lite, qwen3-30b-a3b, olmoe-1b-7b, gpt-oss-20b, or a config.json
 (expert bytes = 3 x hidden x expert intermediate x 2 bytes (bf16), plus biases for gpt-oss).
 
-example:
-  weightstream trace import $(ls traces/deepseek-v2-lite-chat/*.csv | sort -V) \\
+examples:
+  weightstream trace import $(ls dumps/deepseek-v2-lite-chat/*.csv | sort -V) \\
       --format moe-beyond-csv --model-shape deepseek-v2-lite -o ds.npz
+  weightstream trace import dumps/mixtral/gsm8k_routing.jsonl --format vllm-jsonl --model-shape mixtral-8x7b -o mix.npz
+"""
+
+TRACE_EPILOG = """\
+examples:
+  weightstream trace record .work/demo-model --prompts prompts.txt --max-new-tokens 64 -o mine.npz
+  weightstream trace info mine.npz
+  weightstream simulate mine.npz --policies lru,slru,belady --sizes 1x,2x,4x
 """
 
 
@@ -30,7 +38,10 @@ def register(sub) -> None:
     p = sub.add_parser(
         "trace",
         help="import, record or inspect expert-routing traces (input of `simulate`)",
-        description="Routing traces: which experts each token chose in each MoE layer.",
+        description="Routing traces: which experts each token chose in each MoE layer, recorded by the engine or "
+        "imported from other tools' dumps; the input of `simulate` and `tune --trace`.",
+        epilog=TRACE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
     imp = tsub.add_parser(
@@ -51,13 +62,23 @@ def register(sub) -> None:
         help="generate greedily with the streaming engine and record its routing",
         description="Greedy generation over real prompts with weightstream's engine, recording "
         "the experts chosen at prefill and at every decode step.",
+        epilog="example:\n  weightstream trace record .work/demo-model --prompts prompts.txt --max-new-tokens 64 -o "
+        "mine.npz\n(prompts.txt: one prompt a line, or .jsonl with a 'prompt' field)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rec.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
     rec.add_argument("--prompts", required=True, help="prompts file: one prompt per line, or .jsonl with 'prompt'")
     rec.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     rec.add_argument("-o", "--out", required=True, help="output trace file (.npz)")
     rec.set_defaults(func=run_record)
-    info = tsub.add_parser("info", help="summarise a trace file: shape, requests, tokens, lookups")
+    info = tsub.add_parser(
+        "info",
+        help="summarise a trace file: shape, requests, tokens, lookups",
+        description="Summarise a trace file: the model shape it was made for, its requests, steps, prefill and "
+        "decode tokens, expert lookups and one token's working set.",
+        epilog="example:\n  weightstream trace info ds.npz --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     info.add_argument("trace", help="trace file (.npz)")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=run_info)
