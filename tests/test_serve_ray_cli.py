@@ -5,6 +5,7 @@ import importlib.util
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -40,8 +41,11 @@ def test_ray_options_without_ray_are_refused(tiny_model, capsys):
 
 @pytest.mark.skipif(not HAS_RAY, reason="Ray Serve is not installed (pip install 'weightstream[ray]')")
 def test_serve_ray_serves_and_sigterm_leaves_no_process(tiny_model):
+    """Two replicas; then SIGTERM, idle: every Ray process ended, within a bound far under the 60 s (and Ray's
+    "Controller failed to shut down within 30.0s", and a failed-task warning) issue 52 found, case 14 (measured
+    here: 4.8 s with both cores busy, Ray's own shutdown 1.4 s of it; 7.9 s and the warning before)."""
     server = ServerProcess(
-        tiny_model("qwen3_moe"), "--ray", "--replicas", "1", "--replica-cpus", "0.5", "--expert-cache", "2x"
+        tiny_model("qwen3_moe"), "--ray", "--replicas", "2", "--replica-cpus", "0.5", "--expert-cache", "2x"
     )
     try:
         assert server.url, server.stderr
@@ -52,9 +56,14 @@ def test_serve_ray_serves_and_sigterm_leaves_no_process(tiny_model):
         assert r.headers["x-weightstream-replica"]
         started = psutil.Process(server.pid).children(recursive=True)
         assert any("raylet" in p.name() for p in started)
+        start = time.monotonic()
         assert server.signal(signal.SIGTERM, timeout=120) == 0, server.stderr
+        stop_s = time.monotonic() - start
     finally:
         server.kill()
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert "stopped; Ray's processes have ended" in server.stderr and "Traceback" not in server.stderr
+    stopping = server.stderr[server.stderr.index("stopping:") :]
+    assert "failed" not in stopping.lower() and "warning" not in stopping.lower(), stopping
+    assert stop_s < 20, (stop_s, stopping)

@@ -66,6 +66,7 @@ def application(settings: ServeSettings, options: RayOptions):
         request_router_config=_router_config(options),
         health_check_period_s=2.0,
         graceful_shutdown_timeout_s=settings.shutdown_grace_s,
+        graceful_shutdown_wait_loop_s=0.25,  # how often a stopping replica looks for requests in flight (Ray: 2 s)
         logging_config=logging_config(options.log_level),
     )
     ingress = serve.deployment(

@@ -1,9 +1,9 @@
 """`weightstream serve --ray`: start a Ray cluster on this machine (or join one with --ray-address), run the
 application (app.py) behind Ray Serve's HTTP proxy, and serve until SIGTERM or Ctrl-C.
 
-Shutdown: on a cluster of its own, Ray Serve is shut down (each replica's graceful shutdown lets requests in flight
-finish within --shutdown-grace, then closes its engine) and then Ray, which ends every process it started; on a
-cluster it joined, only this application is deleted and the cluster is left as it was.
+Shutdown: the application is deleted (each replica's graceful shutdown lets requests in flight finish within
+--shutdown-grace, then closes its engine); then, on a cluster of its own, Ray's shutdown ends every process it
+started (Serve's controller and proxy among them), and on a cluster it joined the cluster is left as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import ray
 from ray import serve
@@ -52,7 +53,7 @@ def serve_on_ray(
         )
         stop.wait()
     finally:
-        _shut_down(own_cluster)
+        _shut_down(own_cluster, settings.shutdown_grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received and received[0] == signal.SIGINT:
@@ -68,15 +69,24 @@ def _deploy(settings: ServeSettings, options: RayOptions, host: str, port: int) 
         raise WeightstreamError(found[-1] if found else f"the replicas did not start: {exc}") from None
 
 
-def _shut_down(own_cluster: bool) -> None:
+def _delete_app(grace_s: float) -> None:
+    """Delete the application and wait until its replicas are gone, looking every 0.1 s (serve.delete's own wait
+    looks once a second): at most the replicas' grace and a margin."""
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + grace_s + 30
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _shut_down(own_cluster: bool, grace_s: float) -> None:
     if not ray.is_initialized():
         return
     say("stopping: requests in flight finish within --shutdown-grace, then the replicas close their engines")
     try:
-        if own_cluster:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
+        # the application alone, on either cluster: its replicas' graceful shutdown; on a cluster of its own, Ray's
+        # shutdown then ends the controller and the proxy with every other process (serve.shutdown() asked the
+        # controller to stop itself, waited 5 s idle and had Ray warn of the call its exit cut: issue 52, case 14)
+        _delete_app(grace_s)
     finally:
         ray.shutdown()
     say("stopped" + ("; Ray's processes have ended" if own_cluster else "; the cluster goes on"))
