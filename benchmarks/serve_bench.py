@@ -6,13 +6,17 @@ llama-server is `llamacpp.py serve`.
     ray           `serve --ray`: Ray Serve replicas routed by expert affinity, against Ray Serve's default router
                   on the same replicas, prompts and routing, rounds alternated; `ray simulate`: the same requests
                   through one LRU cache per replica (seconds, no Ray)
+    load          minutes of concurrent clients, streamed and not, cancelled mid-answer and bad requests among
+                  them: errors for good requests, 4xx for bad ones, the server's RSS after warm-up against the end,
+                  and its idle metrics (every cancelled sequence freed)
 
     sudo .venv/bin/python benchmarks/serve_bench.py concurrency MODEL --routing-trace ds.npz --memory-limit 5GiB
     .venv/bin/python benchmarks/serve_bench.py ray MODEL --trace .work/ds.npz --expert-cache 2x --rounds 3
     .venv/bin/python benchmarks/serve_bench.py ray simulate MODEL --trace .work/ds.npz --caches 1x,2x,4x
+    .venv/bin/python benchmarks/serve_bench.py load --duration 300 --clients 32 -o benchmarks/results/serve-load.json
 
 Each prints one JSON object (concurrency and ray also write it to --out). The subcommands run
-parts/serve_concurrency.py and parts/serve_ray.py; `serve_bench.py PART --help`.
+parts/serve_concurrency.py, parts/serve_ray.py and parts/serve_load.py; `serve_bench.py PART --help`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from common import Part, entry
 PARTS = {
     "concurrency": Part("serve_concurrency", "concurrent clients under a memory limit, against one at a time"),
     "ray": Part("serve_ray", "Ray Serve replicas by expert affinity against the default router; `ray simulate`"),
+    "load": Part("serve_load", "minutes of clients with cancellations and bad requests: errors, RSS, idle metrics"),
 }
 
 if __name__ == "__main__":
