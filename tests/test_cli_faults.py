@@ -4,12 +4,18 @@ error naming the input, or the right behaviour, and never a traceback."""
 import contextlib
 import io
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from weightstream.cli import main
 from weightstream.trace import load, resolve_shape, save
@@ -191,3 +197,98 @@ def test_a_small_models_summary_says_its_sizes_in_units_that_scale_down(tiny_mod
     summary = next(line for line in err.splitlines() if line.startswith("prefill "))
     assert " 0 MiB" not in summary and " 0.0 MiB" not in summary, summary
     assert "KiB" in summary, summary  # the tiny model's experts are a few KiB each
+
+
+def _leases_held(pid: int, path) -> bool:
+    """Whether process `pid` holds a lease on `path` now (/proc/locks: "LEASE ... READ PID MAJ:MIN:INODE")."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return any(
+            line.split()[1] == "LEASE" and line.split()[4] == str(pid) and line.split()[5].endswith(f":{inode}")
+            for line in f
+        )
+
+
+def _truncate_elsewhere(path, size: int) -> subprocess.CompletedProcess:
+    """truncate(2) of `path` by another process, blocking as a writer does until the lease holder lets go."""
+    code = f"import os; os.truncate({str(path)!r}, {size})"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def _dense_shard(model_dir) -> str:
+    """The shard holding the model's embedding: dense weights the model reads through a mapping."""
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    return str(model_dir / index[next(k for k in index if "embed_tokens" in k)])
+
+
+def test_a_shard_truncated_under_serve_is_an_error_naming_it_and_serve_lives_on(tiny_model, tmp_path):
+    """Case 1: `serve`, a completion, then a weight file truncated (GNU truncate as the issue ran it, then a blocking
+    truncate(2)): no SIGBUS; the next completion answers 500 naming the file, /health still answers, and SIGTERM
+    still ends the server cleanly. The writer was held until the model stopped reading (engine/file_guard.py)."""
+    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
+    shard = _dense_shard(model)
+    body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    server = ServerProcess(str(model), "--expert-cache", "1x")
+    try:
+        server.wait_ready()
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert _leases_held(server.pid, shard)
+        gnu = subprocess.run(["truncate", "-s", "1000", shard], capture_output=True, text=True)
+        # GNU truncate opens without blocking: the lease's notice makes it fail once (EAGAIN) or it went through
+        assert gnu.returncode == 0 or "temporarily unavailable" in gnu.stderr, gnu.stderr
+        assert _truncate_elsewhere(shard, 1000).returncode == 0
+        assert os.path.getsize(shard) == 1000
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and shard in r.json()["error"]["message"], r.text
+        assert "truncated" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert server.signal(signal.SIGTERM) == 0, server.stderr
+    finally:
+        server.kill()
+    assert f"weightstream: {shard} was opened for writing or truncated" in server.stderr, server.stderr
+
+
+def test_a_shard_truncated_under_generate_exits_with_an_error_naming_it(tiny_model, tmp_path):
+    """Case 1 with `generate`: the file truncated while it decodes; it exits 2 with one line naming the file, not a
+    signal death (-7, SIGBUS)."""
+    model = shutil.copytree(tiny_model("qwen3_moe", max_position_embeddings=4096), tmp_path / "m")
+    shard = _dense_shard(model)
+    cmd = [sys.executable, "-m", "weightstream.cli", "generate", str(model), "--prompt-ids", "1,2,3"]
+    proc = subprocess.Popen([*cmd, "--max-new-tokens", "4000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not _leases_held(proc.pid, shard) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "generate ended before the test could truncate its model"
+        assert _truncate_elsewhere(shard, 1000).returncode == 0
+        err = proc.communicate(timeout=120)[1].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, (proc.returncode, err)
+    lines = [line for line in err.splitlines() if line.startswith("weightstream generate: error: ")]
+    assert len(lines) == 1 and shard in lines[0] and "Traceback" not in err, err
+
+
+def test_a_shard_renamed_over_or_deleted_under_the_model_keeps_the_loaded_bytes(tiny_model, tmp_path):
+    """Case 1's other changes need no notice: a shard replaced by rename or deleted leaves the running model the
+    bytes it loaded (its mappings and descriptors hold the old file): the same tokens, no error."""
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_streaming_model
+
+    model_dir = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
+    shard = _dense_shard(model_dir)
+    model = load_streaming_model(str(model_dir), expert_cache="1x")
+    try:
+        ids = torch.tensor([[1, 2, 3]])
+        want = generate(model, ids, 8)[0]
+        spare = tmp_path / "spare"
+        shutil.copy(shard, spare)
+        with open(spare, "r+b") as f:  # other bytes in the replacement: a reread would give other tokens
+            f.seek(os.path.getsize(spare) - 4096)
+            f.write(os.urandom(4096))
+        os.rename(spare, shard)
+        assert torch.equal(generate(model, ids, 8)[0], want)
+        os.unlink(shard)
+        assert torch.equal(generate(model, ids, 8)[0], want)
+    finally:
+        model.weightstream.close()

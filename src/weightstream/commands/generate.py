@@ -79,6 +79,8 @@ def run(args) -> int:
     vocab = model.config.get_text_config().vocab_size
     if max(ids) >= vocab:
         raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
+    guard = model.weightstream.file_guard
+    weight_files = guard.report() if guard is not None else None  # before close gives the leases up
     try:
         new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
     finally:
@@ -92,6 +94,7 @@ def run(args) -> int:
         footprint = model.weightstream.footprint
         report["memory"] = footprint.to_dict() if footprint is not None else None
         report["engine"] = engine.to_dict()  # every option the engine ran with, defaults included
+        report["weight_files"] = weight_files  # guarded against writes under the model (engine/file_guard.py)
         bandwidth = read_bandwidth()  # measured once on a machine, then kept
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s

@@ -16,6 +16,7 @@ from weightstream.cache.sizes import parse_cache_size
 from weightstream.cache.warm import StateSaver, read_state, state_path
 from weightstream.engine import experts as ws_experts
 from weightstream.engine.config import EngineConfig
+from weightstream.engine.file_guard import guard_model
 from weightstream.engine.footprint import (
     Footprint,
     bound_heap,
@@ -71,12 +72,41 @@ def load_streaming_model(model_dir: str, config: EngineConfig | None = None, **o
     libraries = rss()[0]  # the interpreter and every library imported so far: before any of the model
     built = _build(model_dir, config)
     model, layout = built.model, built.layout
+    # a weight file written or truncated under the model: an error naming it, not a SIGBUS (engine/file_guard.py)
+    model._ws_file_guard = guard = guard_model(model, _weight_files(layout))
+    try:
+        _serve_from_cache(built, config, model_dir, libraries)
+    except BaseException:
+        guard.close()  # the leases go with a model that did not load
+        raise
+    return model
+
+
+@dataclass(slots=True)
+class _Built:
+    """What the loader's steps share: the model with its dense weights, and how its experts will be computed."""
+
+    model: torch.nn.Module
+    layout: object  # store.layout.ModelLayout
+    quant: QuantFormat | None
+    kernels: dict[type, object]
+    parts: dict
+    fused: list
+    latent: bool  # the model has DeepSeek's latent attention
+    dense_touched: int
+
+
+def _serve_from_cache(built: _Built, config: EngineConfig, model_dir: str, libraries: int) -> None:
+    """Generation config, eval mode, and the expert source: the page cache, or an expert cache sized as `config`
+    says (measured with `memory`), warm-restarted where asked; the runtime installed over it."""
+    model, layout = built.model, built.layout
+    memory_bytes = config.memory_bytes
     if os.path.exists(os.path.join(model_dir, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     model.eval()
     if config.expert_source == "page-cache":
         _install(built, config, PageCacheSource(layout))
-        return model
+        return
     footprint = None
     if memory_bytes is not None:
         footprint = _measure(built, config, memory_bytes, libraries)
@@ -98,21 +128,6 @@ def load_streaming_model(model_dir: str, config: EngineConfig | None = None, **o
     except BaseException:
         cache.close()  # stops the I/O threads
         raise
-    return model
-
-
-@dataclass(slots=True)
-class _Built:
-    """What the loader's steps share: the model with its dense weights, and how its experts will be computed."""
-
-    model: torch.nn.Module
-    layout: object  # store.layout.ModelLayout
-    quant: QuantFormat | None
-    kernels: dict[type, object]
-    parts: dict
-    fused: list
-    latent: bool  # the model has DeepSeek's latent attention
-    dense_touched: int
 
 
 def _build(model_dir: str, config: EngineConfig) -> _Built:
@@ -138,6 +153,12 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     tied = ties_embeddings(model.config)
     touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
     return _Built(model, layout, quant, kernels, parts, fused, latent, touched)
+
+
+def _weight_files(layout) -> set[str]:
+    """Every file the model's weights are read from: its dense tensors' and its experts' (blobs, small copies)."""
+    files = {info.path for info in layout.dense.values()}
+    return files | {piece.path for expert in layout.experts.values() for piece in expert.pieces}
 
 
 def _cache(layout, config: EngineConfig, budget: int) -> ExpertCache:
@@ -171,6 +192,7 @@ def _install(built: _Built, config: EngineConfig, cache, footprint=None, saver=N
         latent_attention=config.latent_attention if built.latent else None,
         kv_cache_bytes_per_token=kv_cache_for(model.config.get_text_config(), 1, model.dtype.itemsize),
         config=config,
+        file_guard=getattr(model, "_ws_file_guard", None),
     )
     for module in experts_modules(model).values():
         # transformers calls the registered experts forward with the module alone: this is its way to the runtime

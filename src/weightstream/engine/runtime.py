@@ -65,6 +65,7 @@ class StreamingRuntime:
         latent_attention: str | None = None,
         kv_cache_bytes_per_token: int = 0,
         config=None,
+        file_guard=None,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
@@ -75,7 +76,8 @@ class StreamingRuntime:
         it); `latent_attention`: the form DeepSeek's latent attention runs in ("absorbed", "expanded"; None: the
         model has none); `kv_cache_bytes_per_token`: what a position costs in the KV cache, every layer (for
         DeepSeek's latent attention: (kv_lora_rank + qk_rope_head_dim) x the dtype a layer); `config`: the
-        EngineConfig it was loaded with."""
+        EngineConfig it was loaded with; `file_guard`: the leases on the weight files (engine/file_guard.py), given
+        up at `close`."""
         self._cache, self.layout = cache, layout
         self._parts = dict(parts)
         self.kernels = dict(kernels)
@@ -88,6 +90,7 @@ class StreamingRuntime:
         self.latent_attention = latent_attention
         self.kv_cache_bytes_per_token = kv_cache_bytes_per_token
         self.config = config
+        self.file_guard = file_guard
         self.counters = EngineCounters()
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on
@@ -176,3 +179,5 @@ class StreamingRuntime:
         if self.state_saver is not None:
             self.state_saver.close()
         self._cache.close()
+        if self.file_guard is not None:
+            self.file_guard.close()
