@@ -28,16 +28,18 @@ from weightstream.store.quant.manifest import BLOCK_TYPES, blob_key, read_manife
 from weightstream.store.synth import synthesize
 
 from gguf_support import (
+    GGUF_ARCH,
+    PERMUTED,
     PROMPT,
     Lazy,
     built_once,
-    encode,
+    gguf_from,
     gguf_tensors,
     gguf_values,
     greedy_logits_of,
     importer,
+    permute_heads,
     stored_blob,
-    tokenizer_meta,
     write_gguf,
 )
 from rss_support import peak_over_baseline
@@ -49,89 +51,6 @@ SIZES = {
     "olmoe": {**WIDE, "intermediate_size": 256},
     "mixtral": {**WIDE, "intermediate_size": 256},
 }
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
-PERMUTED = {"mixtral"}  # llama.cpp's LlamaModel permutes attn_q/attn_k rows; Qwen2/3 MoE and OLMoE it does not
-
-
-# ------------------------------------------------------------------------------------- writing GGUFs like llama.cpp
-
-
-def _metadata(arch: str, cfg: dict) -> list:
-    """The keys llama.cpp's converter writes for these architectures."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    meta = [
-        (f"{arch}.block_count", cfg["num_hidden_layers"]),
-        (f"{arch}.context_length", cfg["max_position_embeddings"]),
-        (f"{arch}.embedding_length", cfg["hidden_size"]),
-        (f"{arch}.feed_forward_length", cfg["intermediate_size"]),
-        (f"{arch}.attention.head_count", cfg["num_attention_heads"]),
-        (f"{arch}.attention.head_count_kv", cfg["num_key_value_heads"]),
-        (f"{arch}.rope.freq_base", float(cfg["rope_parameters"]["rope_theta"])),
-        (f"{arch}.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"])),
-        (f"{arch}.expert_count", experts),
-        (f"{arch}.expert_used_count", cfg["num_experts_per_tok"]),
-        (f"{arch}.attention.key_length", cfg["head_dim"]),
-        (f"{arch}.attention.value_length", cfg["head_dim"]),
-        ("general.file_type", 15),
-    ]
-    if "moe_intermediate_size" in cfg:
-        meta.append((f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"]))
-    if "shared_expert_intermediate_size" in cfg:
-        meta.append((f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"]))
-    if arch == "llama":
-        meta += [("llama.vocab_size", cfg["vocab_size"]), ("llama.rope.dimension_count", cfg["head_dim"])]
-    return meta
-
-
-def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter for LLaMA-style rope: row (head, half, i) of each head goes to (head, i, half)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _gguf_tensors(src: str, arch: str, cfg: dict, expert_type, dense_type: str):
-    """(name, GGML type, data) as llama.cpp writes them: experts stacked per layer and projection."""
-    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), cfg["num_hidden_layers"])
-    ckpt = open_checkpoint(src)
-    stacks: dict[str, dict[int, torch.Tensor]] = {}
-    out = []
-    for key in sorted(ckpt.tensors):
-        info = ckpt.tensors[key]
-        with safe_open(info.path, "pt") as f:
-            w = f.get_tensor(key)
-        base, suffix = key.rsplit(".", 1)
-        expert = None
-        parts = base.split(".")
-        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            expert = int(parts.pop(parts.index("experts") + 1))
-        name = f"{names.get_name('.'.join(parts))}.{suffix}"
-        if expert is not None:
-            stacks.setdefault(name, {})[expert] = w
-            continue
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
-            w = _permute(w, heads)
-        if name.endswith(".ffn_gate_inp_shexp.weight"):
-            w = w.reshape(-1)  # (1, hidden) in transformers; llama.cpp's tensor is (hidden)
-        if w.dim() == 1 or "ffn_gate_inp" in name:  # llama.cpp keeps these F32
-            out.append((name, "F32", w.float().numpy()))
-        else:
-            kind = dense_type(name) if callable(dense_type) else dense_type
-            out.append((name, kind, encode(w, kind, 0)))
-    for name, experts in sorted(stacks.items()):
-        layer, proj = int(name.split(".")[1]), name.split(".")[2].split("_")[1]
-        kind = expert_type(layer, proj)
-        blocks = [encode(experts[e], kind, seed=hash((name, e)) % 2**32) for e in range(len(experts))]
-        out.append((name, kind, np.stack(blocks)))
-    return out
-
-
-def gguf_from(src: str, path, expert_type, dense_type="BF16", split_max_tensors=0, drop=(), drop_tensors=()):
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    arch = GGUF_ARCH[cfg["model_type"]]
-    meta = [(k, v) for k, v in [*_metadata(arch, cfg), *tokenizer_meta(src, cfg["vocab_size"])] if k not in drop]
-    tensors = [t for t in _gguf_tensors(src, arch, cfg, expert_type, dense_type) if t[0] not in drop_tensors]
-    write_gguf(path, arch, meta, tensors, split_max_tensors)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +248,12 @@ def _source_names(src: str) -> dict[str, str]:
 
 def _unpermuted(rows: torch.Tensor, key: str, cfg: dict) -> torch.Tensor:
     """The rows (floats or bytes) of a GGUF tensor in transformers' order: for Mixtral's q/k, the file's row p is
-    the source's row _permute(arange)[p]; any other tensor is in order already."""
+    the source's row permute_heads(arange)[p]; any other tensor is in order already."""
     if cfg["model_type"] not in PERMUTED or not key.endswith(("q_proj.weight", "k_proj.weight")):
         return rows
     heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
     out = torch.empty_like(rows)
-    out[_permute(torch.arange(rows.shape[0]), heads)] = rows
+    out[permute_heads(torch.arange(rows.shape[0]), heads)] = rows
     return out
 
 

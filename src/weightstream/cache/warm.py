@@ -3,13 +3,15 @@
 The state is `MODEL/.weightstream/expert-cache-state.json`: the experts resident at the save, hottest first, with
 their lookup counts, and a fingerprint of the expert files (names, sizes, modification times, slot size) so a state
 is never applied to other bytes. It is written at exit and at intervals (`StateSaver`), atomically (a temporary
-file renamed over the old one), so a crash leaves the previous state whole. At start the engine queues the saved
-experts into free slots in order of heat at read-ahead priority (`ExpertCache.warm`): the first requests then find
-them resident, and a demand read is never queued behind them.
+file renamed over the old one), so a crash leaves the previous state whole; the next save removes the temporary file
+a killed one left. At start the engine queues the saved experts into free slots in order of heat at read-ahead
+priority (`ExpertCache.warm`): the first requests then find them resident, and a demand read is never queued behind
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +51,7 @@ def save_state(cache: ExpertCache, path: str) -> bool:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        _remove_stale(path)
         with open(tmp, "w") as f:
             json.dump(state, f)
         os.replace(tmp, path)
@@ -56,8 +59,29 @@ def save_state(cache: ExpertCache, path: str) -> bool:
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        _say_once(f"cannot save the expert cache's state to {path} ({e.strerror}); the next start is cold")
+        then = "reads the state saved before" if os.path.exists(path) else "is cold"
+        _say_once(f"cannot save the expert cache's state to {path} ({e.strerror}); the next start {then}")
         return False
+
+
+def _remove_stale(path: str) -> None:
+    """Removes the temporary files of saves to `path` whose process is gone (killed between writing and renaming)."""
+    folder, name = os.path.split(path)
+    for entry in os.listdir(folder):
+        pid = entry[len(name) + 1 : -len(".tmp")]
+        if entry.startswith(f"{name}.") and entry.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        pass
+    return True
 
 
 def read_state(path: str, layout: ModelLayout) -> tuple[list[Key], dict[Key, int]] | None:
@@ -75,7 +99,7 @@ def read_state(path: str, layout: ModelLayout) -> tuple[list[Key], dict[Key, int
             return None
         keys = [(int(layer), int(expert)) for layer, expert, _ in state["experts"]]
         heat = {(int(layer), int(expert)): int(n) for layer, expert, n in state["experts"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:  # Infinity; deep nesting
         _say_once(f"{path} is unreadable ({e}); starting cold")
         return None
     return keys, heat

@@ -3,7 +3,7 @@
 - config: EngineConfig, every option the engine takes, checked before anything loads;
 - loader: builds the transformers model (experts on the meta device, dense weights loaded) around an expert source;
 - experts: the experts implementation registered with transformers, and the per-layer step it runs;
-- kernels/: expert kernels (eager, quantized), the dense modules on GGML blocks, and which kernel an experts module gets;
+- kernels/: expert kernels (eager, quantized), the dense modules on GGML blocks, which kernel an experts module gets;
 - file_guard: the model's weight files under read leases, a file written under it an error naming it, not a SIGBUS;
 - fused: one native call where transformers runs a chain of small ops (RMSNorm, rotary embedding) in float32;
 - latent_attention: DeepSeek's multi-head latent attention absorbed (attention over the cached latent);

@@ -6,19 +6,29 @@ every entry in it: never a file, a symbolic link, the source being read, a direc
 a folder holding anything weightstream did not write. Refusals happen before any work, and again just before the
 swap (the folder may have changed during a long run); the old directory is moved aside first and removed only
 after the new one is in place.
+
+A run holds a lock on its hidden directories while it lives: one whose run was killed (SIGKILL, a power cut) holds
+none, and the next run into the same folder removes it, saying so. A disk that cannot hold the output is an error
+naming the folder, its free space and about what the output needs: before any work where the caller knows the size,
+and when a write fails for want of space (nothing is left behind).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import fnmatch
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 
 from weightstream.errors import WeightstreamError
+from weightstream.units import format_bytes
 
 OWNER = ".weightstream-output.json"
 # Directories written before OWNER existed: recognisable by weightstream's own manifest or the demo's marker, and
@@ -101,15 +111,29 @@ def _listed(what: str, names: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def built_in_place(out: str, prefix: str, note: dict | None = None) -> Iterator[str]:
+def built_in_place(out: str, prefix: str, note: dict | None = None, needed: int | None = None) -> Iterator[str]:
     """Yields a hidden work directory beside `out`; renamed to `out` when the block ends, removed if it raises.
 
     The ownership record (with `note`, if given) is written last. A process killed inside the block leaves only
-    the hidden `.<prefix>-*` directory, never a changed `out`.
+    the hidden `.<prefix>-*` directory, never a changed `out`; the next run removes it (`_remove_stale`). `needed`
+    (bytes, about what `out` will take) is refused before any work when the disk has less free, and said when a
+    write fails for want of space.
     """
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{prefix}-", dir=parent)
+    _remove_stale(parent, prefix)
+    free = _free_bytes(parent)
+    if needed is not None and free is not None and free < needed:
+        raise WeightstreamError(
+            f"{out}: not enough space on {parent} ({_space(free, needed)}); "
+            "nothing was written: free some space there or choose another --out"
+        )
+    try:
+        tmp, lock = _locked_dir(f".{prefix}-", parent)
+    except OSError as exc:
+        if _out_of_space(exc):
+            raise _no_space(out, parent, needed) from exc
+        raise
     try:
         yield tmp
         record = {"written_by": f"weightstream {prefix}", "files": sorted(os.listdir(tmp))}
@@ -118,9 +142,123 @@ def built_in_place(out: str, prefix: str, note: dict | None = None) -> Iterator[
         with open(os.path.join(tmp, OWNER), "w") as f:
             json.dump(record, f, indent=1)
         _swap(tmp, out, parent, prefix)
-    except BaseException:
+    except BaseException as exc:
+        written = _size(tmp) if _out_of_space(exc) else 0
         shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(exc):
+            raise _no_space(out, parent, max(needed or 0, written)) from exc
         raise
+    finally:
+        os.close(lock)
+
+
+def _no_space(out: str, parent: str, needed: int | None) -> WeightstreamError:
+    """The error of a write into `parent` that failed for want of space (its free space read after the cleanup);
+    `needed`: the caller's estimate, or what was written when the space ran out where that is more."""
+    free = _free_bytes(parent)
+    return WeightstreamError(
+        f"{out}: no space left on {parent} while writing it ({_space(free, needed)}); the partial output is removed: "
+        "free some space there or choose another --out"
+    )
+
+
+# mkdtemp's names: the prefix, then 8 of [a-z0-9_]
+_WORK_NAME = r"\.{prefix}(-old)?-[a-z0-9_]{{8}}"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _space(free: int | None, needed: int | None) -> str:
+    """'1.2 MiB free, about 3.4 MiB needed', in KiB where the two would read alike."""
+    text = format_bytes
+    if free is not None and needed and format_bytes(free) == format_bytes(needed):
+        text = lambda n: f"{n / 1024:,.0f} KiB"
+    said = f"{text(free)} free" if free is not None else "free space unknown"
+    return said + (f", about {text(needed)} needed" if needed else "")
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether `exc` is, or was raised while handling, a write that failed for want of space."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still write on the filesystem holding `path`; None where it does not say."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
+def _locked_dir(prefix: str, parent: str) -> tuple[str, int]:
+    """A new directory `parent/<prefix>XXXXXXXX` and a descriptor holding an exclusive lock on it, so that no other
+    run takes it for a dead run's (`_remove_stale`). Where the filesystem has no such locks the directory is
+    unlocked, and `_remove_stale` leaves it alone."""
+    while True:
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another run found it unlocked and is removing it: take another
+            os.close(fd)
+            continue
+        except OSError:
+            return path, fd
+        try:
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return path, fd
+        except FileNotFoundError:  # removed by another run between mkdtemp and the lock
+            pass
+        os.close(fd)
+
+
+def _remove_stale(parent: str, prefix: str) -> None:
+    """Removes, saying so, the hidden `.<prefix>-*` directories in `parent` whose run is gone (no lock held: killed
+    before it could clean up). A live run's directory is locked and left alone, as is anything not named as this
+    module names them."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    pattern = re.compile(_WORK_NAME.format(prefix=re.escape(prefix)))
+    for name in sorted(names):
+        path = os.path.join(parent, name)
+        if not pattern.fullmatch(name):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+                continue
+            size = _size(path)
+            shutil.rmtree(path)
+        except OSError:  # locked by a live run, or not ours to remove: left as it is
+            continue
+        finally:
+            os.close(fd)
+        print(
+            f"weightstream {prefix}: removed {path} ({format_bytes(size)}), left by an earlier run that did not finish",
+            file=sys.stderr,
+        )
+
+
+def _size(path: str) -> int:
+    """Bytes of the files under `path`."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def _swap(tmp: str, out: str, parent: str, prefix: str) -> None:
@@ -134,11 +272,19 @@ def _swap(tmp: str, out: str, parent: str, prefix: str) -> None:
         problem = _why_not_replaceable(out)
         if problem:
             raise WeightstreamError(f"{out}: changed while this ran and {problem}; nothing was changed")
-    aside = tempfile.mkdtemp(prefix=f".{prefix}-old-", dir=parent)
-    os.rename(out, os.path.join(aside, "old"))
+    aside, lock = _locked_dir(f".{prefix}-old-", parent)
     try:
-        os.rename(tmp, out)
+        os.rename(out, os.path.join(aside, "old"))
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(os.path.join(aside, "old"), out)
+            raise
     except BaseException:
-        os.rename(os.path.join(aside, "old"), out)
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)  # empty unless the old directory could not be put back: then it is there
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        os.close(lock)

@@ -55,7 +55,8 @@ def synthesize(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     config.architectures = [type(model).__name__]  # as every Hub checkpoint has; converters such as llama.cpp's need it
-    with built_in_place(out_dir, "synth", note) as tmp:
+    needed = sum(p.numel() * p.element_size() for p in model.state_dict(keep_vars=True).values())
+    with built_in_place(out_dir, "synth", note, needed) as tmp:
         total, shards = _write_weights(model, tmp, seed, progress)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

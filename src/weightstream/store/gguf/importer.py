@@ -107,7 +107,10 @@ def import_gguf(
     tokenizer, why = gguf_tokenizer(gf)
     losses: dict[tuple[str, str, str], _Loss] = {}
     notes = []
-    with built_in_place(out, "import", note={"source": os.path.abspath(gf.path)}) as tmp:
+    needed = sum(
+        math.prod(shape) * t.itemsize for item in [*dense, *layers] for t, shape in _specs(item, dtype).values()
+    )
+    with built_in_place(out, "import", note={"source": os.path.abspath(gf.path)}, needed=needed) as tmp:
         total = _write(gf, dense, layers, dtype, tmp, progress, losses)
         config.dtype = dtype
         config.save_pretrained(tmp)

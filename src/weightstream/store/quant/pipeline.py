@@ -9,6 +9,7 @@ manifest written last: an interrupted run leaves nothing that loads as a quantiz
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -94,7 +95,7 @@ def quantize_checkpoint(
     transposed = next(iter(modules.values())).is_transposed
     quant, fallback = _format(mapped, transposed, options)
     published = mapped.published
-    with built_in_place(out, "quantize") as tmp:
+    with built_in_place(out, "quantize", needed=_output_bytes(mapped, quant)) as tmp:
         total = _write(mapped, modules, quant, transposed, tmp, progress)
         _copy_side_files(src, tmp)
         if published is not None:
@@ -194,6 +195,16 @@ def _write(mapped, modules, quant: QuantFormat, transposed: bool, out: str, prog
         return out
 
     return write_shards(out, entries, specs, write_item)
+
+
+def _output_bytes(mapped, quant: QuantFormat) -> int:
+    """The tensor bytes `_write` stores: every dense tensor and every expert's blob (and small copy)."""
+    blob = quant.blob_bytes + (quant.miss_copy.blob_bytes if quant.miss_copy else 0)
+    dense = 0
+    for info in mapped.layout.dense.values():
+        dtype, shape = _spec(info.name, info, quant)
+        dense += math.prod(shape) * dtype.itemsize
+    return dense + blob * len(mapped.layout.experts)
 
 
 def _expert_tensors(
