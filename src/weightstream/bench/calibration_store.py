@@ -69,11 +69,14 @@ MAX_AGE_S = 14 * 24 * 3600  # older ones are dropped when a new one is saved
 
 
 def _entries(path: Path) -> list[dict]:
+    """The file's entries that can be one (an object with a number for `created`); [] for a damaged file."""
     try:
         entries = json.loads(path.read_text()).get("entries", [])
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return []
-    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, dict) and _number(e.get("created", 0))]
 
 
 _REQUIRED = [f.name for f in fields(CostParams) if f.default is MISSING and f.default_factory is MISSING]
@@ -81,24 +84,37 @@ _REQUIRED = [f.name for f in fields(CostParams) if f.default is MISSING and f.de
 
 def usable_params(params) -> bool:
     """Whether a saved entry's params can price: every term of `CostParams` it needs, each a finite number of 0 or
-    more (None where not measured; the readahead's lists of bytes likewise), and `dense_s` above 0, which every step
-    pays (0 would predict a step that reads nothing at infinite speed). A hand-edited or damaged entry fails this
-    and is passed over as a damaged file is: `tune` measures again."""
+    more (None only where CostParams has None for not measured), the readahead's spans pairs of whole bytes, and
+    `dense_s` and `page_cached_per_byte` above 0: every step pays `dense_s` (0 would predict a step that reads
+    nothing at infinite speed), and the page-cache model divides by the other. A hand-edited or damaged entry fails
+    this and is passed over as a damaged file is: `tune` measures again."""
     if not isinstance(params, dict) or any(not _number(params.get(name)) for name in _REQUIRED):
         return False
-    for name in CostParams.__dataclass_fields__:
+    for name, f in CostParams.__dataclass_fields__.items():
         value = params.get(name)
-        if value is not None and not all(_number(v) and v >= 0 for v in _flat(value)):
+        if value is None:
+            if name in params and f.default is not None:  # a term every calibration measures
+                return False
+        elif name == "page_readahead":
+            if not isinstance(value, list) or not all(_span(ra) for ra in value):
+                return False
+        elif not (_number(value) and value >= 0):
             return False
-    return params["dense_s"] > 0
+    return params["dense_s"] > 0 and params.get("page_cached_per_byte", 1.0) > 0
+
+
+def _span(ra) -> bool:
+    """[bytes read ahead of a span, bytes past it]: two whole numbers of 0 or more."""
+    return isinstance(ra, list) and len(ra) == 2 and all(type(b) is int and b >= 0 for b in ra)
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _flat(v) -> list:
-    return [x for item in v for x in _flat(item)] if isinstance(v, list) else [v]
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer past a float's range
+        return False
 
 
 def load_saved(path: Path, key: dict) -> dict | None:
@@ -134,7 +150,7 @@ def median_params(samples: list[dict]) -> dict:
         if not values:
             out[name] = None
         elif all(isinstance(v, (int, float)) for v in values):
-            out[name] = statistics.median(values)
+            out[name] = float(statistics.median(values))  # seconds: a JSON 0 or 2**64 is priced as a float
         elif all(_shape(v) == _shape(values[-1]) for v in values) and _shape(values[-1]) is not None:
             out[name] = _elementwise_median(values)
         else:
@@ -195,7 +211,7 @@ def read_cost_model(path: str) -> CostModel:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise WeightstreamError(f"--cost-model {path}: cannot read it ({exc.strerror})") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, an integer of 4300+ digits
         raise WeightstreamError(f"--cost-model {path}: not JSON ({exc})") from None
     cm = data.get("cost_model", data) if isinstance(data, dict) else None
     if not isinstance(cm, dict) or "fixed_s" not in cm or "per_mib_s" not in cm:
@@ -227,5 +243,5 @@ def read_cost_model(path: str) -> CostModel:
         float(cm["fixed_s"]),
         float(cm["per_mib_s"]),
         float(r2) if _number(r2) else float("nan"),  # reported, not used: a missing or odd one is not an error
-        points if isinstance(points, int) else 0,
+        points if isinstance(points, int) and not isinstance(points, bool) else 0,
     )

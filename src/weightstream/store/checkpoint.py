@@ -61,8 +61,15 @@ def _shard_paths(model_dir: str) -> list[str]:
         weight_map = _read_json(index_path, INDEX_NAME).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise WeightstreamError(f"{index_path}: no weight_map; the index is corrupt")
+        odd = [s for s in weight_map.values() if not _inside(s)]
+        if odd:
+            shown = repr(odd[0]) if len(repr(odd[0])) <= 60 else repr(odd[0])[:57] + "..."
+            raise WeightstreamError(
+                f"{index_path}: weight_map names shard {shown}, not the name of a file in {model_dir}; the index is "
+                "corrupt: download or copy it again"
+            )
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.exists(os.path.join(model_dir, s))]
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
         if missing:
             raise WeightstreamError(
                 f"{index_path}: names shard(s) {', '.join(missing)} that are missing from "
@@ -75,13 +82,25 @@ def _shard_paths(model_dir: str) -> list[str]:
     return paths
 
 
+def _inside(shard) -> bool:
+    """Whether a weight_map value names a file under the model directory (a relative path that stays inside it)."""
+    if not isinstance(shard, str) or not shard or "\0" in shard or os.path.isabs(shard):
+        return False
+    norm = os.path.normpath(shard)
+    return norm not in (".", "..") and not norm.startswith(".." + os.sep)
+
+
 def _read_json(path: str, what: str) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError as exc:
         raise WeightstreamError(f"{path}: missing {what}; a model directory needs it") from exc
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise WeightstreamError(
+            f"{path}: cannot read {what} ({exc.strerror}); a model directory needs it as a file"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, an integer of 4300+ digits
         raise WeightstreamError(f"{path}: {what} is not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise WeightstreamError(f"{path}: {what} is not a JSON object")

@@ -53,7 +53,7 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
         raise WeightstreamError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, an integer of 4300+ digits
         raise WeightstreamError(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from exc
     if not isinstance(header, dict):
         raise WeightstreamError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
@@ -67,12 +67,23 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
 def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> TensorInfo:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise WeightstreamError(f"{path}: tensor {name!r} lacks dtype, shape or data_offsets; the file is corrupt")
-    dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-    if dtype not in ELEMENT_BYTES:
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ELEMENT_BYTES:
         raise WeightstreamError(
-            f"{path}: tensor {name!r} has unknown dtype {dtype!r}; supported: {', '.join(sorted(ELEMENT_BYTES))}"
+            f"{path}: tensor {name!r} has unknown dtype {_shown(dtype)}; supported: {', '.join(sorted(ELEMENT_BYTES))}"
         )
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise WeightstreamError(
+            f"{path}: tensor {name!r} has invalid shape {_shown(shape)}, not a list of sizes 0 or more; the file is "
+            "corrupt: re-download or re-export the checkpoint"
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise WeightstreamError(
+            f"{path}: tensor {name!r} has invalid data_offsets {_shown(offsets)}, not [begin, end]; the file is "
+            "corrupt: re-download or re-export the checkpoint"
+        )
+    (begin, end), shape = offsets, tuple(shape)
+    if not 0 <= begin <= end:
         raise WeightstreamError(f"{path}: tensor {name!r} has invalid data_offsets {[begin, end]}")
     if data_start + end > size:
         raise WeightstreamError(
@@ -86,6 +97,11 @@ def _tensor_info(path: str, name: str, entry, data_start: int, size: int) -> Ten
             f"needs {expected}; the file is corrupt"
         )
     return TensorInfo(name, path, data_start + begin, end - begin, dtype, shape)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_no_overlap(path: str, tensors) -> None:

@@ -39,17 +39,45 @@ def _check_choice(where: str, shape: ModelShape, layer: int, experts: list[int])
 def _jsonl_record(where: str, line: str) -> dict:
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise WeightstreamError(f"{where}: not a JSON object ({exc.msg}); the file may be truncated") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deep, an integer of 4300+ digits
+        why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise WeightstreamError(f"{where}: not a JSON object ({why}); the file may be truncated") from None
     if not isinstance(rec, dict) or any(k not in rec for k in JSONL_KEYS):
         raise WeightstreamError(f"{where}: record lacks one of {JSONL_KEYS}; is this a vLLM routing dump?")
-    if not isinstance(rec["experts"], list) or not all(isinstance(e, int) for e in rec["experts"]):
-        raise WeightstreamError(f"{where}: 'experts' must be a list of integers, got {rec['experts']!r}")
+    if not isinstance(rec["experts"], list) or not all(_integer(e) for e in rec["experts"]):
+        raise WeightstreamError(f"{where}: 'experts' must be a list of integers, got {_shown(rec['experts'])}")
+    for key in ("problem_id", "token_idx", "layer"):
+        if not _integer(rec[key]):
+            raise WeightstreamError(f"{where}: {key!r} must be an integer, got {_shown(rec[key])}")
     return rec
 
 
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _probability(value) -> bool:
+    """A router weight a trace stores (a finite float32): others leave the dump's weights out, as a missing one does."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 3.4e38
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _read_jsonl(path: Path, shape: ModelShape) -> dict[int, dict[int, Token]]:
-    """problem id -> token index -> layer -> choice."""
+    """problem id -> token index -> layer -> choice; a file that is not UTF-8 text is refused by name."""
+    try:
+        return _read_jsonl_lines(path, shape)
+    except UnicodeDecodeError as exc:
+        raise WeightstreamError(
+            f"{path}: not UTF-8 text ({exc.reason}: {exc.object[exc.start]:#04x}); is this a vLLM routing dump?"
+        ) from None
+
+
+def _read_jsonl_lines(path: Path, shape: ModelShape) -> dict[int, dict[int, Token]]:
+    """`_read_jsonl` of a file that decodes."""
     problems: dict[int, dict[int, Token]] = {}
     seen: dict[tuple[int, int, int], int] = {}
     with open(path, encoding="utf-8") as f:
@@ -58,7 +86,7 @@ def _read_jsonl(path: Path, shape: ModelShape) -> dict[int, dict[int, Token]]:
                 continue
             where = f"{path}:{lineno}"
             rec = _jsonl_record(where, line)
-            pid, tok, layer = int(rec["problem_id"]), int(rec["token_idx"]), int(rec["layer"])
+            pid, tok, layer = rec["problem_id"], rec["token_idx"], rec["layer"]
             _check_choice(where, shape, layer, rec["experts"])
             if (pid, tok, layer) in seen:
                 raise WeightstreamError(
@@ -66,9 +94,8 @@ def _read_jsonl(path: Path, shape: ModelShape) -> dict[int, dict[int, Token]]:
                 )
             seen[pid, tok, layer] = lineno
             probs = rec.get("gating_probs")
-            weights = (
-                [float(p) for p in probs] if isinstance(probs, list) and len(probs) == len(rec["experts"]) else None
-            )
+            numbers = isinstance(probs, list) and all(_probability(p) for p in probs)
+            weights = [float(p) for p in probs] if numbers and len(probs) == len(rec["experts"]) else None
             problems.setdefault(pid, {}).setdefault(tok, {})[layer] = (rec["experts"], weights)
     if not problems:
         raise WeightstreamError(f"{path}: no routing records (empty file); expected one JSON object per line")

@@ -16,6 +16,10 @@ from weightstream.store.facts import TOP_K_FIELDS, top_k
 from weightstream.store.presets import REAL
 from weightstream.store.safetensors_index import read_safetensors_header
 
+# (layer, expert) pairs of one shape at most: the simulator's dense arrays are indexed by them (2^24 is ~1000x the
+# largest MoE models' ~15,000: DeepSeek-V3's 58 routed layers x 256 experts)
+MAX_EXPERT_KEYS = 2**24
+
 
 @dataclass(slots=True)
 class ModelShape:
@@ -36,6 +40,11 @@ class ModelShape:
             )
         if len(self.expert_bytes) != len(self.layers) or min(self.expert_bytes) < 1:
             raise WeightstreamError(f"model shape {self.name!r}: need one positive expert size per routed layer")
+        if len(self.layers) * self.n_experts > MAX_EXPERT_KEYS:  # the simulator holds arrays over every key
+            raise WeightstreamError(
+                f"model shape {self.name!r}: {len(self.layers)} routed layers x {self.n_experts} experts are more "
+                f"than the {MAX_EXPERT_KEYS} (layer, expert) pairs a trace may name; is the shape damaged?"
+            )
 
     @property
     def uniform_bytes(self) -> int | None:

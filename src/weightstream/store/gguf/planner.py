@@ -72,6 +72,7 @@ class Plan:
 def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
     """The meta model of the config, every dense tensor's GGUF source and checkpoint key, every MoE layer."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -80,9 +81,18 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
 
     family = FAMILIES[arch]
     fields = dict(fields)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model_type = fields.pop("model_type")
+    try:  # the metadata's values, checked by transformers' config class and the model it builds (on no memory)
+        config = AutoConfig.for_model(model_type, **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    except (StrictDataclassError, ValueError, TypeError, ZeroDivisionError, OverflowError, RuntimeError) as exc:
+        why = " ".join(str(exc).split())
+        raise WeightstreamError(
+            f"{gf.path}: its metadata describes a {model_type} model transformers cannot build ({type(exc).__name__}: "
+            f"{why[:300]}); the file is damaged or its values are out of range: convert the model again with a "
+            "current llama.cpp"
+        ) from None
     config.architectures = [type(model).__name__]
     modules = experts_modules(model)
     names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)

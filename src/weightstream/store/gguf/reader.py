@@ -51,9 +51,29 @@ class GgufFile:
     fields: dict
     tensors: dict[str, GgufTensor]
 
-    def value(self, key: str, default=MISSING, why: str = ""):
+    def value(self, key: str, default=MISSING, why: str = "", kind=None):
+        """The value of metadata key `key`, checked to be of `kind` (int: a whole number 0 or more, float: a finite
+        number, str, bool, list: an array; a tuple: any of them), by default the default's kind (a whole number
+        where the default is None or the key is required)."""
         if key in self.fields:
-            return self.fields[key].contents()
+            try:
+                value = self.fields[key].contents()
+            except UnicodeDecodeError:
+                raise WeightstreamError(
+                    f"{self.path}: metadata key {key!r} holds text that is not UTF-8; the file is damaged: download "
+                    "or convert it again"
+                ) from None
+            if kind is None:
+                kind = type(default) if isinstance(default, (bool, int, float, str)) else int
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            if not any(_KIND_CHECKS[k](value) for k in kinds):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise WeightstreamError(
+                    f"{self.path}: metadata key {key!r} is {shown}, not {' or '.join(_KIND_NAMES[k] for k in kinds)}"
+                    f"{f' ({why})' if why else ''}; the file is damaged or was not made by llama.cpp's converter: "
+                    "convert the model again with a current llama.cpp (convert_hf_to_gguf.py)"
+                )
+            return value
         if default is MISSING:
             raise WeightstreamError(
                 f"{self.path}: metadata key {key!r} is missing{f' ({why})' if why else ''}; config.json cannot be "
@@ -65,6 +85,23 @@ class GgufFile:
     @property
     def nbytes(self) -> int:
         return sum(os.path.getsize(p) for p in self.parts)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_KIND_CHECKS = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= _FLOAT32_MAX,  # not NaN
+    str: lambda v: isinstance(v, str),
+    bool: lambda v: isinstance(v, (bool, int)),
+    list: lambda v: isinstance(v, list),
+}
+_KIND_NAMES = {
+    int: "a whole number 0 or more",
+    float: "a finite float32 number",
+    str: "text",
+    bool: "a boolean",
+    list: "an array",
+}
 
 
 def open_gguf(path: str) -> GgufFile:
@@ -163,6 +200,17 @@ def _checked_reader():
         def __init__(self, path: str):
             self._ws_path = path
             super().__init__(path, "r")
+
+        def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+            # the package's reader takes what is there: past the end of the file, an array of a count the file
+            # cannot hold went on reading nothing (2^64 empty items, a hang); a value cut off reads short
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise ValueError(
+                    f"{int(count)} value(s) of {np.dtype(dtype).name} at byte {int(offset)} run past the end of the "
+                    f"file ({len(self.data)} bytes)"
+                )
+            return super()._get(offset, dtype, count, override_order)
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             size = len(self.data)

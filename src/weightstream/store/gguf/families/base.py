@@ -15,7 +15,7 @@ import torch
 from weightstream.errors import WeightstreamError
 from weightstream.store.gguf.reader import GgufFile, GgufTensor
 
-Key = Callable[..., object]  # key(name, default=MISSING, why="") -> the value of metadata key `{arch}.{name}`
+Key = Callable[..., object]  # key(name, default=MISSING, why="", kind=None) -> metadata key `{arch}.{name}`, checked
 
 
 def decimal(value: float) -> float:
@@ -80,8 +80,9 @@ class Family:
 
     # ------------------------------------------------------------------------------------------------ tensors
 
-    def gguf_name(self, names, key: str) -> str:
-        """The GGUF tensor name of a checkpoint key, by the gguf package's name map (`names`)."""
+    def gguf_name(self, names, key: str, gf: GgufFile | None = None) -> str:
+        """The GGUF tensor name of a checkpoint key, by the gguf package's name map (`names`); `gf`: the file whose
+        metadata made the model that has `key` (named in the error)."""
         for old, new in self.renames:
             if key.endswith(old):
                 key = key.removesuffix(old) + new
@@ -90,7 +91,20 @@ class Family:
             base, suffix = key, ""
         name = names.get_name(base)
         if name is None:
-            raise WeightstreamError(f"{key}: no GGUF tensor name is known for it (gguf package {_gguf_version()})")
+            where = (
+                f"{gf.path}: the model its metadata describes has {key}, a tensor no GGUF name is known for"
+                if gf is not None
+                else f"{key}: no GGUF tensor name is known for it"
+            )
+            raise WeightstreamError(
+                f"{where} (gguf package {_gguf_version()})"
+                + (
+                    "; the metadata and the tensors disagree (a layer without expert tensors is a dense layer) or "
+                    "the file is damaged: convert the model again"
+                    if gf is not None
+                    else ""
+                )
+            )
         return f"{name}.{suffix}" if suffix else name
 
     def permute_heads(self, key: str, config) -> int | None:
@@ -99,7 +113,7 @@ class Family:
 
     def dense_source(self, gf: GgufFile, key: str, shape: tuple[int, ...], names, config) -> DenseSource:
         """The GGUF tensor(s) of one dense checkpoint tensor, checked against the shape the config gives it."""
-        t = self.tensor(gf, self.gguf_name(names, key), key, config)
+        t = self.tensor(gf, self.gguf_name(names, key, gf), key, config)
         check_shape(gf, t, shape, key, config)
         return DenseSource((t,), self.permute_heads(key, config))
 

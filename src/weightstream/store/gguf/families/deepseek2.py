@@ -57,7 +57,11 @@ class Deepseek2(Family):
         theta = decimal(key("rope.freq_base", 10000.0))
         where = f"{gf.path}: rope scaling {scaling!r} ({self.arch}.rope.scaling.type)"
         if scaling == "linear":
-            return {"rope_type": "linear", "rope_theta": theta, "factor": decimal(key("rope.scaling.factor"))}
+            return {
+                "rope_type": "linear",
+                "rope_theta": theta,
+                "factor": decimal(key("rope.scaling.factor", kind=float)),
+            }
         if scaling != "yarn":
             raise WeightstreamError(
                 f"{where}; transformers' DeepSeek classes take none, linear or yarn from a GGUF file: this scaling is "
@@ -66,21 +70,22 @@ class Deepseek2(Family):
         params = {
             "rope_type": "yarn",
             "rope_theta": theta,
-            "factor": decimal(key("rope.scaling.factor", why="YaRN's context extension factor")),
+            "factor": decimal(key("rope.scaling.factor", why="YaRN's context extension factor", kind=float)),
             "original_max_position_embeddings": key(
                 "rope.scaling.original_context_length", why="YaRN's original context length"
             ),
         }
         for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if key(f"rope.scaling.{name}", None) is not None:
-                params[field] = decimal(key(f"rope.scaling.{name}"))
+            if key(f"rope.scaling.{name}", None, kind=float) is not None:
+                params[field] = decimal(key(f"rope.scaling.{name}", kind=float))
         for name in ("yarn_ext_factor", "yarn_attn_factor", "attn_factor"):
-            if key(f"rope.scaling.{name}", None) is not None:
+            if key(f"rope.scaling.{name}", None, kind=float) is not None:
                 raise WeightstreamError(
-                    f"{where} with {self.arch}.rope.scaling.{name} = {key(f'rope.scaling.{name}')}: transformers' "
+                    f"{where} with {self.arch}.rope.scaling.{name} = {key(f'rope.scaling.{name}', kind=float)}: "
+                    "transformers' "
                     "DeepSeek classes scale YaRN attention by mscale_all_dim alone, with no such setting; not supported"
                 )
-        multiplier = key("rope.scaling.yarn_log_multiplier", None)
+        multiplier = key("rope.scaling.yarn_log_multiplier", None, kind=float)
         if multiplier is None:
             raise WeightstreamError(
                 f"{where} without {self.arch}.rope.scaling.yarn_log_multiplier: llama.cpp then scales attention its "
@@ -149,7 +154,7 @@ class Deepseek2(Family):
     # ------------------------------------------------------------------------------------------------ tensors
 
     def dense_source(self, gf, key, shape, names, config):
-        whole = self.gguf_name(names, key)
+        whole = self.gguf_name(names, key, gf)
         if not key.endswith(".self_attn.kv_b_proj.weight") or whole in gf.tensors:
             return super().dense_source(gf, key, shape, names, config)
         k_name, v_name = (whole.replace("attn_kv_b", f"attn_{p}_b") for p in ("k", "v"))

@@ -62,16 +62,17 @@ class GptOss(Family):
                 "scaling is not supported"
             )
         for name in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor", "attn_factor"):
-            if key(f"rope.scaling.{name}", None) is not None:
+            if key(f"rope.scaling.{name}", None, kind=float) is not None:
                 raise WeightstreamError(
-                    f"{where} with {self.arch}.rope.scaling.{name} = {key(f'rope.scaling.{name}')}: gpt-oss scales "
+                    f"{where} with {self.arch}.rope.scaling.{name} = {key(f'rope.scaling.{name}', kind=float)}: "
+                    "gpt-oss scales "
                     "YaRN attention by 0.1 ln(factor) + 1 alone, and llama.cpp's converter writes no such key for "
                     "it; not supported"
                 )
         return {
             "rope_type": "yarn",
             "rope_theta": theta,
-            "factor": decimal(key("rope.scaling.factor", why="YaRN's context extension factor")),
+            "factor": decimal(key("rope.scaling.factor", why="YaRN's context extension factor", kind=float)),
             "original_max_position_embeddings": key(
                 "rope.scaling.original_context_length", why="YaRN's original context length"
             ),
@@ -88,14 +89,15 @@ class GptOss(Family):
                 f"{gf.path}: {self.arch}.rope.dimension_count is {rope} for heads of {head_dim}; transformers' "
                 "GptOss rotates the whole head: not supported"
             )
-        swa_base = key("rope.freq_base_swa", None)
+        swa_base = key("rope.freq_base_swa", None, kind=float)
         if swa_base is not None and decimal(swa_base) != fields["rope_parameters"]["rope_theta"]:
             raise WeightstreamError(
                 f"{gf.path}: {self.arch}.rope.freq_base_swa is {decimal(swa_base)}, rope.freq_base "
                 f"{fields['rope_parameters']['rope_theta']}; transformers' GptOss has one rope for every layer: not "
                 "supported"
             )
-        pattern = key("attention.sliding_window_pattern", 2)  # llama.cpp: a period (default 2), or a flag per layer
+        # llama.cpp: a period (default 2), or a flag per layer
+        pattern = key("attention.sliding_window_pattern", 2, kind=(int, list))
         if isinstance(pattern, list):
             if len(pattern) < layers:
                 raise WeightstreamError(

@@ -13,8 +13,8 @@ class Olmoe(Family):
     norm_topk = False
 
     def config(self, gf, key, fields):
-        if key("attention.clamp_kqv", None) is not None:
-            fields["clip_qkv"] = decimal(key("attention.clamp_kqv"))
+        if key("attention.clamp_kqv", None, kind=float) is not None:
+            fields["clip_qkv"] = decimal(key("attention.clamp_kqv", kind=float))
 
 
 FAMILY = Olmoe()
