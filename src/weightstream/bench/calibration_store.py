@@ -79,12 +79,13 @@ def _entries(path: Path) -> list[dict]:
     return [e for e in entries if isinstance(e, dict) and _number(e.get("created", 0))]
 
 
+_MOST = 1e6  # seconds (or a ratio): a term past it is damage, and would price every setting at infinity
 _REQUIRED = [f.name for f in fields(CostParams) if f.default is MISSING and f.default_factory is MISSING]
 
 
 def usable_params(params) -> bool:
-    """Whether a saved entry's params can price: every term of `CostParams` it needs, each a finite number of 0 or
-    more (None only where CostParams has None for not measured), the readahead's spans pairs of whole bytes, and
+    """Whether a saved entry's params can price: every term of `CostParams` it needs, each a number from 0 to 10^6
+    (None only where CostParams has None for not measured), the readahead's spans pairs of whole bytes, and
     `dense_s` and `page_cached_per_byte` above 0: every step pays `dense_s` (0 would predict a step that reads
     nothing at infinite speed), and the page-cache model divides by the other. A hand-edited or damaged entry fails
     this and is passed over as a damaged file is: `tune` measures again."""
@@ -98,7 +99,7 @@ def usable_params(params) -> bool:
         elif name == "page_readahead":
             if not isinstance(value, list) or not all(_span(ra) for ra in value):
                 return False
-        elif not (_number(value) and value >= 0):
+        elif not (_number(value) and 0 <= value <= _MOST):
             return False
     return params["dense_s"] > 0 and params.get("page_cached_per_byte", 1.0) > 0
 
@@ -229,6 +230,8 @@ def read_cost_model(path: str) -> CostModel:
             wrong = "not a finite number of seconds"
         elif value < 0:
             wrong = "a negative cost"
+        elif value > _MOST:
+            wrong = f"more than {_MOST:.0e} s, past any machine's cost (a damaged file)"
         elif name == "fixed_s" and value == 0:
             wrong = "a decode step that reads nothing would take no time (infinite tok/s)"
         else:
