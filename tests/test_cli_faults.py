@@ -103,6 +103,17 @@ def test_a_generation_past_the_models_positions_is_refused_before_loading(tiny_m
     assert_one_line_error(code, err, "generate", "512 tokens", "512 positions", "shorten the prompt")
 
 
+def test_tune_refuses_more_memory_than_the_machine_as_generate_does(tiny_model, nothing_loads):
+    """Case 6: `tune --memory 10TiB` on a smaller machine gets generate's refusal; both before any work (generate
+    refused it once the model had loaded)."""
+    model = tiny_model("qwen3_moe")
+    words = ("--memory 10.0 TiB: more than this machine's", "of RAM; give at most")
+    code, err = refused_in_process("tune", model, "--memory", "10TiB")
+    assert_one_line_error(code, err, "tune", *words)
+    code, err = refused_in_process("generate", model, "--prompt-ids", "1", "--memory", "10TiB")
+    assert_one_line_error(code, err, "generate", *words)
+
+
 def test_simulating_a_trace_without_steps_is_refused(tmp_path):
     """Case 7: a valid trace with no steps is an error, not a table of zeros."""
     none32, none64 = np.zeros(0, np.int32), np.zeros(1, np.int64)
@@ -222,17 +233,23 @@ def _dense_shard(model_dir) -> str:
 
 
 def test_a_shard_truncated_under_serve_is_an_error_naming_it_and_serve_lives_on(tiny_model, tmp_path):
-    """Case 1: `serve`, a completion, then a weight file truncated (GNU truncate as the issue ran it, then a blocking
-    truncate(2)): no SIGBUS; the next completion answers 500 naming the file, /health still answers, and SIGTERM
-    still ends the server cleanly. The writer was held until the model stopped reading (engine/file_guard.py)."""
+    """Case 1: `serve`, a completion, its tokenizer, index and config truncated (read whole at load: the same answer),
+    then a weight file truncated (GNU truncate as the issue ran it, then a blocking truncate(2)): no SIGBUS; the next
+    completion answers 500 naming the file, /health still answers, and SIGTERM still ends the server cleanly. The
+    writer was held until the model stopped reading (engine/file_guard.py)."""
     model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
     shard = _dense_shard(model)
     body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
     server = ServerProcess(str(model), "--expert-cache", "1x")
     try:
         server.wait_ready()
-        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200, first.text
         assert _leases_held(server.pid, shard)
+        for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json", "config.json"):
+            os.truncate(model / name, 0)  # read whole at load: the model needs none of them again
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"] == first.json()["choices"], again.text
         gnu = subprocess.run(["truncate", "-s", "1000", shard], capture_output=True, text=True)
         # GNU truncate opens without blocking: the lease's notice makes it fail once (EAGAIN) or it went through
         assert gnu.returncode == 0 or "temporarily unavailable" in gnu.stderr, gnu.stderr

@@ -165,10 +165,11 @@ def add_expert_kernel_option(p) -> None:
 
 def engine_config(args, **more) -> EngineConfig:
     """The EngineConfig of the options `add_engine_options` defines (and `more` fields), checked before anything
-    loads or binds."""
+    loads or binds: a --memory larger than this machine too (the loader checks it again where it runs)."""
     from weightstream.engine.config import EngineConfig  # torch and transformers: not for `--help`
+    from weightstream.engine.footprint import check_memory
 
-    return EngineConfig(
+    config = EngineConfig(
         expert_cache=args.expert_cache,
         io_threads=args.io_threads,
         policy=args.policy,
@@ -184,6 +185,9 @@ def engine_config(args, **more) -> EngineConfig:
         latent_attention=args.latent_attention,
         **more,
     )
+    if config.memory_bytes is not None:
+        check_memory(config.memory_bytes)
+    return config
 
 
 def _policy_options(policy: str, pinned_experts: str | None) -> dict | None:
