@@ -5,10 +5,10 @@ every bad one with a 4xx and an OpenAI-style error body, and the server's memory
 
 Measured: requests by kind and their outcomes (errors: a good request not answered in full, a bad one not a 4xx,
 a 5xx, a transport error), the server's RSS sampled every --sample-s seconds (after a --warmup-s warm-up, then at
-the end, the largest, and the least-squares growth per minute after warm-up), and its /metrics once the clients
-have stopped and it is idle: running and queued sequences and the KV cache's bytes (0 when every cancelled
-sequence was freed), sequences ended by outcome (cancelled among them). The baseline in the same run: the RSS
-after warm-up, against which the end's is a ratio.
+the end, the largest, at each minute, and the least-squares growth per minute after warm-up and over the second
+half), and its /metrics once the clients have stopped and it is idle: running and queued sequences and the KV
+cache's bytes (0 when every cancelled sequence was freed), sequences ended by outcome (cancelled among them).
+The baseline in the same run: the RSS after warm-up, against which the end's is a ratio.
 
 Example (a tiny model with a chat template is built in .work/ unless MODEL is given):
     .venv/bin/python benchmarks/serve_bench.py load --duration 300 --clients 32 -o benchmarks/results/serve-load.json
@@ -159,6 +159,16 @@ def _metrics(url: str) -> dict:
     return out
 
 
+def _by_minute(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The first sample at or after each whole minute (and the first): how the RSS moved, read at a glance."""
+    out, minute = [], 0
+    for t, r in samples:
+        if t >= 60 * minute:
+            out.append((t, r))
+            minute = int(t // 60) + 1
+    return out
+
+
 def _growth_per_minute(samples: list[tuple[float, int]]) -> float:
     """Least-squares slope of RSS against time, bytes a minute."""
     n = len(samples)
@@ -239,6 +249,10 @@ def _run(url: str, pid: int, args) -> dict:
             "growth_mib_per_min_after_warmup": round(
                 _growth_per_minute([(t, r) for t, r in samples if t >= args.warmup_s]) / 2**20, 2
             ),
+            "growth_mib_per_min_second_half": round(
+                _growth_per_minute([(t, r) for t, r in samples if t >= args.duration / 2]) / 2**20, 2
+            ),
+            "by_minute": [round(r / 2**20, 1) for t, r in _by_minute(samples)],
         },
         "idle_metrics": {
             k: v
