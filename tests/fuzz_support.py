@@ -3,7 +3,7 @@ of the one property every target has: a clear error or a correct answer, never a
 input file.
 
 Settings: each test runs its own small number of examples by default, derandomized (the same inputs every run, so
-CI is reproducible and bounded: all the fuzz files take about 20 s on 2 cores) and without hypothesis's example
+CI is reproducible and bounded: all the fuzz files take about 40 s on 2 cores) and without hypothesis's example
 database (no failing example is replayed from an earlier run; `.hypothesis/` holds only hypothesis's own caches and
 ignores itself in git). A longer run sets the environment variable WEIGHTSTREAM_FUZZ_EXAMPLES to the number of
 examples each test tries, e.g.

@@ -32,7 +32,7 @@ def calibration_key(ckpt: Checkpoint, io_threads: int, chunk_bytes: int | None) 
     machine = machine_info(block_device_of(ckpt.model_dir))
     machine.pop("python", None)
     return {
-        "machine": {"host": platform.node(), "cpu": _cpu_model(), **machine},
+        "machine": {"host": platform.node(), "cpu": cpu_model(), **machine},
         "settings": {
             "io_threads": io_threads,
             "chunk_bytes": chunk_bytes,
@@ -46,7 +46,8 @@ def calibration_key(ckpt: Checkpoint, io_threads: int, chunk_bytes: int | None) 
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it: what a calibration or a benchmark names its machine by."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
