@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import signal
 import struct
@@ -264,3 +265,14 @@ def hostile_json():
     """JSON texts (bytes) every reader of JSON must survive: nesting past the recursion limit, 5000-digit integers,
     lone surrogates, NaN and Infinity, byte-order marks, UTF-16, nothing at all, duplicate keys, a wide object."""
     return st.sampled_from([Text(t) for t in HOSTILE_JSON])
+
+
+def json_text(data, value, kind: str) -> bytes:
+    """The bytes of a JSON file holding `value`; for `kind` "text" those bytes damaged (`mutated`), for "hostile" a
+    text no JSON reader may crash on instead (`hostile_json`); `data`: the test's hypothesis data."""
+    text = json.dumps(value).encode()
+    if kind == "text":
+        return bytes(data.draw(mutated(text), label="bytes"))
+    if kind == "hostile":
+        return bytes(data.draw(hostile_json(), label="json text"))
+    return text

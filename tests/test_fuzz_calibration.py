@@ -27,7 +27,7 @@ from weightstream.bench import calibration_store as store
 from weightstream.errors import WeightstreamError
 from weightstream.sim.overlap_model import CostParams, StepLoad, expert_cache_step_s, page_cache_step_s
 
-from fuzz_support import assert_clear, digest, fuzz, hostile_json, json_values, mutated, outcome, time_limit
+from fuzz_support import assert_clear, digest, fuzz, json_text, json_values, outcome, time_limit
 
 KEY = {"machine": {"host": "a", "cpu": "x"}, "settings": {"io_threads": 4}, "model": [["m.safetensors", 10, 1]]}
 OTHER = {**KEY, "machine": {"host": "b"}}
@@ -123,11 +123,7 @@ def test_any_saved_calibration_prices_with_sane_terms_or_is_passed_over(tmp_path
                 entries[i] = {**entries[i], field: value}
     elif kind == "whole":
         saved = data.draw(st.one_of(json_values(), st.fixed_dictionaries({"entries": json_values()})), label="store")
-    text = json.dumps(saved).encode()
-    if kind == "text":
-        text = data.draw(mutated(text), label="bytes")
-    elif kind == "hostile":
-        text = data.draw(hostile_json(), label="json text")
+    text = json_text(data, saved, kind)
     path = tmp_path_factory.getbasetemp() / "calibration.json"
     path.write_bytes(text)
     before = digest(path)
@@ -163,11 +159,7 @@ def test_any_cost_model_file_is_read_as_a_line_or_refused_by_name(tmp_path_facto
             report = model
     elif kind == "whole":
         report = data.draw(json_values(), label="report")
-    text = json.dumps(report).encode()
-    if kind == "text":
-        text = data.draw(mutated(text), label="bytes")
-    elif kind == "hostile":
-        text = data.draw(hostile_json(), label="json text")
+    text = json_text(data, report, kind)
     path = tmp_path_factory.getbasetemp() / "bench.json"
     path.write_bytes(text)
     before = digest(path)

@@ -22,7 +22,7 @@ from weightstream.cache import warm
 from weightstream.cache.expert_cache import ExpertCache
 from weightstream.store.model import map_model
 
-from fuzz_support import Shown, digest, fuzz, hostile_json, interesting_ints, json_values, mutated, outcome, time_limit
+from fuzz_support import Shown, digest, fuzz, interesting_ints, json_text, json_values, outcome, time_limit
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,7 @@ def test_any_saved_state_warms_the_cache_or_starts_cold(mapped, tmp_path_factory
         state[key] = data.draw(json_values(), label="value")
     elif kind == "whole":
         state = data.draw(json_values(), label="state")
-    text = json.dumps(state).encode()
-    if kind == "text":
-        text = data.draw(mutated(text), label="bytes")
-    elif kind == "hostile":
-        text = data.draw(hostile_json(), label="json text")
+    text = json_text(data, state, kind)
     folder = tmp_path_factory.getbasetemp() / "warm"
     folder.mkdir(exist_ok=True)
     path = str(folder / warm.STATE_FILE)
