@@ -7,6 +7,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cli_support import refused_in_process
+
 
 def ws(*args):
     return subprocess.run(
@@ -55,20 +57,23 @@ def test_synth_then_generate_json(tmp_path):
 
 
 def test_errors_are_one_clear_line(tmp_path):
+    """Each a one-line error and exit 2: the first in a real process, the rest by the CLI's `main` in this one (the
+    same code, without starting an interpreter and torch six more times)."""
     out = tmp_path / "m"
-    assert ws("synth", "--preset", "tiny", "--dtype", "fp32", "--out", str(out)).returncode == 0
+    assert refused_in_process("synth", "--preset", "tiny", "--dtype", "fp32", "--out", out)[0] == 0
+    r = ws("generate", str(out), "--prompt-ids", "1,2", "--expert-cache", "0.5x")
+    assert r.returncode == 2 and "below one token's working set" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     cases = [
-        (("generate", str(out), "--prompt-ids", "1,2", "--expert-cache", "0.5x"), "below one token's working set"),
-        (("generate", str(out), "--prompt-ids", "1,x"), "comma-separated integers"),
-        (("generate", str(out), "--prompt-ids", "1", "--expert-cache", "lots"), "not a size"),
-        (("generate", str(out), "--prompt-ids", "99999"), "outside the vocabulary"),
-        (("generate", str(tmp_path / "nope"), "--prompt-ids", "1"), "not a model directory"),
-        (("synth", "--preset", "tiny", "--out", str(out)), "not empty"),
+        (("generate", out, "--prompt-ids", "1,x"), "comma-separated integers"),
+        (("generate", out, "--prompt-ids", "1", "--expert-cache", "lots"), "not a size"),
+        (("generate", out, "--prompt-ids", "99999"), "outside the vocabulary"),
+        (("generate", tmp_path / "nope", "--prompt-ids", "1"), "not a model directory"),
+        (("synth", "--preset", "tiny", "--out", out), "not empty"),
     ]
     for args, message in cases:
-        r = ws(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        code, err = refused_in_process(*args)
+        assert code == 2 and message in err, (args, err)
 
 
 def test_generate_from_a_filesystem_that_refuses_o_direct(tiny_model, tmp_path):

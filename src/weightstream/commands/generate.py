@@ -70,15 +70,12 @@ def run(args) -> int:
     ids = tokenizer(args.prompt).input_ids if ids is None else ids
     if not ids:
         raise WeightstreamError(f"--prompt {args.prompt!r}: no tokens to start from; give a non-empty prompt")
-    _check_context(model_dir, len(ids), args.max_new_tokens)
+    _check_prompt(model_dir, ids, args.max_new_tokens)
     if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its longest forward
         engine = engine.replace(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
     model = load_streaming_model(model_dir, engine)
     if args.miss_copy:
         print(miss_copy_note("generate"), file=sys.stderr)
-    vocab = model.config.get_text_config().vocab_size
-    if max(ids) >= vocab:
-        raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
     guard = model.weightstream.file_guard
     weight_files = guard.report() if guard is not None else None  # before close gives the leases up
     try:
@@ -106,11 +103,16 @@ def run(args) -> int:
     return 0
 
 
-def _check_context(model_dir: str, prompt: int, new: int) -> None:
-    """Refuses a prompt plus new tokens past the model's positions (as serve does), before the model loads."""
+def _check_prompt(model_dir: str, ids: list[int], new: int) -> None:
+    """Refuses, before the model loads, a token id outside the vocabulary and a prompt plus new tokens past the
+    model's positions (as serve does)."""
     from weightstream.store.model import load_config
 
-    limit = getattr(load_config(model_dir).get_text_config(), "max_position_embeddings", None)
+    config = load_config(model_dir).get_text_config()
+    vocab = config.vocab_size
+    if max(ids) >= vocab:
+        raise WeightstreamError(f"--prompt-ids: token id {max(ids)} is outside the vocabulary (size {vocab})")
+    prompt, limit = len(ids), getattr(config, "max_position_embeddings", None)
     if limit is None or prompt + new <= limit:
         return
     if prompt >= limit:
