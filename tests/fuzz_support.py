@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import signal
@@ -121,30 +120,6 @@ def digest(path) -> str:
         return h.hexdigest()
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def ran_in_process(*args) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `weightstream ARGS` run by the CLI's own `main` in this process. An exception
-    other than the CLI's own error type propagates: a traceback fails the test."""
-    from weightstream.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as exc:  # argparse's refusals
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(code: int, err: str, command: str, *words: str) -> None:
-    """The CLI's refusal: exit 2 and one line `weightstream COMMAND: error: ...` holding `words`, no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]  # a progress display may leave a blank line
-    assert code == 2 and "Traceback" not in err, (code, err)
-    errors = [line for line in lines if line.startswith(f"weightstream {command}: error: ")]
-    assert len(errors) == 1, err
-    for word in words:
-        assert word in errors[0], (word, err)
 
 
 def assert_clear(message: str, *words: str) -> None:

@@ -54,8 +54,9 @@ from weightstream.store.presets import preset_config
 from weightstream.store.synth import synthesize
 from weightstream.units import page_ceil
 
+from cli_support import assert_one_line_error, ran_in_process
 from fault_support import entries, fill, inode, kills, run_killed, tmpfs
-from fuzz_support import assert_one_line_error, digest, ran_in_process
+from fuzz_support import digest
 from gguf_support import built_once, gguf_from
 
 DEFAULT_KILLS = 3

@@ -23,17 +23,8 @@ from gguf.gguf_writer import GGUFValue
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz_support import (
-    Shown,
-    assert_one_line_error,
-    digest,
-    fuzz,
-    interesting_ints,
-    mutated,
-    outcome,
-    ran_in_process,
-    time_limit,
-)
+from cli_support import assert_one_line_error, ran_in_process
+from fuzz_support import Shown, digest, fuzz, interesting_ints, mutated, outcome, time_limit
 
 ARCH = "qwen3moe"
 H, HEADS, KV, HD, E, TOP_K, INTER, VOCAB = 64, 2, 1, 32, 4, 2, 32, 64

@@ -27,18 +27,8 @@ from weightstream.trace import load
 from weightstream.trace.npz import ARRAYS, FORMAT, VERSION
 from weightstream.trace.remap import token_rows
 
-from fuzz_support import (
-    assert_one_line_error,
-    digest,
-    fuzz,
-    hostile_json,
-    interesting_ints,
-    json_values,
-    mutated,
-    outcome,
-    ran_in_process,
-    time_limit,
-)
+from cli_support import assert_one_line_error, ran_in_process
+from fuzz_support import digest, fuzz, hostile_json, interesting_ints, json_values, mutated, outcome, time_limit
 
 CONFIG = {
     "model_type": "qwen3_moe",
