@@ -224,22 +224,14 @@ def post(client, path: str, raw: bytes):
         return client.post(path, content=raw, headers={"content-type": "application/json"})
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @fuzz(100)
 @given(data=st.data())
-def test_any_completions_body_gets_an_answer_or_a_4xx_naming_the_field(client, capsys, data):
-    raw, body = data.draw(bodies("/v1/completions"), label="body")
+def test_any_body_gets_an_answer_or_a_4xx_naming_the_field(client, capsys, path, data):
+    raw, body = data.draw(bodies(path), label="body")
     capsys.readouterr()
-    response = post(client, "/v1/completions", raw)
-    check_response("/v1/completions", raw, body, response, capsys.readouterr().err)
-
-
-@fuzz(100)
-@given(data=st.data())
-def test_any_chat_body_gets_an_answer_or_a_4xx_naming_the_field(client, capsys, data):
-    raw, body = data.draw(bodies("/v1/chat/completions"), label="body")
-    capsys.readouterr()
-    response = post(client, "/v1/chat/completions", raw)
-    check_response("/v1/chat/completions", raw, body, response, capsys.readouterr().err)
+    response = post(client, path, raw)
+    check_response(path, raw, body, response, capsys.readouterr().err)
 
 
 def test_the_undamaged_bodies_are_answered(client):
