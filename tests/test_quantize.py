@@ -29,7 +29,7 @@ from weightstream.store.quant.torch_codes import (
     unpack_int4,
 )
 
-from cli_support import refused_in_process
+from cli_support import ran_in_process, refused_in_process
 from engine_support import greedy_run
 from rss_support import peak_over_baseline
 
@@ -250,18 +250,21 @@ def test_force_replaces_only_what_weightstream_wrote(tiny_model, tmp_path):
 
 def test_the_tiny_preset_quantizes_and_every_hint_is_a_command_that_works(tmp_path):
     """`synth --preset tiny` (hidden 64) quantizes with the native kernels (Q8_0, Q4_1); with torch's, the
-    default int4 group (128) is refused with a hint, and the hinted flags then work."""
+    default int4 group (128) is refused with a hint, and the hinted flags then work (the CLI's `main` in this
+    process: the commands as a user types them, without starting torch six times)."""
     src = str(tmp_path / "tiny")
-    assert _cli("synth", "--preset", "tiny", "--out", src).returncode == 0
+    assert ran_in_process("synth", "--preset", "tiny", "--out", src)[0] == 0
     for bits in ("8", "4"):
-        r = _cli("quantize", src, "--bits", bits, "--out", str(tmp_path / f"q{bits}"), "--json")
-        assert r.returncode == 0 and json.loads(r.stdout)["scheme"] == {"8": "q8_0", "4": "q4_1"}[bits], r.stderr
-    r = _cli("quantize", src, "--kernel", "torch", "--bits", "4", "--out", str(tmp_path / "t4"))
-    assert r.returncode == 2 and "(use --bits 4 --group-size 64 or --bits 8)" in r.stderr, r.stderr
-    flags = r.stderr.split("(use ")[1].split(")")[0].split(" or ")
+        code, out, err = ran_in_process("quantize", src, "--bits", bits, "--out", tmp_path / f"q{bits}", "--json")
+        assert code == 0 and json.loads(out)["scheme"] == {"8": "q8_0", "4": "q4_1"}[bits], err
+    code, _, err = ran_in_process("quantize", src, "--kernel", "torch", "--bits", "4", "--out", tmp_path / "t4")
+    assert code == 2 and "(use --bits 4 --group-size 64 or --bits 8)" in err, err
+    flags = err.split("(use ")[1].split(")")[0].split(" or ")
     for i, hint in enumerate(flags):
-        r = _cli("quantize", src, "--kernel", "torch", *hint.split(), "--out", str(tmp_path / f"hint{i}"))
-        assert r.returncode == 0, (hint, r.stderr)
+        code, _, err = ran_in_process(
+            "quantize", src, "--kernel", "torch", *hint.split(), "--out", tmp_path / f"hint{i}"
+        )
+        assert code == 0, (hint, err)
 
 
 def test_a_damaged_manifest_or_wrong_scales_are_refused_naming_the_file(quantized, tmp_path):
