@@ -217,10 +217,11 @@ def _dense_shard(model_dir) -> str:
 
 
 def test_a_shard_truncated_under_serve_is_an_error_naming_it_and_serve_lives_on(tiny_model, tmp_path):
-    """Case 1: `serve`, a completion, its tokenizer, index and config truncated (read whole at load: the same answer),
-    then a weight file truncated (GNU truncate as the issue ran it, then a blocking truncate(2)): no SIGBUS; the next
-    completion answers 500 naming the file, /health still answers, and SIGTERM still ends the server cleanly. The
-    writer was held until the model stopped reading (engine/file_guard.py)."""
+    """Case 1: `serve`, a completion, its tokenizer, index and config truncated (read whole at load) and a weight file
+    renamed over and another deleted (the bytes loaded are kept): the same answer. Then a weight file truncated (GNU
+    truncate as the issue ran it, then a blocking truncate(2)): no SIGBUS; the next completion answers 500 naming the
+    file, /health still answers, and SIGTERM still ends the server cleanly. The writer was held until the model
+    stopped reading (engine/file_guard.py)."""
     model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
     shard = _dense_shard(model)
     body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
@@ -232,6 +233,15 @@ def test_a_shard_truncated_under_serve_is_an_error_naming_it_and_serve_lives_on(
         assert _leases_held(server.pid, shard)
         for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json", "config.json"):
             os.truncate(model / name, 0)  # read whole at load: the model needs none of them again
+        replaced, deleted = sorted(str(p) for p in model.glob("model-*.safetensors") if str(p) != shard)[:2]
+        spare = tmp_path / "spare"
+        shutil.copy(replaced, spare)
+        with open(spare, "r+b") as f:  # every tensor's bytes other in the replacement: a reread answers otherwise
+            start = 8 + int.from_bytes(f.read(8), "little")
+            f.seek(start)
+            f.write(os.urandom(os.path.getsize(spare) - start))
+        os.rename(spare, replaced)  # renamed over, and deleted: the server keeps the bytes it loaded
+        os.unlink(deleted)
         again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert again.status_code == 200 and again.json()["choices"] == first.json()["choices"], again.text
         gnu = subprocess.run(["truncate", "-s", "1000", shard], capture_output=True, text=True)
