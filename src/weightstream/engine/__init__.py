@@ -8,6 +8,7 @@
 - fused: one native call where transformers runs a chain of small ops (RMSNorm, rotary embedding) in float32;
 - latent_attention: DeepSeek's multi-head latent attention absorbed (attention over the cached latent);
 - runtime: per-model state (the source, routing hooks, counters);
+- shards: experts computed by shards that hold them in other processes (Ray actors), bitwise the one-process sum;
 - page_cache_source: experts through mmap (the baseline);
 - kv_cache: the KV cache the engine generates with, its buffers sized for the whole generation;
 - generate: greedy generation with stats;

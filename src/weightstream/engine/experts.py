@@ -142,7 +142,7 @@ def compute_layer_native(
     done: set[int] = set()
     for group, last in arrivals(source, layer, waves, io_wait, after_first_fetch):
         experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
-        parts = _by_kernel(kernel, source, layer, experts)
+        parts = split_by_kernel(kernel, source, layer, experts)
         if contrib is None and last and len(parts) == 1:  # the whole layer, every routed expert resident
             compute, experts = parts[0]
             return compute.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
@@ -167,7 +167,7 @@ def _kernel_of(kernel, source: ExpertSource, layer: int, expert: int):
     return small if small is not None and source.holds_small_copy(layer, expert) else kernel
 
 
-def _by_kernel(kernel, source: ExpertSource, layer: int, experts: list[int]) -> list[tuple[object, list[int]]]:
+def split_by_kernel(kernel, source: ExpertSource, layer: int, experts: list[int]) -> list[tuple[object, list[int]]]:
     """`experts` (ascending) in groups by the kernel of the copy each holds, [(kernel, its experts)]: one group
     without --miss-copy, none for no experts."""
     groups: dict[int, tuple[object, list[int]]] = {}

@@ -92,6 +92,8 @@ class StreamingRuntime:
         self.config = config
         self.file_guard = file_guard
         self.counters = EngineCounters()
+        # experts computed by shards in other processes (engine/shards.py's ShardedExperts; None: every expert here)
+        self.shards = None
         self.first_layer = layout.layers[0]
         self.announce = Announcer.from_env()  # tells a listening `weightstream clockfloor` that decode is on
         self.routing_override: RoutingOverride | None = None
@@ -144,6 +146,10 @@ class StreamingRuntime:
         waves = split_waves(lookups, self._cache.n_slots)
         read_ahead = (lambda wave: self._read_ahead_next(layer, hidden_states, wave)) if self.predictor else None
         kernel = part.kernel
+        if self.shards is not None and self.shards.fits(kernel, lookups):  # else the head reads them itself
+            return self.shards.compute_layer(
+                kernel, self._cache, layer, hidden_states, top_k_index, top_k_weights, self._add_io_wait
+            )
         if getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values())):
             return compute_layer_native(
                 kernel,

@@ -1,0 +1,134 @@
+"""Experts computed in other processes, each set by a shard that holds it in its own memory (issue 51, a first step).
+
+A shard loads the model from the files it can reach with an expert cache of exactly its experts, reads them once, and
+computes their contributions to a layer for the rows a head sends it. The head (`ShardedExperts`) computes its own
+experts as the engine always does and writes each shard's rows into the layer's contributions, which the native
+layer sums in ascending expert order: the tokens are bitwise those of one process holding every expert. Only for
+kernels that run a layer natively (the GGML-block kernels, `fused`); the head's cache is never asked for a shard's
+expert.
+
+`ExpertShard` is a plain class: `ray.remote(ExpertShard)` makes it an actor (`shard_actors`), and in one process
+it is its own reference. Not yet here (issue 51): placement by measured heat, a shard's death, the command line.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import torch
+
+from weightstream import native
+from weightstream.cache.policy import split_waves
+from weightstream.engine.experts import arrivals, split_by_kernel
+from weightstream.errors import WeightstreamError
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertShard:
+    """Holds `keys` of the model at `model_dir` in memory and computes their contributions to a layer."""
+
+    def __init__(self, model_dir: str, keys: list[Key], io_threads: int = 2):
+        from weightstream.engine.config import EngineConfig
+        from weightstream.engine.loader import load_streaming_model
+        from weightstream.store.model import map_model
+
+        self.keys = sorted(set(map(tuple, keys)))
+        layout = map_model(model_dir).layout
+        slots = max(len(self.keys), len(layout.num_experts) * layout.top_k)  # a cache holds one token's at least
+        config = EngineConfig(expert_cache=slots * layout.slot_bytes, io_threads=io_threads)
+        self.model = load_streaming_model(model_dir, config)
+        self.runtime = self.model.weightstream
+        self.kernels = {part.layer: part.kernel for part in self.runtime._parts.values()}
+        unknown = [k for k in self.keys if k not in layout.experts]
+        if unknown:
+            raise WeightstreamError(f"expert shard: {model_dir} has no expert {unknown[0]} (layer, expert)")
+        for layer in sorted({layer for layer, _ in self.keys}):
+            if not getattr(self.kernels[layer], "fused", False):
+                raise WeightstreamError(
+                    f"expert shard: layer {layer}'s experts run the {self.kernels[layer].name} kernel; shards compute "
+                    "the native GGML-block kernels only: `weightstream quantize` the model first"
+                )
+            self._load(layer, [e for at, e in self.keys if at == layer])
+
+    def _load(self, layer: int, experts: list[int]) -> None:
+        cache = self.runtime.cache
+        fetch = cache.fetch_layer(layer, experts)
+        for _ in fetch.missing:
+            cache.wait(fetch)
+
+    def contribute(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        experts: list[int],
+    ) -> torch.Tensor:
+        """The contributions (tokens, top-k, hidden; float32) of `experts` of `layer`: their (token, k) rows filled,
+        the others 0."""
+        cache, kernel = self.runtime.cache, self.kernels[layer]
+        contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
+        for group, _ in arrivals(cache, layer, [sorted(experts)], lambda s: None):
+            for compute, members in split_by_kernel(kernel, cache, layer, group):
+                params = [cache.params(layer, e) for e in members]
+                compute.contribute(contrib, hidden_states, top_k_index, top_k_weights, members, params)
+        return contrib
+
+    def resident(self) -> list[Key]:
+        """The keys this shard holds (all of them, once built)."""
+        return self.keys
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+class ShardedExperts:
+    """The head's side: which shard computes which (layer, expert), and a layer computed with their rows."""
+
+    def __init__(self, owners: Mapping[Key, object], submit, result):
+        """`owners`: (layer, expert) -> its shard; `submit(shard, *args)` starts `shard.contribute(*args)` and
+        returns a handle, `result(handle)` its contributions (for Ray: `.remote` and `ray.get`)."""
+        self.owners, self.submit, self.result = dict(owners), submit, result
+
+    def compute_layer(self, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
+        """The layer's combined expert output: the shards' experts sent first, the head's own computed meanwhile."""
+        chosen = sorted(set(top_k_index.reshape(-1).tolist()))
+        remote: dict[int, tuple[object, list[int]]] = {}
+        for e in chosen:
+            shard = self.owners.get((layer, e))
+            if shard is not None:
+                remote.setdefault(id(shard), (shard, []))[1].append(e)
+        handles = [
+            (self.submit(shard, layer, hidden_states, top_k_index, top_k_weights, members), members)
+            for shard, members in remote.values()
+        ]
+        far = {e for _, members in remote.values() for e in members}
+        local = [e for e in top_k_index.reshape(-1).tolist() if e not in far]  # token by token, as the engine looks up
+        contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
+        if local:
+            for group, _ in arrivals(source, layer, split_waves(local, source.n_slots), io_wait):
+                for compute, members in split_by_kernel(kernel, source, layer, sorted(set(group))):
+                    params = [source.params(layer, e) for e in members]
+                    compute.contribute(contrib, hidden_states, top_k_index, top_k_weights, members, params)
+        for handle, members in handles:
+            rows = torch.isin(top_k_index, torch.tensor(members))
+            contrib[rows] = self.result(handle)[rows]
+        return native.moe_sum(contrib, top_k_index, hidden_states)
+
+    @staticmethod
+    def fits(kernel, lookups: list[int]) -> bool:
+        return getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values()))
+
+
+def shard_actors(model_dir: str, placement: list[list[Key]], io_threads: int = 2) -> ShardedExperts:
+    """One Ray actor a set of keys in `placement` (Ray must be initialised), each built and holding its experts
+    before this returns; the head's ShardedExperts over them."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(ExpertShard)
+    shards = [actor.remote(model_dir, keys, io_threads) for keys in placement]
+    held = ray.get([s.resident.remote() for s in shards])
+    owners = {tuple(k): s for s, keys in zip(shards, held) for k in keys}
+    return ShardedExperts(owners, lambda s, *args: s.contribute.remote(*args), ray.get)
