@@ -2,15 +2,18 @@
 split over shards decodes bitwise the tokens and logits of one process, in this process and over Ray actors, and
 never asks its own cache for an expert a shard holds."""
 
+import json
+
 import pytest
 import torch
 
 from weightstream.engine.loader import load_streaming_model
-from weightstream.engine.shards import ExpertShard, ShardedExperts, shard_actors
+from weightstream.engine.shards import ExpertShard, ShardedExperts, place, shard_actors
 from weightstream.errors import WeightstreamError
 from weightstream.store.model import map_model
 from weightstream.store.quant.pipeline import quantize_checkpoint
 
+from cli_support import ran_in_process, refused_in_process
 from engine_support import greedy_logits
 
 
@@ -77,7 +80,8 @@ def test_shards_in_this_process_give_bitwise_the_one_process_tokens(native_model
 
 
 def test_shards_as_ray_actors_give_bitwise_the_one_process_tokens(native_model, one_process):
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         sharded = shard_actors(native_model, placements(native_model)["two shards hold every expert"])
@@ -95,3 +99,41 @@ def test_a_shard_refuses_experts_it_cannot_compute(tiny_model, native_model):
         ExpertShard(native_model, [(0, 999)])
     with pytest.raises(WeightstreamError, match="shards compute the native GGML-block kernels only"):
         ExpertShard(tiny_model("olmoe", "bf16"), [(0, 0)])
+
+
+def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_model):
+    """`generate --expert-shards 2` (a local Ray cluster started and stopped by the command): the same tokens, and
+    --json says which shard held which experts."""
+    args = ("generate", native_model, "--prompt-ids", "3,17,101,250", "--max-new-tokens", "6", "--json")
+    code, out, err = ran_in_process(*args)
+    assert code == 0, err
+    code, sharded_out, err = ran_in_process(*args, "--expert-shards", "2")
+    assert code == 0, err
+    plain, sharded = json.loads(out), json.loads(sharded_out)
+    assert sharded["token_ids"] == plain["token_ids"] and plain["stats"]["expert_shards"] is None
+    held = [tuple(k) for keys in sharded["stats"]["expert_shards"].values() for k in keys]
+    assert len(sharded["stats"]["expert_shards"]) == 2
+    assert sorted(held) == sorted(map_model(native_model).layout.experts)  # every expert on exactly one shard
+
+
+def test_bad_shard_options_are_refused_before_loading(native_model):
+    code, err = refused_in_process("generate", native_model, "--prompt-ids", "1", "--expert-shards", "-1")
+    assert code == 2 and "--expert-shards -1: give 1 or more shards" in err, err
+    code, err = refused_in_process("generate", native_model, "--prompt-ids", "1", "--ray-address", "auto")
+    assert code == 2 and "--ray-address places expert shards: give --expert-shards N with it" in err, err
+
+
+def test_placement_spreads_each_layers_experts_and_their_heat():
+    keys = [(layer, e) for layer in (1, 3) for e in range(8)]
+    even = place(keys, 3)
+    assert sorted(k for shard in even for k in shard) == keys
+    for layer in (1, 3):
+        counts = [sum(1 for k in shard if k[0] == layer) for shard in even]
+        assert max(counts) - min(counts) <= 1, counts
+    heat = {k: (100.0 if k[1] == 0 else 1.0) for k in keys}  # one hot expert a layer: alone on its shard
+    hot = place(keys, 2, heat)
+    for layer in (1, 3):
+        with_hot = next(shard for shard in hot if (layer, 0) in shard)
+        assert [k for k in with_hot if k[0] == layer] == [(layer, 0)], hot
+    with pytest.raises(WeightstreamError, match="give 1 or more shards"):
+        place(keys, 0)

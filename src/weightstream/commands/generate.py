@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -28,7 +29,8 @@ def register(sub) -> None:
         "attention, absorbed by default, gives its logits within float32 rounding: --latent-attention expanded "
         "for its exact ones; gpt-oss's attention over long prompts and caches likewise). Greedy by default.",
         epilog="examples:\n  weightstream generate models/olmoe --prompt 'Hello' --expert-cache 2GiB\n"
-        "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json",
+        "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json\n"
+        "  weightstream generate models/olmoe-q4k --prompt 'Hello' --expert-shards 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -43,6 +45,20 @@ def register(sub) -> None:
     add_engine_options(p)
     add_prefill_chunk_option(p)
     p.add_argument(
+        "--expert-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compute the experts in N shard processes (Ray actors) that hold them in memory, each layer's experts "
+        "spread evenly; the tokens are those of one process. Native GGML-block experts only (`weightstream "
+        "quantize` or `import`). Needs pip install 'weightstream[ray]' (default 0: every expert here)",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --expert-shards: the Ray cluster to place the shards on (default: a local one started here)",
+    )
+    p.add_argument(
         "--json", action="store_true", help='print one JSON object: {"token_ids": [...], "text": ..., "stats": {...}}'
     )
     p.set_defaults(func=run)
@@ -56,6 +72,12 @@ def run(args) -> int:
         raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     ids = parse_prompt_ids(args.prompt_ids) if args.prompt is None else None
     chunk = prefill_chunk_of(args)
+    if args.expert_shards < 0 or (args.ray_address and not args.expert_shards):
+        raise WeightstreamError(
+            f"--expert-shards {args.expert_shards}: give 1 or more shards (0: none)"
+            if args.expert_shards < 0
+            else "--ray-address places expert shards: give --expert-shards N with it"
+        )
     model_dir = resolve_model(args.model)
 
     import torch
@@ -78,8 +100,14 @@ def run(args) -> int:
         print(miss_copy_note("generate"), file=sys.stderr)
     guard = model.weightstream.file_guard
     weight_files = guard.report() if guard is not None else None  # before close gives the leases up
+    placement = None
     try:
-        new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
+        with contextlib.ExitStack() as stack:
+            if args.expert_shards:
+                from weightstream.engine.shards import sharded
+
+                placement = stack.enter_context(sharded(model, model_dir, args.expert_shards, args.ray_address))
+            new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
     finally:
         model.weightstream.close()
     token_ids = new[0].tolist()
@@ -92,6 +120,7 @@ def run(args) -> int:
         report["memory"] = footprint.to_dict() if footprint is not None else None
         report["engine"] = engine.to_dict()  # every option the engine ran with, defaults included
         report["weight_files"] = weight_files  # guarded against writes under the model (engine/file_guard.py)
+        report["expert_shards"] = placement  # shard -> its [layer, expert] keys (engine/shards.py); None: no shards
         bandwidth = read_bandwidth()  # measured once on a machine, then kept
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s

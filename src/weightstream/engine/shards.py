@@ -8,13 +8,15 @@ kernels that run a layer natively (the GGML-block kernels, `fused`); the head's 
 expert.
 
 `ExpertShard` is a plain class: `ray.remote(ExpertShard)` makes it an actor (`shard_actors`), and in one process
-it is its own reference. Not yet here (issue 51): placement by measured heat, a shard's death, the command line.
+it is its own reference; `generate --expert-shards N` runs them on a local Ray cluster (`sharded`). Not yet here
+(issue 51): heat measured from a trace or the run for `place`, a shard's death, `serve`, per-shard metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -132,3 +134,40 @@ def shard_actors(model_dir: str, placement: list[list[Key]], io_threads: int = 2
     held = ray.get([s.resident.remote() for s in shards])
     owners = {tuple(k): s for s, keys in zip(shards, held) for k in keys}
     return ShardedExperts(owners, lambda s, *args: s.contribute.remote(*args), ray.get)
+
+
+def place(keys: list[Key], shards: int, heat: Mapping[Key, float] | None = None) -> list[list[Key]]:
+    """`keys` over `shards` sets, each layer's experts balanced by `heat` (its expected lookups; none: all alike):
+    hottest first, each to the shard with the least heat of that layer so far (ties: the fewest experts, then the
+    first shard)."""
+    if shards < 1:
+        raise WeightstreamError(f"--expert-shards {shards}: give 1 or more shards")
+    placement: list[list[Key]] = [[] for _ in range(shards)]
+    for layer in sorted({layer for layer, _ in keys}):
+        load = [(0.0, 0, i) for i in range(shards)]
+        ordered = sorted((k for k in keys if k[0] == layer), key=lambda k: (-(heat or {}).get(k, 1.0), k))
+        for key in ordered:
+            weight, count, i = min(load)
+            placement[i].append(key)
+            load[i] = (weight + (heat or {}).get(key, 1.0), count + 1, i)
+    return placement
+
+
+@contextlib.contextmanager
+def sharded(model, model_dir: str, shards: int, address: str | None = None, io_threads: int = 2) -> Iterator[dict]:
+    """`model`'s experts computed by `shards` Ray actors, every expert on one of them, for the block: Ray started
+    here (a local cluster, or `address`'s) and shut down after. Yields the placement: {shard: [[layer, expert]]}."""
+    try:
+        import ray
+    except ImportError:
+        raise WeightstreamError(
+            "--expert-shards runs the shards as Ray actors: install Ray with pip install 'weightstream[ray]'"
+        ) from None
+    placement = place(sorted(model.weightstream.layout.experts), shards)
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    try:
+        model.weightstream.shards = shard_actors(model_dir, placement, io_threads)
+        yield {i: [list(k) for k in keys] for i, keys in enumerate(placement)}
+    finally:
+        model.weightstream.shards = None
+        ray.shutdown()
