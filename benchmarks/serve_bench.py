@@ -11,15 +11,18 @@ llama-server is `llamacpp.py serve`.
                   and its idle metrics (every cancelled sequence freed)
     shard-trip    one MoE layer's round trip to Ray actors holding experts (issue 51): actor calls and a compiled
                   graph, against a call in this process
+    shard-decode  `generate --expert-shards N` against one process holding every expert, rounds alternated
 
     sudo .venv/bin/python benchmarks/serve_bench.py concurrency MODEL --routing-trace ds.npz --memory-limit 5GiB
     .venv/bin/python benchmarks/serve_bench.py ray MODEL --trace .work/ds.npz --expert-cache 2x --rounds 3
     .venv/bin/python benchmarks/serve_bench.py ray simulate MODEL --trace .work/ds.npz --caches 1x,2x,4x
     .venv/bin/python benchmarks/serve_bench.py load --duration 300 --clients 32 -o benchmarks/results/serve-load.json
     .venv/bin/python benchmarks/serve_bench.py shard-trip --shards 1,3 --rows 8,64 --hidden 7168 --rounds 3
+    .venv/bin/python benchmarks/serve_bench.py shard-decode .work/olmoe4/q4 --shards 2 --rounds 3
 
 Each prints one JSON object and writes it to --out. The subcommands run parts/serve_concurrency.py,
-parts/serve_ray.py, parts/serve_load.py and parts/shard_trip.py; `serve_bench.py PART --help`.
+parts/serve_ray.py, parts/serve_load.py, parts/shard_trip.py and parts/shard_decode.py; `serve_bench.py PART
+--help`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ PARTS = {
     "ray": Part("serve_ray", "Ray Serve replicas by expert affinity against the default router; `ray simulate`"),
     "load": Part("serve_load", "minutes of clients with cancellations and bad requests: errors, RSS, idle metrics"),
     "shard-trip": Part("shard_trip", "a MoE layer's round trip to Ray actors holding experts, against a local call"),
+    "shard-decode": Part("shard_decode", "generate --expert-shards N against one process holding every expert"),
 }
 
 if __name__ == "__main__":
