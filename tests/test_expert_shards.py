@@ -3,6 +3,7 @@ split over shards decodes bitwise the tokens and logits of one process, in this 
 never asks its own cache for an expert a shard holds."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def native_model(tiny_model, tmp_path_factory):
 def one_process(native_model):
     model = load_streaming_model(native_model, expert_cache="2x", io_threads=2)
     try:
-        yield greedy_logits(model)
+        return greedy_logits(model)
     finally:
         model.weightstream.close()
 
@@ -94,11 +95,12 @@ def test_shards_as_ray_actors_give_bitwise_the_one_process_tokens(native_model, 
     assert not asked, "the head's cache was asked for an expert while the shards hold them all"
 
 
-def test_a_shard_refuses_experts_it_cannot_compute(tiny_model, native_model):
+def test_a_shard_refuses_experts_it_cannot_compute_and_leaves_nothing_running(tiny_model, native_model):
     with pytest.raises(WeightstreamError, match=r"has no expert \(0, 999\)"):
         ExpertShard(native_model, [(0, 999)])
     with pytest.raises(WeightstreamError, match="shards compute the native GGML-block kernels only"):
         ExpertShard(tiny_model("olmoe", "bf16"), [(0, 0)])
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ws-")]
 
 
 def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_model):

@@ -38,21 +38,25 @@ class ExpertShard:
 
         self.keys = sorted(set(map(tuple, keys)))
         layout = map_model(model_dir).layout
+        unknown = [k for k in self.keys if k not in layout.experts]
+        if unknown:
+            raise WeightstreamError(f"expert shard: {model_dir} has no expert {unknown[0]} (layer, expert)")
         slots = max(len(self.keys), len(layout.num_experts) * layout.top_k)  # a cache holds one token's at least
         config = EngineConfig(expert_cache=slots * layout.slot_bytes, io_threads=io_threads)
         self.model = load_streaming_model(model_dir, config)
         self.runtime = self.model.weightstream
-        self.kernels = {part.layer: part.kernel for part in self.runtime._parts.values()}
-        unknown = [k for k in self.keys if k not in layout.experts]
-        if unknown:
-            raise WeightstreamError(f"expert shard: {model_dir} has no expert {unknown[0]} (layer, expert)")
-        for layer in sorted({layer for layer, _ in self.keys}):
-            if not getattr(self.kernels[layer], "fused", False):
-                raise WeightstreamError(
-                    f"expert shard: layer {layer}'s experts run the {self.kernels[layer].name} kernel; shards compute "
-                    "the native GGML-block kernels only: `weightstream quantize` the model first"
-                )
-            self._load(layer, [e for at, e in self.keys if at == layer])
+        try:
+            self.kernels = {part.layer: part.kernel for part in self.runtime._parts.values()}
+            for layer in sorted({layer for layer, _ in self.keys}):
+                if not getattr(self.kernels[layer], "fused", False):
+                    raise WeightstreamError(
+                        f"expert shard: layer {layer}'s experts run the {self.kernels[layer].name} kernel; shards "
+                        "compute the native GGML-block kernels only: `weightstream quantize` the model first"
+                    )
+                self._load(layer, [e for at, e in self.keys if at == layer])
+        except BaseException:
+            self.runtime.close()  # its I/O threads and leases
+            raise
 
     def _load(self, layer: int, experts: list[int]) -> None:
         cache = self.runtime.cache
