@@ -77,6 +77,12 @@ class Load:
             if error is not None:
                 self.kinds[f"{kind} errors"] += 1
 
+    def hung_up(self, kind: str) -> None:
+        """A request of `kind` the client hung up on before its answer ended."""
+        with self.lock:
+            self.cancelled += 1
+        self.count(kind)
+
 
 def _good(rng: random.Random, chat: bool, stream: bool) -> tuple[str, dict, int]:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
@@ -106,9 +112,7 @@ def _one(client: httpx.Client, url: str, rng: random.Random, load: Load, args) -
             client.post(f"{url}/v1/{endpoint}", json={**body, "max_tokens": 24}, timeout=rng.uniform(0.01, 0.2))
         except httpx.TimeoutException:
             pass
-        with load.lock:
-            load.cancelled += 1
-        load.count(kind)
+        load.hung_up(kind)
         return
     if stream:
         chunks, done = 0, False
@@ -120,9 +124,7 @@ def _one(client: httpx.Client, url: str, rng: random.Random, load: Load, args) -
                 chunks += line.startswith("data: {")
                 done = done or line == "data: [DONE]"
                 if cancel and chunks >= rng.randint(1, 3):
-                    with load.lock:
-                        load.cancelled += 1
-                    load.count(kind)
+                    load.hung_up(kind)
                     return  # leaving the block closes the connection mid-stream
         load.count(kind, None if chunks >= 1 and done else f"stream ended after {chunks} chunks, no [DONE]")
         return

@@ -100,13 +100,8 @@ def run(args) -> int:
         print(miss_copy_note("generate"), file=sys.stderr)
     guard = model.weightstream.file_guard
     weight_files = guard.report() if guard is not None else None  # before close gives the leases up
-    placement = None
     try:
-        with contextlib.ExitStack() as stack:
-            if args.expert_shards:
-                from weightstream.engine.shards import sharded
-
-                placement = stack.enter_context(sharded(model, model_dir, args.expert_shards, args.ray_address))
+        with _shards(args, model, model_dir) as placement:
             new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
     finally:
         model.weightstream.close()
@@ -130,6 +125,16 @@ def run(args) -> int:
         print(text if text is not None else " ".join(map(str, token_ids)))
         print(summary_line(stats), file=sys.stderr)
     return 0
+
+
+def _shards(args, model, model_dir: str):
+    """`--expert-shards`: the model's experts on shard actors for the block, which yields their placement (None
+    without shards)."""
+    if not args.expert_shards:
+        return contextlib.nullcontext()
+    from weightstream.engine.shards import sharded
+
+    return sharded(model, model_dir, args.expert_shards, args.ray_address)
 
 
 def _check_prompt(model_dir: str, ids: list[int], new: int) -> None:

@@ -142,19 +142,48 @@ def compute_layer_native(
     done: set[int] = set()
     for group, last in arrivals(source, layer, waves, io_wait, after_first_fetch):
         experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
-        parts = split_by_kernel(kernel, source, layer, experts)
+        parts = _by_kernel(kernel, source, layer, experts)
         if contrib is None and last and len(parts) == 1:  # the whole layer, every routed expert resident
             compute, experts = parts[0]
             return compute.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
         if contrib is None:
-            contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
-        for compute, members in parts:
-            done.update(members)
-            compute.contribute(
-                contrib, hidden_states, top_k_index, top_k_weights, members, _params(source, layer, members)
-            )
+            contrib = empty_contributions(hidden_states, top_k_index)
+        _contribute(contrib, parts, source, layer, hidden_states, top_k_index, top_k_weights, done)
     assert done == set(top_k_index.reshape(-1).tolist()), "an expert of the layer was never computed"
     return native.moe_sum(contrib, top_k_index, hidden_states)
+
+
+def empty_contributions(hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """The contributions of a layer before any expert's: (tokens, top-k, hidden) float32 zeros, which
+    `native.moe_sum` adds in ascending expert order."""
+    return torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
+
+
+def contribute_groups(
+    contrib: torch.Tensor,
+    kernel,
+    source: ExpertSource,
+    layer: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    groups,
+) -> set[int]:
+    """Fills `contrib` with the rows of each group's experts (groups of experts as they can be computed, e.g. from
+    `arrivals`), each expert once, each group split by the copy its experts hold; returns the experts computed."""
+    done: set[int] = set()
+    for group in groups:
+        experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
+        parts = _by_kernel(kernel, source, layer, experts)
+        _contribute(contrib, parts, source, layer, hidden_states, top_k_index, top_k_weights, done)
+    return done
+
+
+def _contribute(contrib, parts, source, layer, hidden_states, top_k_index, top_k_weights, done: set[int]) -> None:
+    """Each (kernel, experts) of `parts` fills its experts' rows of `contrib`; they join `done`."""
+    for compute, members in parts:
+        done.update(members)
+        compute.contribute(contrib, hidden_states, top_k_index, top_k_weights, members, _params(source, layer, members))
 
 
 def _params(source: ExpertSource, layer: int, experts: list[int]) -> list:
@@ -167,7 +196,7 @@ def _kernel_of(kernel, source: ExpertSource, layer: int, expert: int):
     return small if small is not None and source.holds_small_copy(layer, expert) else kernel
 
 
-def split_by_kernel(kernel, source: ExpertSource, layer: int, experts: list[int]) -> list[tuple[object, list[int]]]:
+def _by_kernel(kernel, source: ExpertSource, layer: int, experts: list[int]) -> list[tuple[object, list[int]]]:
     """`experts` (ascending) in groups by the kernel of the copy each holds, [(kernel, its experts)]: one group
     without --miss-copy, none for no experts."""
     groups: dict[int, tuple[object, list[int]]] = {}

@@ -146,11 +146,12 @@ class StreamingRuntime:
         waves = split_waves(lookups, self._cache.n_slots)
         read_ahead = (lambda wave: self._read_ahead_next(layer, hidden_states, wave)) if self.predictor else None
         kernel = part.kernel
-        if self.shards is not None and self.shards.fits(kernel, lookups):  # else the head reads them itself
+        native_layer = getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values()))
+        if native_layer and self.shards is not None:  # else the head computes a shard's experts from its own reads
             return self.shards.compute_layer(
                 kernel, self._cache, layer, hidden_states, top_k_index, top_k_weights, self._add_io_wait
             )
-        if getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values())):
+        if native_layer:
             return compute_layer_native(
                 kernel,
                 self._cache,

@@ -15,14 +15,13 @@ it is its own reference; `generate --expert-shards N` runs them on a local Ray c
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from weightstream import native
 from weightstream.cache.policy import split_waves
-from weightstream.engine.experts import arrivals, split_by_kernel
+from weightstream.engine.experts import arrivals, contribute_groups, empty_contributions
 from weightstream.errors import WeightstreamError
 
 Key = tuple[int, int]  # (layer, expert)
@@ -74,12 +73,10 @@ class ExpertShard:
     ) -> torch.Tensor:
         """The contributions (tokens, top-k, hidden; float32) of `experts` of `layer`: their (token, k) rows filled,
         the others 0."""
-        cache, kernel = self.runtime.cache, self.kernels[layer]
-        contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
-        for group, _ in arrivals(cache, layer, [sorted(experts)], lambda s: None):
-            for compute, members in split_by_kernel(kernel, cache, layer, group):
-                params = [cache.params(layer, e) for e in members]
-                compute.contribute(contrib, hidden_states, top_k_index, top_k_weights, members, params)
+        cache = self.runtime.cache
+        contrib = empty_contributions(hidden_states, top_k_index)
+        groups = (group for group, _ in arrivals(cache, layer, [sorted(experts)], lambda s: None))
+        contribute_groups(contrib, self.kernels[layer], cache, layer, hidden_states, top_k_index, top_k_weights, groups)
         return contrib
 
     def resident(self) -> list[Key]:
@@ -112,20 +109,14 @@ class ShardedExperts:
         ]
         far = {e for _, members in remote.values() for e in members}
         local = [e for e in top_k_index.reshape(-1).tolist() if e not in far]  # token by token, as the engine looks up
-        contrib = torch.zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
+        contrib = empty_contributions(hidden_states, top_k_index)
         if local:
-            for group, _ in arrivals(source, layer, split_waves(local, source.n_slots), io_wait):
-                for compute, members in split_by_kernel(kernel, source, layer, sorted(set(group))):
-                    params = [source.params(layer, e) for e in members]
-                    compute.contribute(contrib, hidden_states, top_k_index, top_k_weights, members, params)
+            groups = (group for group, _ in arrivals(source, layer, split_waves(local, source.n_slots), io_wait))
+            contribute_groups(contrib, kernel, source, layer, hidden_states, top_k_index, top_k_weights, groups)
         for handle, members in handles:
             rows = torch.isin(top_k_index, torch.tensor(members))
             contrib[rows] = self.result(handle)[rows]
         return native.moe_sum(contrib, top_k_index, hidden_states)
-
-    @staticmethod
-    def fits(kernel, lookups: list[int]) -> bool:
-        return getattr(kernel, "fused", False) and kernel.layer_fits(max(Counter(lookups).values()))
 
 
 def shard_actors(model_dir: str, placement: list[list[Key]], io_threads: int = 2) -> ShardedExperts:
@@ -146,14 +137,14 @@ def place(keys: list[Key], shards: int, heat: Mapping[Key, float] | None = None)
     first shard)."""
     if shards < 1:
         raise WeightstreamError(f"--expert-shards {shards}: give 1 or more shards")
+    heat_of = lambda key: (heat or {}).get(key, 1.0)
     placement: list[list[Key]] = [[] for _ in range(shards)]
     for layer in sorted({layer for layer, _ in keys}):
         load = [(0.0, 0, i) for i in range(shards)]
-        ordered = sorted((k for k in keys if k[0] == layer), key=lambda k: (-(heat or {}).get(k, 1.0), k))
-        for key in ordered:
+        for key in sorted((k for k in keys if k[0] == layer), key=lambda k: (-heat_of(k), k)):
             weight, count, i = min(load)
             placement[i].append(key)
-            load[i] = (weight + (heat or {}).get(key, 1.0), count + 1, i)
+            load[i] = (weight + heat_of(key), count + 1, i)
     return placement
 
 
