@@ -1,15 +1,21 @@
-"""Experts computed by shards that hold them (engine/shards.py; issue 51, a first step): a head whose experts are
-split over shards decodes bitwise the tokens and logits of one process, in this process and over Ray actors, and
-never asks its own cache for an expert a shard holds."""
+"""Experts computed by shards that hold them (engine/shards.py, shard_ray.py; issue 51): a head whose experts are
+split over shards decodes bitwise the tokens and logits of one process, in this process and over Ray actors (compiled
+graphs or actor calls), never asks its own cache for an expert a shard holds, reads from disk what no shard has room
+for, and carries on with the same tokens when a shard is killed mid-run, taking it back once Ray has restarted it."""
 
 import json
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
 
+from weightstream.cgroup import margin_for
 from weightstream.engine.loader import load_streaming_model
-from weightstream.engine.shards import ExpertShard, ShardedExperts, place, shard_actors
+from weightstream.engine.shard_ray import ShardOptions, start_shards
+from weightstream.engine.shards import ExpertShard, LocalLink, ShardedExperts, heat_from_trace, place
 from weightstream.errors import WeightstreamError
 from weightstream.store.model import map_model
 from weightstream.store.quant.pipeline import quantize_checkpoint
@@ -68,8 +74,7 @@ def test_shards_in_this_process_give_bitwise_the_one_process_tokens(native_model
     placement = placements(native_model)[how]
     shards = [ExpertShard(native_model, keys) for keys in placement]
     try:
-        owners = {k: s for s, keys in zip(shards, placement) for k in keys}
-        sharded = ShardedExperts(owners, lambda shard, *args: shard.contribute(*args), lambda rows: rows)
+        sharded = ShardedExperts([LocalLink(s) for s in shards])
         tokens, logits, asked = sharded_run(native_model, sharded)
     finally:
         for s in shards:
@@ -77,22 +82,102 @@ def test_shards_in_this_process_give_bitwise_the_one_process_tokens(native_model
     want_tokens, want_logits = one_process
     assert tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
-    assert not asked & set(owners), "the head's cache was asked for an expert a shard holds"
+    assert not asked & {k for keys in placement for k in keys}, "the head's cache was asked for an expert a shard holds"
+    hidden = json.load(open(os.path.join(native_model, "config.json")))["hidden_size"]
+    traffic = sharded.report()  # float32 rows of the hidden size back, one per (token, k) row it computed
+    assert all(t["round_trips"] > 0 and t["rows"] > 0 and t["bytes_in"] == t["rows"] * 4 * hidden for t in traffic)
 
 
-def test_shards_as_ray_actors_give_bitwise_the_one_process_tokens(native_model, one_process):
+@pytest.mark.parametrize("budget", ["no room for any expert", "room for some"])
+def test_a_shard_short_of_memory_keeps_the_hottest_it_has_room_for_and_the_head_reads_the_rest(
+    native_model, one_process, budget
+):
+    keys = sorted(map_model(native_model).layout.experts)
+    offered = list(reversed(keys))  # "hottest first": the last keys
+    slot = map_model(native_model).layout.slot_bytes
+    # beside what this process holds now (the shard measures itself once loaded, so the room is its own figure)
+    memory = 2**20 if budget.startswith("no") else int((psutil_rss() + 12 * slot + 48 * 2**20) / 0.98)
+    shard = ExpertShard(native_model, offered, memory=memory)
+    try:
+        room = max(0, (memory - margin_for(memory) - shard.base_bytes) // slot)
+        assert shard.resident() == sorted(offered[:room])
+        assert budget != "no room for any expert" or room == 0
+        assert shard.report()["cgroup"] == "not confined"  # no cgroup name given: this test process stays put
+        tokens, logits, asked = sharded_run(native_model, ShardedExperts([LocalLink(shard)]))
+    finally:
+        shard.close()
+    assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+    assert not asked & set(shard.resident()), "the head's cache was asked for an expert the shard holds"
+    assert asked and asked <= set(keys) - set(shard.resident()), "the head reads what the shard does not hold"
+
+
+def psutil_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@pytest.fixture
+def ray_cluster():
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        sharded = shard_actors(native_model, placements(native_model)["two shards hold every expert"])
-        tokens, logits, asked = sharded_run(native_model, sharded)
+        yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["graph", "calls"])
+def test_shards_as_ray_actors_give_bitwise_the_one_process_tokens(native_model, one_process, ray_cluster, transport):
+    offered = placements(native_model)["two shards hold every expert"]
+    sharded = start_shards(native_model, offered, ShardOptions(shards=2, transport=transport))
+    try:
+        tokens, logits, asked = sharded_run(native_model, sharded)
+    finally:
+        sharded.close()
     want_tokens, want_logits = one_process
     assert tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
     assert not asked, "the head's cache was asked for an expert while the shards hold them all"
+    assert all(t["up"] and t["failures"] == 0 and t["round_trips"] > 0 for t in sharded.report())
+
+
+def test_a_shard_killed_mid_run_costs_no_answer_and_comes_back(native_model, one_process, ray_cluster):
+    """SIGKILL a shard's process between two layers: the head computes its experts from its own reads (the same
+    tokens), Ray restarts it, and the head takes it back and sends it rows again."""
+    offered = placements(native_model)["two shards hold every expert"]
+    sharded = start_shards(native_model, offered, ShardOptions(shards=2, timeout_s=30))
+    pid = sharded.links[0].report()["pid"]
+    model = load_streaming_model(native_model, expert_cache="2x", io_threads=2)
+    calls = 0
+
+    def kill_on_the_fifth_layer(layer, index, weights):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            os.kill(pid, signal.SIGKILL)
+
+    model.weightstream.routing_observer = kill_on_the_fifth_layer
+    model.weightstream.shards = sharded
+    try:
+        tokens, logits = greedy_logits(model)
+        down = sharded.report()[0]
+        assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+        assert down["failures"] == 1 and down["fallback_rows"] > 0 and not down["up"], down
+        deadline = time.monotonic() + 120
+        while not sharded.stats[0].up and time.monotonic() < deadline:  # Ray restarts it; the head polls it
+            sharded._readmit()
+            time.sleep(0.2)
+        assert sharded.stats[0].up, "the restarted shard was not taken back within 2 minutes"
+        assert sharded.links[0].report()["pid"] != pid
+        rows_before = sharded.stats[0].rows
+        again, _ = greedy_logits(model)
+        assert again == one_process[0] and sharded.stats[0].rows > rows_before
+        assert sharded.report()[0]["readmitted"] == 1
+    finally:
+        model.weightstream.close()
+        sharded.close()
 
 
 def test_a_shard_refuses_experts_it_cannot_compute_and_leaves_nothing_running(tiny_model, native_model):
@@ -103,26 +188,69 @@ def test_a_shard_refuses_experts_it_cannot_compute_and_leaves_nothing_running(ti
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ws-")]
 
 
-def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_model):
-    """`generate --expert-shards 2` (a local Ray cluster started and stopped by the command): the same tokens, and
-    --json says which shard held which experts."""
+def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_model, tmp_path):
+    """`generate --expert-shards 2` (a local Ray cluster started and stopped by the command): the same tokens; the
+    plan (saved with --shard-plan, and in --json) puts every expert on exactly one shard, and the head measured each
+    shard's traffic."""
     args = ("generate", native_model, "--prompt-ids", "3,17,101,250", "--max-new-tokens", "6", "--json")
     code, out, err = ran_in_process(*args)
     assert code == 0, err
-    code, sharded_out, err = ran_in_process(*args, "--expert-shards", "2")
+    plan_file = tmp_path / "plan.json"
+    code, sharded_out, err = ran_in_process(*args, "--expert-shards", "2", "--shard-plan", plan_file)
     assert code == 0, err
     plain, sharded = json.loads(out), json.loads(sharded_out)
     assert sharded["token_ids"] == plain["token_ids"] and plain["stats"]["expert_shards"] is None
-    held = [tuple(k) for keys in sharded["stats"]["expert_shards"].values() for k in keys]
-    assert len(sharded["stats"]["expert_shards"]) == 2
+    plan = sharded["stats"]["expert_shards"]
+    held = [tuple(k) for shard in plan["shards"] for k in shard["held"]]
+    assert len(plan["shards"]) == 2 and plan["head_reads"] == []
     assert sorted(held) == sorted(map_model(native_model).layout.experts)  # every expert on exactly one shard
+    saved = json.loads(plan_file.read_text())
+    assert saved["shards"][0]["held"] == plan["shards"][0]["held"] and saved["transport"] == "graph"
+    assert all(t["round_trips"] > 0 and t["bytes_out"] > 0 and t["bytes_in"] > 0 for t in plan["traffic"])
+    assert "shard 0:" in err and "head: reads 0 experts from disk" in err
 
 
-def test_bad_shard_options_are_refused_before_loading(native_model):
-    code, err = refused_in_process("generate", native_model, "--prompt-ids", "1", "--expert-shards", "-1")
-    assert code == 2 and "--expert-shards -1: give 1 or more shards" in err, err
-    code, err = refused_in_process("generate", native_model, "--prompt-ids", "1", "--ray-address", "auto")
-    assert code == 2 and "--ray-address places expert shards: give --expert-shards N with it" in err, err
+def test_bad_shard_options_are_refused_before_loading(native_model, tmp_path):
+    base = ("generate", native_model, "--prompt-ids", "1")
+    cases = {
+        ("--expert-shards", "-1"): "--expert-shards -1: give 1 or more shards",
+        ("--ray-address", "auto"): "--ray-address places expert shards: give --expert-shards N with it",
+        ("--shard-memory", "2GiB"): "--shard-memory places expert shards: give --expert-shards N",
+        ("--expert-shards", "2", "--shard-memory", "lots"): "--shard-memory 'lots': not a size",
+        ("--expert-shards", "2", "--shard-heat", tmp_path / "none.npz"): "none.npz: no such file",
+        ("--expert-shards", "2", "--shard-plan", tmp_path / "no" / "p.json"): "p.json: its directory does not exist",
+    }
+    for extra, message in cases.items():
+        code, err = refused_in_process(*base, *extra)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+def test_heat_from_a_trace_counts_each_layers_lookups(native_model, tmp_path):
+    """A trace recorded on the model itself: each (layer, expert)'s heat is its lookups there."""
+    from weightstream.engine.routing import RoutingRecorder
+    from weightstream.trace import save
+
+    model = load_streaming_model(native_model, expert_cache="2x", io_threads=2)
+    recorder = RoutingRecorder(model.weightstream.layout, "tiny")
+    counted: dict = {}
+
+    def both(layer, index, weights):
+        recorder(layer, index, weights)
+        for e in index.reshape(-1).tolist():
+            counted[(layer, e)] = counted.get((layer, e), 0) + 1
+
+    model.weightstream.routing_observer = both
+    try:
+        greedy_logits(model)
+        layout = model.weightstream.layout
+    finally:
+        model.weightstream.close()
+    path = str(tmp_path / "trace.npz")
+    save(recorder.finish(), path)
+    heat = heat_from_trace(path, layout)
+    assert {k: v for k, v in heat.items() if v} == {k: float(v) for k, v in counted.items()}
+    hottest = place(sorted(layout.experts), 2, heat)
+    assert all(heat[shard[0]] == max(heat[k] for k in shard) for shard in hottest)  # each kept hottest first
 
 
 def test_placement_spreads_each_layers_experts_and_their_heat():

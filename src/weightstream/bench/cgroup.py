@@ -24,19 +24,20 @@ class MemoryCgroup:
         self.path, self.v2, self.limit_bytes = path, v2, limit_bytes
 
     @classmethod
-    def create(cls, limit_bytes: int, name: str = "weightstream") -> MemoryCgroup:
-        """A new cgroup `name-<random>` under this process's own memory cgroup, limited to `limit_bytes`."""
+    def create(cls, limit_bytes: int, name: str = "weightstream", unique: bool = True) -> MemoryCgroup:
+        """A new cgroup `name-<random>` under this process's own memory cgroup, limited to `limit_bytes`; with
+        `unique` False, `name` itself, taken as it is where it exists (a restarted shard's)."""
         parent = CgroupMemory.of()
         if parent is None:
             raise WeightstreamError(
                 "no cgroup memory controller on this machine; runs under a memory limit need "
                 "one (cgroup v2 with memory delegated, or v1 mounted at /sys/fs/cgroup/memory)"
             )
-        group = cls(parent.path / f"{name}-{uuid.uuid4().hex[:8]}", parent.v2, limit_bytes)
+        group = cls(parent.path / (f"{name}-{uuid.uuid4().hex[:8]}" if unique else name), parent.v2, limit_bytes)
         try:
             if parent.v2:
                 _delegate_memory(parent.path)
-            group.path.mkdir()
+            group.path.mkdir(exist_ok=not unique)
             group._set_limit()
         except OSError as exc:
             group.remove()

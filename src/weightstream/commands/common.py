@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from weightstream.cache.sizes import CACHE_SIZE_HELP, DEFAULT_UPGRADE_AFTER
@@ -246,4 +247,73 @@ def prediction_line(stats) -> str:
     return (
         f"; next-layer prediction {stats.prediction_accuracy:.1%} accurate, {stats.readahead_issued} read ahead, "
         f"{stats.readahead_used} used"
+    )
+
+
+def add_shard_options(p, ray_address: bool = True) -> None:
+    """--expert-shards and its companions (generate, serve): experts held by shard processes (engine/shard_ray.py)."""
+    g = p.add_argument_group(
+        "expert shards (pip install 'weightstream[ray]'; docs/serving.md, 'Experts on shards')",
+        "the experts held in the memory of N shard processes (Ray actors, one per machine on a real cluster), each "
+        "layer's rows sent to the shards that own the chosen experts; the tokens are those of one process. Experts "
+        "no shard has room for are read from disk by this process. Native GGML-block experts only (`weightstream "
+        "quantize` or `import`)",
+    )
+    g.add_argument(
+        "--expert-shards", type=int, default=0, metavar="N", help="shard processes (default 0: every expert here)"
+    )
+    g.add_argument(
+        "--shard-memory",
+        metavar="SIZE",
+        help="what each shard may hold, the process included (e.g. 6GiB): it keeps the hottest experts that fit and, "
+        "where it may (root, cgroup v2), runs in a memory cgroup of SIZE (default: no limit, every expert held)",
+    )
+    g.add_argument(
+        "--shard-heat",
+        metavar="TRACE.npz",
+        help="place experts by their lookups in this routing trace (`weightstream trace record` or `trace import`): "
+        "each layer's load balanced over the shards, the hottest kept first (default: every expert alike)",
+    )
+    g.add_argument("--shard-plan", metavar="FILE.json", help="save the placement as built: shard -> experts, pids")
+    g.add_argument(
+        "--shard-transport",
+        choices=("graph", "calls"),
+        default="graph",
+        help="graph (default): a Ray compiled graph per shard (shared-memory channels); calls: plain actor calls",
+    )
+    if ray_address:
+        g.add_argument(
+            "--ray-address",
+            metavar="ADDR",
+            help="with --expert-shards: the Ray cluster to place the shards on (default: a local one started here)",
+        )
+
+
+def shard_options(args):
+    """ShardOptions of `add_shard_options`'s flags, checked before anything loads; None without --expert-shards."""
+    from weightstream.units import parse_size
+
+    n = args.expert_shards
+    given = [f for f in ("shard_memory", "shard_heat", "shard_plan") if getattr(args, f) is not None]
+    if n < 0:
+        raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
+    if not n:
+        if given:
+            raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
+        return None
+    if args.shard_heat is not None and not os.path.isfile(args.shard_heat):
+        raise WeightstreamError(f"--shard-heat {args.shard_heat}: no such file; give a routing trace (.npz)")
+    if args.shard_plan is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.shard_plan))):
+        raise WeightstreamError(f"--shard-plan {args.shard_plan}: its directory does not exist")
+    from weightstream.engine.shard_ray import ShardOptions
+
+    memory = parse_size(args.shard_memory, "--shard-memory") if args.shard_memory is not None else None
+    return ShardOptions(
+        shards=n,
+        memory=memory,
+        heat_trace=args.shard_heat,
+        plan_out=args.shard_plan,
+        address=getattr(args, "ray_address", None),
+        transport=args.shard_transport,
+        io_threads=args.io_threads,
     )

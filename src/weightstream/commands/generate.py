@@ -10,10 +10,12 @@ import sys
 from weightstream.commands.common import (
     add_engine_options,
     add_prefill_chunk_option,
+    add_shard_options,
     engine_config,
     miss_copy_note,
     parse_prompt_ids,
     prefill_chunk_of,
+    shard_options,
     summary_line,
 )
 from weightstream.errors import WeightstreamError
@@ -44,20 +46,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     add_engine_options(p)
     add_prefill_chunk_option(p)
-    p.add_argument(
-        "--expert-shards",
-        type=int,
-        default=0,
-        metavar="N",
-        help="compute the experts in N shard processes (Ray actors) that hold them in memory, each layer's experts "
-        "spread evenly; the tokens are those of one process. Native GGML-block experts only (`weightstream "
-        "quantize` or `import`). Needs pip install 'weightstream[ray]' (default 0: every expert here)",
-    )
-    p.add_argument(
-        "--ray-address",
-        metavar="ADDR",
-        help="with --expert-shards: the Ray cluster to place the shards on (default: a local one started here)",
-    )
+    add_shard_options(p)
     p.add_argument(
         "--json", action="store_true", help='print one JSON object: {"token_ids": [...], "text": ..., "stats": {...}}'
     )
@@ -72,12 +61,9 @@ def run(args) -> int:
         raise WeightstreamError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     ids = parse_prompt_ids(args.prompt_ids) if args.prompt is None else None
     chunk = prefill_chunk_of(args)
-    if args.expert_shards < 0 or (args.ray_address and not args.expert_shards):
-        raise WeightstreamError(
-            f"--expert-shards {args.expert_shards}: give 1 or more shards (0: none)"
-            if args.expert_shards < 0
-            else "--ray-address places expert shards: give --expert-shards N with it"
-        )
+    shards = shard_options(args)
+    if args.ray_address and shards is None:
+        raise WeightstreamError("--ray-address places expert shards: give --expert-shards N with it")
     model_dir = resolve_model(args.model)
 
     import torch
@@ -101,8 +87,10 @@ def run(args) -> int:
     guard = model.weightstream.file_guard
     weight_files = guard.report() if guard is not None else None  # before close gives the leases up
     try:
-        with _shards(args, model, model_dir) as placement:
+        with _shards(shards, model, model_dir) as placement:
             new, stats = generate(model, torch.tensor([ids]), args.max_new_tokens, prefill_chunk=chunk)
+            if placement is not None:
+                placement["traffic"] = model.weightstream.shards.report()  # per shard, as the head measured
     finally:
         model.weightstream.close()
     token_ids = new[0].tolist()
@@ -115,7 +103,9 @@ def run(args) -> int:
         report["memory"] = footprint.to_dict() if footprint is not None else None
         report["engine"] = engine.to_dict()  # every option the engine ran with, defaults included
         report["weight_files"] = weight_files  # guarded against writes under the model (engine/file_guard.py)
-        report["expert_shards"] = placement  # shard -> its [layer, expert] keys (engine/shards.py); None: no shards
+        report["expert_shards"] = (
+            placement  # the plan as built and each shard's traffic (engine/shard_ray.py); None: none
+        )
         bandwidth = read_bandwidth()  # measured once on a machine, then kept
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s
@@ -127,14 +117,14 @@ def run(args) -> int:
     return 0
 
 
-def _shards(args, model, model_dir: str):
-    """`--expert-shards`: the model's experts on shard actors for the block, which yields their placement (None
-    without shards)."""
-    if not args.expert_shards:
+def _shards(options, model, model_dir: str):
+    """`--expert-shards`: the model's experts on shard actors for the block, which yields their plan (None without
+    shards)."""
+    if options is None:
         return contextlib.nullcontext()
-    from weightstream.engine.shards import sharded
+    from weightstream.engine.shard_ray import sharded
 
-    return sharded(model, model_dir, args.expert_shards, args.ray_address)
+    return sharded(model, model_dir, options)
 
 
 def _check_prompt(model_dir: str, ids: list[int], new: int) -> None:

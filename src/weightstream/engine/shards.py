@@ -1,21 +1,28 @@
-"""Experts computed in other processes, each set by a shard that holds it in its own memory (issue 51, a first step).
+"""Experts computed in other processes, each set by a shard that holds it in its own memory (issue 51).
 
-A shard loads the model from the files it can reach with an expert cache of exactly its experts, reads them once, and
-computes their contributions to a layer for the rows a head sends it. The head (`ShardedExperts`) computes its own
-experts as the engine always does and writes each shard's rows into the layer's contributions, which the native
-layer sums in ascending expert order: the tokens are bitwise those of one process holding every expert. Only for
-kernels that run a layer natively (the GGML-block kernels, `fused`); the head's cache is never asked for a shard's
-expert.
+A shard (`ExpertShard`) loads the model from the files it can reach with an expert cache of exactly the experts it
+keeps, reads them once and computes their contributions to a layer for the rows a head sends it. Offered a list of
+experts, hottest first, and a memory budget, it keeps the longest head of the list that fits beside what the process
+already holds (measured, not estimated), inside a memory cgroup of that budget where the machine lets it make one.
 
-`ExpertShard` is a plain class: `ray.remote(ExpertShard)` makes it an actor (`shard_actors`), and in one process
-it is its own reference; `generate --expert-shards N` runs them on a local Ray cluster (`sharded`). Not yet here
-(issue 51): heat measured from a trace or the run for `place`, a shard's death, `serve`, per-shard metrics.
+The head (`ShardedExperts`) computes its own experts as the engine always does (read from disk through its cache:
+the last resort), sends each layer's rows to the shards owning the chosen experts over a `ShardLink`, writes their
+rows into the layer's contributions, and lets the native layer sum them in ascending expert order: the tokens are
+bitwise those of one process holding every expert. Only for kernels that run a layer natively (the GGML-block
+kernels, `fused`); the head's cache is never asked for an expert a live shard holds.
+
+A shard that fails or does not answer in time costs latency, not answers: the head computes its experts from its own
+reads for that layer and every later one until the link says the shard is back (Ray restarts it; the link re-reads
+what it holds). `place` spreads each layer's experts over the shards by heat (`heat_from_trace`: a routing trace's
+counts); engine/shard_ray.py runs shards as Ray actors.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -25,119 +32,306 @@ from weightstream.engine.experts import arrivals, contribute_groups, empty_contr
 from weightstream.errors import WeightstreamError
 
 Key = tuple[int, int]  # (layer, expert)
+Request = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # layer, hidden rows, their top-k index and weights
+
+
+class ShardDown(Exception):
+    """A shard failed or did not answer; `ShardedExperts` computes its experts itself."""
+
+
+def _confine(memory: int, name: str) -> tuple[object | None, str]:
+    """This process moved into the memory cgroup `name` (made, or taken as it is where it exists: a restarted
+    shard's) of `memory` bytes: (the cgroup, its path), or (None, why not)."""
+    from weightstream.bench.cgroup import MemoryCgroup
+
+    try:
+        group = MemoryCgroup.create(memory, name=name, unique=False)
+        (group.path / "cgroup.procs").write_text(str(os.getpid()))
+    except (WeightstreamError, OSError) as exc:
+        return None, f"not confined: {exc}"
+    return group, str(group.path)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 class ExpertShard:
-    """Holds `keys` of the model at `model_dir` in memory and computes their contributions to a layer."""
+    """Keeps as many of `offered` (hottest first) as fit in `memory` bytes (None: all) and computes their rows; with
+    `cgroup` (a name) and `memory`, first moves this process into a memory cgroup of that name and size."""
 
-    def __init__(self, model_dir: str, keys: list[Key], io_threads: int = 2):
+    def __init__(
+        self,
+        model_dir: str,
+        offered: Sequence[Key],
+        memory: int | None = None,
+        io_threads: int = 2,
+        cgroup: str | None = None,
+    ):
+        from weightstream.cgroup import margin_for
         from weightstream.engine.config import EngineConfig
         from weightstream.engine.loader import load_streaming_model
         from weightstream.store.model import map_model
 
-        self.keys = sorted(set(map(tuple, keys)))
+        self.pid, self.memory = os.getpid(), memory
+        self.group, self.cgroup = (None, "not confined")
+        if memory and cgroup:
+            self.group, self.cgroup = _confine(memory, cgroup)
+        offered = list(dict.fromkeys(tuple(k) for k in offered))
         layout = map_model(model_dir).layout
-        unknown = [k for k in self.keys if k not in layout.experts]
+        unknown = [k for k in offered if k not in layout.experts]
         if unknown:
             raise WeightstreamError(f"expert shard: {model_dir} has no expert {unknown[0]} (layer, expert)")
-        slots = max(len(self.keys), len(layout.num_experts) * layout.top_k)  # a cache holds one token's at least
-        config = EngineConfig(expert_cache=slots * layout.slot_bytes, io_threads=io_threads)
+        slot = layout.slot_bytes
+        # the cache's arena is mapped, not touched: what it costs is the experts read into it (at least one token's
+        # slots, which a cache must have)
+        slots = max(len(offered), len(layout.num_experts) * layout.top_k)
+        config = EngineConfig(expert_cache=slots * slot, io_threads=io_threads)
         self.model = load_streaming_model(model_dir, config)
         self.runtime = self.model.weightstream
         try:
+            self.base_bytes = _rss()  # the interpreter, torch, the model's skeleton: before any expert
+            room = len(offered) if memory is None else (memory - margin_for(memory) - self.base_bytes) // slot
+            self.keys = sorted(offered[: max(0, room)])
             self.kernels = {part.layer: part.kernel for part in self.runtime._parts.values()}
-            for layer in sorted({layer for layer, _ in self.keys}):
+            self.by_layer: dict[int, list[int]] = {}
+            for layer, expert in self.keys:
+                self.by_layer.setdefault(layer, []).append(expert)
+            for layer, experts in self.by_layer.items():
                 if not getattr(self.kernels[layer], "fused", False):
                     raise WeightstreamError(
                         f"expert shard: layer {layer}'s experts run the {self.kernels[layer].name} kernel; shards "
                         "compute the native GGML-block kernels only: `weightstream quantize` the model first"
                     )
-                self._load(layer, [e for at, e in self.keys if at == layer])
+                fetch = self.runtime.cache.fetch_layer(layer, experts)
+                for _ in fetch.missing:
+                    self.runtime.cache.wait(fetch)
         except BaseException:
-            self.runtime.close()  # its I/O threads and leases
+            self.close()  # its I/O threads and leases
             raise
+        self.rows_served, self.compute_s = 0, 0.0
 
-    def _load(self, layer: int, experts: list[int]) -> None:
-        cache = self.runtime.cache
-        fetch = cache.fetch_layer(layer, experts)
-        for _ in fetch.missing:
-            cache.wait(fetch)
-
-    def contribute(
-        self,
-        layer: int,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        experts: list[int],
-    ) -> torch.Tensor:
-        """The contributions (tokens, top-k, hidden; float32) of `experts` of `layer`: their (token, k) rows filled,
-        the others 0."""
-        cache = self.runtime.cache
+    def rows(self, request: Request) -> torch.Tensor:
+        """The contributions (rows, hidden; float32) of this shard's experts among `request`'s choices: the
+        (token, k) rows that chose one of them, in row-major order (`owned_rows`)."""
+        start = time.perf_counter()
+        layer, hidden_states, top_k_index, top_k_weights = request
+        mine = owned_rows(top_k_index, self.by_layer.get(layer, []))
+        experts = sorted(set(top_k_index[mine].tolist()))
         contrib = empty_contributions(hidden_states, top_k_index)
-        groups = (group for group, _ in arrivals(cache, layer, [sorted(experts)], lambda s: None))
-        contribute_groups(contrib, self.kernels[layer], cache, layer, hidden_states, top_k_index, top_k_weights, groups)
-        return contrib
+        if experts:
+            cache = self.runtime.cache
+            groups = (group for group, _ in arrivals(cache, layer, [experts], lambda s: None))
+            contribute_groups(
+                contrib, self.kernels[layer], cache, layer, hidden_states, top_k_index, top_k_weights, groups
+            )
+        out = contrib[mine]
+        self.rows_served += len(out)
+        self.compute_s += time.perf_counter() - start
+        return out
 
     def resident(self) -> list[Key]:
-        """The keys this shard holds (all of them, once built)."""
+        """The keys this shard holds."""
         return self.keys
+
+    def report(self) -> dict:
+        """What the shard holds and has done: pid, keys, bytes, the process's resident set, its cgroup."""
+        return {
+            "pid": self.pid,
+            "experts": len(self.keys),
+            "expert_bytes": len(self.keys) * self.runtime.layout.slot_bytes,
+            "base_bytes": self.base_bytes,
+            "rss_bytes": _rss(),
+            "memory": self.memory,
+            "cgroup": self.cgroup,
+            "rows_served": self.rows_served,
+            "compute_s": round(self.compute_s, 6),
+        }
 
     def close(self) -> None:
         self.runtime.close()
 
 
+def owned_rows(top_k_index: torch.Tensor, experts: Sequence[int]) -> torch.Tensor:
+    """(tokens, top-k) bool: the rows whose expert is one of `experts`."""
+    return torch.isin(top_k_index, torch.tensor(list(experts), dtype=top_k_index.dtype))
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """What the head sent a shard and got back (head side: the round trip includes the shard's compute)."""
+
+    round_trips: int = 0
+    round_trip_s: float = 0.0
+    rows: int = 0  # (token, k) rows computed by the shard
+    bytes_out: int = 0  # hidden rows, top-k index and weights sent
+    bytes_in: int = 0  # contribution rows received
+    failures: int = 0  # calls that failed or timed out
+    fallback_rows: int = 0  # its rows the head computed while it was down
+    up: bool = True
+    readmitted: int = 0  # times it came back after failing
+
+
+class ShardLink:
+    """One shard as the head reaches it: `send` starts its `rows(request)`, `receive` waits for the answer (raising
+    ShardDown), `alive` says (without blocking) whether a shard that failed answers again, `resident` its keys."""
+
+    def send(self, request: Request):
+        raise NotImplementedError
+
+    def receive(self, handle, timeout_s: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def resident(self) -> list[Key]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LocalLink(ShardLink):
+    """A shard in this process (tests; one machine without Ray): answers at once."""
+
+    def __init__(self, shard: ExpertShard):
+        self.shard = shard
+
+    def send(self, request: Request):
+        return self.shard.rows(request)
+
+    def receive(self, handle, timeout_s: float) -> torch.Tensor:
+        return handle
+
+    def alive(self) -> bool:
+        return True
+
+    def resident(self) -> list[Key]:
+        return self.shard.resident()
+
+
+@dataclass
 class ShardedExperts:
     """The head's side: which shard computes which (layer, expert), and a layer computed with their rows."""
 
-    def __init__(self, owners: Mapping[Key, object], submit, result):
-        """`owners`: (layer, expert) -> its shard; `submit(shard, *args)` starts `shard.contribute(*args)` and
-        returns a handle, `result(handle)` its contributions (for Ray: `.remote` and `ray.get`)."""
-        self.owners, self.submit, self.result = dict(owners), submit, result
+    links: list[ShardLink]
+    timeout_s: float = 60.0  # a shard that takes longer is taken as down for the layer
+    stats: list[LinkStats] = field(init=False)
+
+    def __post_init__(self):
+        self.stats = [LinkStats() for _ in self.links]
+        self.owned: list[dict[int, list[int]]] = [self._owned(link) for link in self.links]
+
+    @staticmethod
+    def _owned(link: ShardLink) -> dict[int, list[int]]:
+        owned: dict[int, list[int]] = {}
+        for layer, expert in sorted(tuple(k) for k in link.resident()):
+            owned.setdefault(layer, []).append(expert)
+        return owned
+
+    def held(self) -> set[Key]:
+        """The (layer, expert) keys live shards hold now."""
+        return {
+            (layer, e) for i, own in enumerate(self.owned) if self.stats[i].up for layer, es in own.items() for e in es
+        }
+
+    def _readmit(self) -> None:
+        for i, link in enumerate(self.links):
+            if not self.stats[i].up and link.alive():
+                self.owned[i] = self._owned(link)  # a restarted shard may hold another share of what it was offered
+                self.stats[i].up, self.stats[i].readmitted = True, self.stats[i].readmitted + 1
+
+    def _down(self, i: int) -> None:
+        self.stats[i].up = False
+        self.stats[i].failures += 1
 
     def compute_layer(self, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
-        """The layer's combined expert output: the shards' experts sent first, the head's own computed meanwhile."""
-        chosen = sorted(set(top_k_index.reshape(-1).tolist()))
-        remote: dict[int, tuple[object, list[int]]] = {}
-        for e in chosen:
-            shard = self.owners.get((layer, e))
-            if shard is not None:
-                remote.setdefault(id(shard), (shard, []))[1].append(e)
-        handles = [
-            (self.submit(shard, layer, hidden_states, top_k_index, top_k_weights, members), members)
-            for shard, members in remote.values()
-        ]
-        far = {e for _, members in remote.values() for e in members}
-        local = [e for e in top_k_index.reshape(-1).tolist() if e not in far]  # token by token, as the engine looks up
+        """The layer's combined expert output: the shards' rows asked for first, the head's own computed meanwhile,
+        a failed shard's computed by the head after."""
+        self._readmit()
+        chosen = set(top_k_index.reshape(-1).tolist())
+        calls = []  # (shard, its experts here, its rows, handle, start)
+        for i, link in enumerate(self.links):
+            members = [e for e in self.owned[i].get(layer, ()) if e in chosen] if self.stats[i].up else []
+            if not members:
+                continue
+            rows = owned_rows(top_k_index, members)
+            tokens = rows.any(dim=1).nonzero().squeeze(1)  # only the tokens that chose one of them travel
+            request = (layer, hidden_states[tokens], top_k_index[tokens], top_k_weights[tokens])
+            start = time.perf_counter()
+            try:
+                handle = link.send(request)
+            except ShardDown:
+                self._down(i)
+                continue
+            self.stats[i].bytes_out += sum(t.nbytes for t in request[1:])
+            calls.append((i, members, rows, handle, start))
+        far = {e for _, members, _, _, _ in calls for e in members}
         contrib = empty_contributions(hidden_states, top_k_index)
-        if local:
-            groups = (group for group, _ in arrivals(source, layer, split_waves(local, source.n_slots), io_wait))
-            contribute_groups(contrib, kernel, source, layer, hidden_states, top_k_index, top_k_weights, groups)
-        for handle, members in handles:
-            rows = torch.isin(top_k_index, torch.tensor(members))
-            contrib[rows] = self.result(handle)[rows]
+        self._compute_here(
+            contrib,
+            [e for e in chosen if e not in far],
+            kernel,
+            source,
+            layer,
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            io_wait,
+        )
+        late = []
+        for i, members, rows, handle, start in calls:
+            s = self.stats[i]
+            try:
+                answer = self.links[i].receive(handle, self.timeout_s)
+            except ShardDown:
+                self._down(i)
+                s.fallback_rows += int(rows.sum())
+                late += members
+                continue
+            s.round_trips, s.round_trip_s = s.round_trips + 1, s.round_trip_s + time.perf_counter() - start
+            s.rows, s.bytes_in = s.rows + len(answer), s.bytes_in + answer.nbytes
+            contrib[rows] = answer
+        self._compute_here(contrib, late, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait)
         return native.moe_sum(contrib, top_k_index, hidden_states)
 
+    @staticmethod
+    def _compute_here(contrib, experts, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
+        """`experts`' rows computed by the head from its own cache, looked up token by token as the engine does."""
+        if not experts:
+            return
+        wanted = set(experts)
+        lookups = [e for e in top_k_index.reshape(-1).tolist() if e in wanted]
+        groups = (group for group, _ in arrivals(source, layer, split_waves(lookups, source.n_slots), io_wait))
+        contribute_groups(contrib, kernel, source, layer, hidden_states, top_k_index, top_k_weights, groups)
 
-def shard_actors(model_dir: str, placement: list[list[Key]], io_threads: int = 2) -> ShardedExperts:
-    """One Ray actor a set of keys in `placement` (Ray must be initialised), each built and holding its experts
-    before this returns; the head's ShardedExperts over them."""
-    import ray
+    def report(self) -> list[dict]:
+        """Per shard: what the head measured (round trips, bytes, rows, failures), and whether it is up."""
+        out = []
+        for i, s in enumerate(self.stats):
+            row = asdict(s)
+            row["shard"] = i
+            row["experts"] = sum(len(v) for v in self.owned[i].values())
+            row["round_trip_mean_us"] = round(1e6 * s.round_trip_s / s.round_trips, 1) if s.round_trips else None
+            out.append(row)
+        return out
 
-    actor = ray.remote(num_cpus=0)(ExpertShard)
-    shards = [actor.remote(model_dir, keys, io_threads) for keys in placement]
-    held = ray.get([s.resident.remote() for s in shards])
-    owners = {tuple(k): s for s, keys in zip(shards, held) for k in keys}
-    return ShardedExperts(owners, lambda s, *args: s.contribute.remote(*args), ray.get)
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
 
 
-def place(keys: list[Key], shards: int, heat: Mapping[Key, float] | None = None) -> list[list[Key]]:
-    """`keys` over `shards` sets, each layer's experts balanced by `heat` (its expected lookups; none: all alike):
+def place(keys: Sequence[Key], shards: int, heat: Mapping[Key, float] | None = None) -> list[list[Key]]:
+    """`keys` over `shards` lists, each layer's experts balanced by `heat` (expected lookups; none: all alike):
     hottest first, each to the shard with the least heat of that layer so far (ties: the fewest experts, then the
-    first shard)."""
+    first shard). Each list is in the order a shard keeps them: hottest first, so one short of memory drops the
+    coldest."""
     if shards < 1:
         raise WeightstreamError(f"--expert-shards {shards}: give 1 or more shards")
-    heat_of = lambda key: (heat or {}).get(key, 1.0)
+    heat_of = lambda key: (heat or {}).get(key, 1.0 if heat is None else 0.0)
     placement: list[list[Key]] = [[] for _ in range(shards)]
     for layer in sorted({layer for layer, _ in keys}):
         load = [(0.0, 0, i) for i in range(shards)]
@@ -145,24 +339,28 @@ def place(keys: list[Key], shards: int, heat: Mapping[Key, float] | None = None)
             weight, count, i = min(load)
             placement[i].append(key)
             load[i] = (weight + heat_of(key), count + 1, i)
-    return placement
+    return [sorted(keys_, key=lambda k: (-heat_of(k), k)) for keys_ in placement]
 
 
-@contextlib.contextmanager
-def sharded(model, model_dir: str, shards: int, address: str | None = None, io_threads: int = 2) -> Iterator[dict]:
-    """`model`'s experts computed by `shards` Ray actors, every expert on one of them, for the block: Ray started
-    here (a local cluster, or `address`'s) and shut down after. Yields the placement: {shard: [[layer, expert]]}."""
-    try:
-        import ray
-    except ImportError:
+def heat_from_trace(path: str, layout) -> dict[Key, float]:
+    """(layer, expert) -> its lookups in the routing trace at `path`, model routed layer i counted from the trace's
+    layer i (wrapping, as replay does)."""
+    import numpy as np
+
+    from weightstream.engine.routing import per_token_choices
+    from weightstream.trace import load
+
+    trace = load(path)
+    n_model = min(layout.num_experts.values())
+    if trace.shape.n_experts > n_model:
         raise WeightstreamError(
-            "--expert-shards runs the shards as Ray actors: install Ray with pip install 'weightstream[ray]'"
-        ) from None
-    placement = place(sorted(model.weightstream.layout.experts), shards)
-    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
-    try:
-        model.weightstream.shards = shard_actors(model_dir, placement, io_threads)
-        yield {i: [list(k) for k in keys] for i, keys in enumerate(placement)}
-    finally:
-        model.weightstream.shards = None
-        ray.shutdown()
+            f"--shard-heat {path}: the trace has {trace.shape.n_experts} experts a layer, this model {n_model}; "
+            "give a trace of this model (`weightstream trace record`) or of one with at most as many experts"
+        )
+    choices = per_token_choices(trace)  # (tokens, trace layers, k)
+    heat: dict[Key, float] = {}
+    for i, layer in enumerate(layout.layers):
+        column = choices[:, i % choices.shape[1]].reshape(-1)
+        counts = np.bincount(column[column >= 0], minlength=n_model)
+        heat.update({(layer, e): float(c) for e, c in enumerate(counts) if (layer, e) in layout.experts})
+    return heat

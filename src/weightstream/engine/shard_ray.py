@@ -1,0 +1,244 @@
+"""Expert shards as Ray actors (engine/shards.py's `ExpertShard`), reached through compiled graphs (issue 51).
+
+Each shard is an actor that Ray restarts when its process dies (`max_restarts=-1`; it loads and reads its experts
+again), reached through a compiled graph of its own (`experimental_compile`: shared-memory channels set up once, no
+scheduler on the path; 2.3-9x cheaper a round trip than actor calls, docs/benchmarks.md) or, with
+`transport="calls"`, plain actor calls. A graph whose shard died is torn down by Ray; the link is then down, the head
+computes the shard's experts, and `alive()` polls the restarted actor without blocking and compiles a new graph
+once it answers. A graph per shard, so that one shard's death leaves the others' graphs running.
+
+`sharded` is the `--expert-shards` of generate and serve: Ray started here (or joined), the plan made and built,
+the links handed to the model's runtime, all of it undone after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from weightstream.engine.shards import ExpertShard, Key, ShardDown, ShardedExperts, ShardLink, heat_from_trace, place
+from weightstream.errors import WeightstreamError
+
+POLL_S = 1.0  # a down shard is asked again at most this often
+TRANSPORTS = ("graph", "calls")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOptions:
+    """`--expert-shards` and its companions, as generate and serve take them."""
+
+    shards: int
+    memory: int | None = None  # --shard-memory: each shard's budget (and cgroup) in bytes; None: every offered expert
+    heat_trace: str | None = None  # --shard-heat: a routing trace whose counts place the experts
+    plan_out: str | None = None  # --shard-plan: where to save the plan (JSON)
+    address: str | None = None  # --ray-address; None: a local cluster started here (unless Ray is running)
+    transport: str = "graph"
+    timeout_s: float = 60.0
+    io_threads: int = 2
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise WeightstreamError(
+            "--expert-shards runs the shards as Ray actors: install Ray with pip install 'weightstream[ray]'"
+        ) from None
+    return ray
+
+
+class RayLink(ShardLink):
+    """An `ExpertShard` actor, by compiled graph or actor calls."""
+
+    def __init__(self, actor, transport: str = "graph"):
+        if transport not in TRANSPORTS:
+            raise WeightstreamError(f"shard transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.ray, self.actor, self.transport = _ray(), actor, transport
+        self.graph = self._compile() if transport == "graph" else None
+        self._probe, self._probed_at = None, 0.0
+
+    def _compile(self):
+        from ray.dag import InputNode
+
+        with InputNode() as request:
+            node = self.actor.rows.bind(request)
+        return node.experimental_compile()
+
+    def send(self, request):
+        try:
+            return self.graph.execute(request) if self.graph is not None else self.actor.rows.remote(request)
+        except Exception as exc:  # a torn-down graph, a dead actor: Ray raises several kinds
+            self._drop_graph()
+            raise ShardDown(str(exc)) from exc
+
+    def receive(self, handle, timeout_s: float):
+        try:
+            return self.ray.get(handle, timeout=timeout_s)
+        except Exception as exc:
+            self._drop_graph()
+            raise ShardDown(str(exc)) from exc
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            with contextlib.suppress(Exception):
+                self.graph.teardown()
+        self.graph = None
+
+    def alive(self) -> bool:
+        now = time.monotonic()
+        if self._probe is None:
+            if now - self._probed_at < POLL_S:
+                return False
+            self._probe, self._probed_at = self.actor.resident.remote(), now
+        ready, _ = self.ray.wait([self._probe], timeout=0)
+        if not ready:
+            return False
+        probe, self._probe = self._probe, None
+        try:
+            self.ray.get(probe)
+            if self.transport == "graph":
+                self.graph = self._compile()
+        except Exception:
+            self._drop_graph()
+            return False
+        return True
+
+    def resident(self) -> list[Key]:
+        return [tuple(k) for k in self.ray.get(self.actor.resident.remote())]
+
+    def report(self) -> dict:
+        return self.ray.get(self.actor.report.remote(), timeout=10)
+
+    def close(self) -> None:
+        self._drop_graph()
+        with contextlib.suppress(Exception):
+            self.ray.kill(self.actor, no_restart=True)
+
+
+def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions) -> ShardedExperts:
+    """One actor per list of `offered` (Ray must be initialised), each built and holding its share before this
+    returns; the head's ShardedExperts over them."""
+    ray = _ray()
+    actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ExpertShard)
+    session = f"weightstream-shard-{os.getpid()}-{int(time.time())}"
+    actors = [
+        actor.remote(model_dir, keys, options.memory, options.io_threads, f"{session}-{i}")
+        for i, keys in enumerate(offered)
+    ]
+    try:
+        ray.get([a.resident.remote() for a in actors])  # built: an error in one is raised here, naming it
+    except Exception as exc:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise WeightstreamError(_shard_error(exc)) from None
+    return ShardedExperts([RayLink(a, options.transport) for a in actors], timeout_s=options.timeout_s)
+
+
+def _shard_error(exc: BaseException) -> str:
+    """The first line of what a shard raised in its constructor (Ray wraps it in its own errors)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, WeightstreamError):
+            return str(seen)
+        seen = getattr(seen, "cause", None) or getattr(seen, "creation_task_error", None) or seen.__cause__
+    text = str(exc)
+    found = text.find("WeightstreamError: ")
+    if found >= 0:
+        return text[found + len("WeightstreamError: ") :].splitlines()[0]
+    return f"an expert shard failed to start: {text.splitlines()[0] if text else type(exc).__name__}"
+
+
+def remove_cgroups(report: dict) -> None:
+    """The shards' memory cgroups removed, once their processes are gone (a few seconds at most)."""
+    from pathlib import Path
+
+    from weightstream.bench.cgroup import MemoryCgroup
+
+    for shard in report.get("shards", []):
+        path = shard.get("cgroup") or ""
+        if path.startswith("/"):
+            MemoryCgroup(Path(path), True, 0).remove()
+
+
+def plan(model, options: ShardOptions) -> tuple[list[list[Key]], str]:
+    """Each shard's offered experts, hottest first, and where the heat came from."""
+    layout = model.weightstream.layout
+    heat = heat_from_trace(options.heat_trace, layout) if options.heat_trace else None
+    source = f"routing trace {options.heat_trace}" if heat else "none (every expert alike)"
+    return place(sorted(layout.experts), options.shards, heat), source
+
+
+def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions) -> dict:
+    """The plan as built: each shard's experts, bytes, memory, cgroup and pid; the experts the head reads from
+    disk."""
+    shards = []
+    for i, link in enumerate(sharded.links):
+        held = sorted(k for layer, es in sharded.owned[i].items() for k in ((layer, e) for e in es))
+        report = link.report() if hasattr(link, "report") else {}
+        shards.append({"shard": i, **report, "held": [list(k) for k in held]})
+    head = sorted(set(layout.experts) - sharded.held())
+    return {
+        "shards": shards,
+        "head_reads": [list(k) for k in head],  # not held by any shard: the head's cache reads them from disk
+        "heat": heat_source,
+        "transport": options.transport,
+        "shard_memory": options.memory,
+    }
+
+
+def summary(report: dict) -> str:
+    """One line per shard and one for the head, for stderr."""
+    lines = []
+    for s in report["shards"]:
+        lines.append(
+            f"shard {s['shard']}: {len(s['held'])} experts ({s.get('expert_bytes', 0) / 2**20:.0f} MiB) in pid "
+            f"{s.get('pid')}, {s.get('cgroup')}"
+        )
+    lines.append(f"head: reads {len(report['head_reads'])} experts from disk; heat: {report['heat']}")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -> Iterator[dict]:
+    """`model`'s experts computed by `options.shards` Ray actors for the block: Ray started here (a local cluster, or
+    `options.address`'s; one already running in this process is used as it is) and shut down after if started here.
+    Yields the plan (`plan_report`), printed on stderr unless `quiet` and saved to `options.plan_out` if given."""
+    ray = _ray()
+    offered, heat_source = plan(model, options)  # a bad trace is refused before Ray starts
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=False)
+    runtime, report = model.weightstream, {}
+    try:
+        runtime.shards = start_shards(model_dir, offered, options)
+        report = plan_report(runtime.shards, runtime.layout, heat_source, options)
+        if options.plan_out:
+            save_plan(report, options.plan_out)
+        if not quiet:
+            print(summary(report), file=sys.stderr)
+        yield report
+    finally:
+        if runtime.shards is not None:
+            runtime.shards.close()
+        runtime.shards = None
+        if started:
+            ray.shutdown()
+        remove_cgroups(report)
+
+
+def save_plan(report: dict, path: str) -> None:
+    """The plan as JSON at `path`, written beside it and renamed (never half a file)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise WeightstreamError(f"--shard-plan {path}: cannot write it ({exc.strerror})") from None
