@@ -235,8 +235,8 @@ def bench(
     with paused_proactive_reclaim():  # as for weightstream's runs: memory limits alone decide what stays cached
         group = None
         if memory_limit is not None:
-            from weightstream.bench.cgroup import MemoryCgroup
             from weightstream.bench.coldstart import drop_page_cache
+            from weightstream.cgroup import MemoryCgroup
 
             drop_page_cache([gguf])
             group = MemoryCgroup.create(memory_limit, name="ws-llama")

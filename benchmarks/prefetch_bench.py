@@ -42,7 +42,7 @@ from common.prefetch_measure import (  # noqa: E402
 )
 from common.results import default, save  # noqa: E402
 
-from weightstream.bench.cgroup import MemoryCgroup  # noqa: E402
+from weightstream.cgroup import MemoryCgroup  # noqa: E402
 from weightstream.prefetch.template import LoadTemplate  # noqa: E402
 
 GIB = 1 << 30

@@ -12,6 +12,9 @@ llama-server is `llamacpp.py serve`.
     shard-trip    one MoE layer's round trip to Ray actors holding experts (issue 51): actor calls and a compiled
                   graph, against a call in this process
     shard-decode  `generate --expert-shards N` against one process holding every expert, rounds alternated
+    shard-budget  N shards against one process streaming, each process in a memory cgroup of the same budget
+                  (root), a real trace replayed; a run with a LAN's delay injected, a run with a shard killed, and
+                  a projection for machines on a network
 
     sudo .venv/bin/python benchmarks/serve_bench.py concurrency MODEL --routing-trace ds.npz --memory-limit 5GiB
     .venv/bin/python benchmarks/serve_bench.py ray MODEL --trace .work/ds.npz --expert-cache 2x --rounds 3
@@ -19,9 +22,12 @@ llama-server is `llamacpp.py serve`.
     .venv/bin/python benchmarks/serve_bench.py load --duration 300 --clients 32 -o benchmarks/results/serve-load.json
     .venv/bin/python benchmarks/serve_bench.py shard-trip --shards 1,3 --rows 8,64 --hidden 7168 --rounds 3
     .venv/bin/python benchmarks/serve_bench.py shard-decode .work/olmoe4/q4 --shards 2 --rounds 3
+    sudo .venv/bin/python benchmarks/serve_bench.py shard-budget .work/olmoe16/q4 --budget 1.75GiB \
+        --trace .work/ds.npz --heat .work/ds-heat.npz --shards 3 --rounds 3 --delay-us 200 --kill
 
 Each prints one JSON object and writes it to --out. The subcommands run parts/serve_concurrency.py,
-parts/serve_ray.py, parts/serve_load.py, parts/shard_trip.py and parts/shard_decode.py; `serve_bench.py PART
+parts/serve_ray.py, parts/serve_load.py, parts/shard_trip.py, parts/shard_decode.py and parts/shard_budget.py;
+`serve_bench.py PART
 --help`.
 """
 
@@ -35,6 +41,7 @@ PARTS = {
     "load": Part("serve_load", "minutes of clients with cancellations and bad requests: errors, RSS, idle metrics"),
     "shard-trip": Part("shard_trip", "a MoE layer's round trip to Ray actors holding experts, against a local call"),
     "shard-decode": Part("shard_decode", "generate --expert-shards N against one process holding every expert"),
+    "shard-budget": Part("shard_budget", "N shards against one process streaming, each in a cgroup of one budget"),
 }
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from weightstream.bench.cgroup import MemoryCgroup
-from weightstream.cgroup import CgroupMemory
+from weightstream.cgroup import CgroupMemory, MemoryCgroup
 from weightstream.errors import WeightstreamError
 
 

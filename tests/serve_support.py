@@ -57,7 +57,7 @@ def loaded(model_dir: str, **options):
 
 class ServerProcess:
     """`weightstream serve MODEL_DIR --port 0 ARGS...`; `url` once it listens, `wait_ready()` until /health is ok.
-    With `cgroup` (a bench.cgroup.MemoryCgroup) the server runs inside it."""
+    With `cgroup` (a weightstream.cgroup.MemoryCgroup) the server runs inside it."""
 
     def __init__(self, model_dir: str, *args: str, env: dict | None = None, cgroup=None):
         cmd = [sys.executable, "-m", "weightstream.cli", "serve", model_dir, "--port", "0", *args]

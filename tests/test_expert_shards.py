@@ -15,8 +15,9 @@ import torch
 from weightstream.cgroup import margin_for
 from weightstream.engine.loader import load_streaming_model
 from weightstream.engine.shard_ray import ShardOptions, start_shards
-from weightstream.engine.shards import ExpertShard, LocalLink, ShardedExperts, heat_from_trace, place
+from weightstream.engine.shards import ExpertShard, LocalLink, ShardedExperts, heat_from_trace
 from weightstream.errors import WeightstreamError
+from weightstream.sim.placement import place
 from weightstream.store.model import map_model
 from weightstream.store.quant.pipeline import quantize_checkpoint
 
@@ -255,15 +256,74 @@ def test_heat_from_a_trace_counts_each_layers_lookups(native_model, tmp_path):
 
 def test_placement_spreads_each_layers_experts_and_their_heat():
     keys = [(layer, e) for layer in (1, 3) for e in range(8)]
-    even = place(keys, 3)
+    even = place(keys, 3, how="spread")
     assert sorted(k for shard in even for k in shard) == keys
     for layer in (1, 3):
         counts = [sum(1 for k in shard if k[0] == layer) for shard in even]
         assert max(counts) - min(counts) <= 1, counts
     heat = {k: (100.0 if k[1] == 0 else 1.0) for k in keys}  # one hot expert a layer: alone on its shard
-    hot = place(keys, 2, heat)
+    hot = place(keys, 2, heat, how="spread")
     for layer in (1, 3):
         with_hot = next(shard for shard in hot if (layer, 0) in shard)
         assert [k for k in with_hot if k[0] == layer] == [(layer, 0)], hot
     with pytest.raises(WeightstreamError, match="give 1 or more shards"):
         place(keys, 0)
+    with pytest.raises(WeightstreamError, match="--shard-placement round-robin: one of layers, spread"):
+        place(keys, 2, how="round-robin")
+
+
+def test_placement_by_layers_gives_each_shard_consecutive_layers_hottest_first():
+    keys = [(layer, e) for layer in (1, 2, 3, 4) for e in range(6)]
+    heat = {k: float(k[1]) for k in keys}
+    plan = place(keys, 2, heat)  # the default: layers
+    assert [sorted({k[0] for k in shard}) for shard in plan] == [[1, 2], [3, 4]]
+    assert all([heat[k] for k in shard] == sorted((heat[k] for k in shard), reverse=True) for shard in plan)
+    uneven = place(keys, 5)  # 24 experts over 5 shards: 4 or 5 each, a layer split between two at most
+    assert sorted(len(shard) for shard in uneven) == [4, 5, 5, 5, 5]
+    assert sorted(k for shard in uneven for k in shard) == keys
+
+
+def test_serve_with_expert_shards_answers_as_one_process_and_through_a_shards_death(native_model, tmp_path):
+    """`serve --expert-shards 2`: completions equal plain serve's; /metrics per shard; shard 0's process killed
+    between requests: the next answer is the same (the head computes its experts), the shard counted down, and taken
+    back once Ray has restarted it."""
+    import httpx
+
+    from serve_support import metric, serving
+
+    body = {"model": "q8", "prompt": [3, 17, 101, 250], "max_tokens": 6, "temperature": 0}
+
+    def answer(server) -> list:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    common = ("--expert-cache", "2x", "--io-threads", "2", "--served-model-name", "q8")
+    with serving(native_model, *common) as server:
+        want = answer(server)
+    plan = tmp_path / "plan.json"
+    with serving(native_model, *common, "--expert-shards", "2", "--shard-plan", str(plan)) as server:
+        assert answer(server) == want
+        text = httpx.get(f"{server.url}/metrics").text
+        for shard in ("0", "1"):
+            assert metric(text, "weightstream_shard_up", f'shard="{shard}"') == 1
+            assert metric(text, "weightstream_shard_round_trips_total", f'shard="{shard}"') > 0
+            assert metric(text, "weightstream_shard_sent_bytes_total", f'shard="{shard}"') > 0
+            assert metric(text, "weightstream_shard_received_bytes_total", f'shard="{shard}"') > 0
+        assert sum(metric(text, "weightstream_shard_experts", f'shard="{s}"') for s in "01") == len(
+            map_model(native_model).layout.experts
+        )
+        os.kill(json.loads(plan.read_text())["shards"][0]["pid"], signal.SIGKILL)
+        assert answer(server) == want
+        text = httpx.get(f"{server.url}/metrics").text
+        assert metric(text, "weightstream_shard_failures_total", 'shard="0"') == 1
+        assert metric(text, "weightstream_shard_fallback_rows_total", 'shard="0"') > 0
+        deadline = time.monotonic() + 120
+        while metric(text, "weightstream_shard_up", 'shard="0"') != 1 and time.monotonic() < deadline:
+            assert answer(server) == want  # each request's layers poll the restarted shard
+            time.sleep(0.5)
+            text = httpx.get(f"{server.url}/metrics").text
+        assert metric(text, "weightstream_shard_readmitted_total", 'shard="0"') == 1, text
+        rows = metric(text, "weightstream_shard_rows_total", 'shard="0"')
+        assert answer(server) == want
+        assert metric(httpx.get(f"{server.url}/metrics").text, "weightstream_shard_rows_total", 'shard="0"') > rows

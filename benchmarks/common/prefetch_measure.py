@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.bench.coldstart import drop_system_page_cache
+from weightstream.cgroup import MemoryCgroup
 from weightstream.io.pagecache import cached_bytes, evict_file
 
 HERE = Path(__file__).resolve().parent

@@ -36,11 +36,11 @@ from common.clients import run_clients, stderr_lines, wait_ready
 from common.results import default, emit
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.bench.coldstart import drop_page_cache
 from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
 from weightstream.bench.prompts import BUILTIN_PROMPTS
 from weightstream.bench.reclaim import paused_proactive_reclaim
+from weightstream.cgroup import MemoryCgroup
 from weightstream.store.checkpoint import open_checkpoint
 from weightstream.units import parse_size
 

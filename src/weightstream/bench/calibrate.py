@@ -339,8 +339,7 @@ class Calibrator:
         "page_limit_evicted_mib"} (MiB the kernel read per step, /proc/self/io, each after a reclaim; touched x
         readahead where the kernel does not count), "measured"),
         or (None, why not) where no cgroup can be made (not root)."""
-        from weightstream.bench.cgroup import MemoryCgroup
-        from weightstream.cgroup import CgroupMemory
+        from weightstream.cgroup import CgroupMemory, MemoryCgroup
         from weightstream.errors import WeightstreamError
 
         steps = min(PAGE_STEPS + 2, self.n_experts // self.k)

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from weightstream.bench.cgroup import MemoryCgroup
 from weightstream.bench.coldstart import drop_page_cache
 from weightstream.bench.machine import block_device_of, device_bytes_read, machine_info
 from weightstream.bench.overlap import OVERLAP_TARGET, judge_overlap, reader_bandwidth
 from weightstream.bench.reclaim import paused_proactive_reclaim
 from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER
+from weightstream.cgroup import MemoryCgroup
 from weightstream.errors import WeightstreamError
 from weightstream.sim.cost_model import fit_cost_model
 from weightstream.store.checkpoint import open_checkpoint

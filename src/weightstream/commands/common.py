@@ -281,6 +281,21 @@ def add_shard_options(p, ray_address: bool = True) -> None:
         default="graph",
         help="graph (default): a Ray compiled graph per shard (shared-memory channels); calls: plain actor calls",
     )
+    g.add_argument(
+        "--shard-placement",
+        choices=("layers", "spread"),
+        default="layers",
+        help="layers (default): consecutive layers to each shard, one round trip a layer (shards sharing a machine's "
+        "cores, or a slow network); spread: each layer's experts over every shard, balanced by heat, the layer's "
+        "compute in parallel (a shard per machine, a fast network)",
+    )
+    g.add_argument(
+        "--shard-delay-us",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="benchmarks: add US microseconds to each layer's round trip to the shards (a network's latency)",
+    )
     if ray_address:
         g.add_argument(
             "--ray-address",
@@ -297,6 +312,8 @@ def shard_options(args):
     given = [f for f in ("shard_memory", "shard_heat", "shard_plan") if getattr(args, f) is not None]
     if n < 0:
         raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
+    if args.shard_delay_us < 0:
+        raise WeightstreamError(f"--shard-delay-us {args.shard_delay_us}: must be 0 or more")
     if not n:
         if given:
             raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
@@ -315,5 +332,7 @@ def shard_options(args):
         plan_out=args.shard_plan,
         address=getattr(args, "ray_address", None),
         transport=args.shard_transport,
+        placement=args.shard_placement,
         io_threads=args.io_threads,
+        delay_us=args.shard_delay_us,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 from weightstream.commands.common import (
@@ -48,6 +49,12 @@ def register(sub) -> None:
     add_prefill_chunk_option(p)
     add_shard_options(p)
     p.add_argument(
+        "--routing-trace",
+        metavar="TRACE.npz",
+        help="benchmarks: replay this routing trace instead of the router, from its first token; reads and compute "
+        "are real, the text is meaningless",
+    )
+    p.add_argument(
         "--json", action="store_true", help='print one JSON object: {"token_ids": [...], "text": ..., "stats": {...}}'
     )
     p.set_defaults(func=run)
@@ -66,10 +73,7 @@ def run(args) -> int:
         raise WeightstreamError("--ray-address places expert shards: give --expert-shards N with it")
     model_dir = resolve_model(args.model)
 
-    import torch
-
-    from weightstream.engine.generate import generate
-    from weightstream.engine.loader import load_streaming_model, load_tokenizer
+    from weightstream.engine.loader import load_tokenizer
     from weightstream.store.checkpoint import open_checkpoint
 
     engine = engine_config(args)
@@ -81,7 +85,26 @@ def run(args) -> int:
     _check_prompt(model_dir, ids, args.max_new_tokens)
     if args.memory is not None:  # the KV cache this generation needs, and a warm-up as long as its longest forward
         engine = engine.replace(context=len(ids) + args.max_new_tokens, warmup_tokens=min(len(ids), chunk))
+    trace = _trace(args.routing_trace)  # read before the model, so that --memory counts it with what came before
+    # Ray connected before the model, so that --memory counts Ray's share of this process too; what Ray prints (a
+    # shard's death) goes to stderr, so that stdout holds the answer alone
+    with _ray(shards), contextlib.redirect_stdout(sys.stderr if shards else sys.stdout):
+        answer = _generate(args, model_dir, engine, tokenizer, ids, chunk, shards, trace)
+    print(answer)
+    return 0
+
+
+def _generate(args, model_dir, engine, tokenizer, ids, chunk, shards, trace) -> str:
+    """What generate prints on stdout (the text, or the --json object); the summary line goes to stderr."""
+    import torch
+
+    from weightstream.engine.generate import generate
+    from weightstream.engine.loader import load_streaming_model
+    from weightstream.engine.routing import RoutingReplay
+
     model = load_streaming_model(model_dir, engine)
+    if trace is not None:
+        model.weightstream.routing_override = RoutingReplay(trace, model.weightstream.layout)
     if args.miss_copy:
         print(miss_copy_note("generate"), file=sys.stderr)
     guard = model.weightstream.file_guard
@@ -110,11 +133,28 @@ def run(args) -> int:
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes_per_s"] = stats.weight_bytes_per_token * stats.decode_tokens_per_s
         report["share_of_read_bandwidth"] = report["weight_bytes_per_s"] / bandwidth
-        print(json.dumps({"token_ids": token_ids, "text": text, "stats": report}))
-    else:
-        print(text if text is not None else " ".join(map(str, token_ids)))
-        print(summary_line(stats), file=sys.stderr)
-    return 0
+        return json.dumps({"token_ids": token_ids, "text": text, "stats": report})
+    print(summary_line(stats), file=sys.stderr)
+    return text if text is not None else " ".join(map(str, token_ids))
+
+
+def _trace(path: str | None):
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise WeightstreamError(f"--routing-trace {path}: no such file; give a routing trace (.npz)")
+    from weightstream.trace import load
+
+    return load(path)
+
+
+def _ray(options):
+    """Ray connected (or a local cluster started) for the block where shards are asked for."""
+    if options is None:
+        return contextlib.nullcontext()
+    from weightstream.engine.shard_ray import ray_running
+
+    return ray_running(options)
 
 
 def _shards(options, model, model_dir: str):

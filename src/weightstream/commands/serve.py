@@ -9,9 +9,11 @@ import sys
 from weightstream.commands.common import (
     add_engine_options,
     add_prefill_chunk_option,
+    add_shard_options,
     engine_config,
     miss_copy_note,
     prefill_chunk_of,
+    shard_options,
 )
 from weightstream.errors import WeightstreamError
 
@@ -101,6 +103,7 @@ def register(sub) -> None:
     )
     add_engine_options(p)
     add_prefill_chunk_option(p)
+    add_shard_options(p, ray_address=False)  # --ray-address is the Ray group's: with --expert-shards it places them
     add_ray_options(p)
     p.set_defaults(func=run)
 
@@ -129,7 +132,7 @@ def add_ray_options(p) -> None:
         "--ray-address",
         metavar="ADDRESS",
         help="--ray: join this running Ray cluster (e.g. auto, or HEAD:6379) instead of starting one; on exit only "
-        "this application is deleted",
+        "this application is deleted. With --expert-shards: the cluster the shards are placed on",
     )
     ray.add_argument(
         "--max-ongoing-requests",
@@ -182,7 +185,10 @@ def _settings(args):
     """ServeSettings from serve's options, checked (the model found, Ray's options only with --ray)."""
     from weightstream.store.model_dir import resolve_model
 
+    shards = shard_options(args)
     given = [name for name in RAY_ONLY if getattr(args, name) is not None]
+    if shards is not None and given == ["ray_address"]:
+        given = []  # without --ray it is the cluster the shards are placed on
     if given and not args.ray:
         raise WeightstreamError(f"--{given[0].replace('_', '-')} goes with --ray; add --ray or leave it out")
     if args.ray and args.step_log:
@@ -210,6 +216,7 @@ def _settings(args):
         shutdown_grace_s=args.shutdown_grace,
         routing_trace=args.routing_trace,
         step_log=args.step_log,
+        shards=shards,
     )
 
 

@@ -81,6 +81,27 @@ def register(sub) -> None:
         "takes one (the hit on a small copy that reads its full blob; never: small copies stay until evicted); "
         "default 1,2,4,8,never",
     )
+    c = p.add_argument_group(
+        "a cluster of expert shards (generate/serve --expert-shards; docs/serving.md)",
+        "price the cluster instead of the policies: each of --shards holds the hottest experts of its share that "
+        "fit in --shard-memory (heat from the first --train-share of the requests), the head caches the rest (LRU, "
+        "--head-cache) and reads its misses; per judged token: round trips, bytes on the network and their time, "
+        "the head's reads",
+    )
+    c.add_argument("--shards", type=int, metavar="N", help="shard processes (machines) holding experts")
+    c.add_argument("--shard-memory", metavar="SIZE", help="what each shard may hold, its process included")
+    c.add_argument(
+        "--shard-base",
+        default="512MiB",
+        metavar="SIZE",
+        help="what a shard's process holds before any expert (default 512MiB; 470-495 MiB measured for a 16-layer "
+        "OLMoE, the plan of `generate --shard-plan` says it for a model)",
+    )
+    c.add_argument("--head-cache", default="1x", metavar="SIZE", help="the head's expert cache (default 1x)")
+    c.add_argument("--hidden", type=int, metavar="N", help="the model's hidden size (the rows that travel)")
+    c.add_argument("--network-gbps", type=float, default=25.0, metavar="G", help="bandwidth (default 25 Gb/s)")
+    c.add_argument("--network-rtt-us", type=float, default=50.0, metavar="US", help="round trip (default 50 us)")
+    c.add_argument("--shard-placement", choices=("layers", "spread"), default="layers", help="as --expert-shards")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
     p.set_defaults(func=run)
@@ -199,6 +220,8 @@ def run(args) -> int:
         raise WeightstreamError(
             f"{args.trace}: the trace has no steps, so there is no routing to replay; import or record one with tokens"
         )
+    if args.shards is not None or args.shard_memory is not None:
+        return _cluster(args, trace)
     policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
     w = Workload(trace, args.train_share)
     opts = Options(protected_share=args.protected_share, threshold=args.adaptive_threshold)
@@ -222,4 +245,49 @@ def run(args) -> int:
         _table(trace, results, w)
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _cluster(args, trace) -> int:
+    """`--shards`: the cluster priced (sim/cluster.py), as a table or --json."""
+    from weightstream.sim.cluster import ClusterSpec, price_cluster
+    from weightstream.sim.sizes import parse_sizes
+    from weightstream.units import parse_size
+
+    if args.shards is None or args.shard_memory is None or args.hidden is None:
+        raise WeightstreamError("--shards prices a cluster: give --shards N, --shard-memory SIZE and --hidden N")
+    if args.hidden < 1 or args.network_gbps <= 0 or args.network_rtt_us < 0:
+        raise WeightstreamError("--hidden and --network-gbps must be positive, --network-rtt-us 0 or more")
+    spec = ClusterSpec(
+        shards=args.shards,
+        shard_memory=parse_size(args.shard_memory, "--shard-memory"),
+        shard_base=parse_size(args.shard_base, "--shard-base"),
+        head_cache=parse_sizes(args.head_cache, trace.shape.working_set_bytes)[0],
+        hidden=args.hidden,
+        gbps=args.network_gbps,
+        rtt_us=args.network_rtt_us,
+        placement=args.shard_placement,
+    )
+    report = price_cluster(trace, spec, args.train_share)
+    if args.json:
+        print(json.dumps({"trace": trace.shape.name, "cluster": report}))
+        return 0
+    on = report["experts_on_shards"]
+    print(
+        f"{trace.shape.name}: {report['judged_tokens']} judged tokens; {args.shards} shards of "
+        f"{args.shard_memory} hold {on} of {report['experts']} experts ({report['experts_per_shard']} each)"
+    )
+    print(f"  lookups served by shards   {100 * report['share_of_lookups_on_shards']:.1f}%")
+    print(
+        f"  round trips a token        {report['round_trips_per_token']} "
+        f"({report['layers_with_a_trip_per_token']} layers wait on one)"
+    )
+    print(
+        f"  network a token            {report['network_bytes_per_token'] / 1024:.1f} KiB, "
+        f"{report['network_ms_per_token']:.2f} ms at {args.network_gbps:g} Gb/s and {args.network_rtt_us:g} us"
+    )
+    print(
+        f"  head reads a token         {report['head_mib_read_per_token']:.1f} MiB "
+        f"({report['head_misses_per_token']} misses; its cache {report['head_cache_experts']} experts)"
+    )
     return 0

@@ -21,8 +21,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from weightstream.engine.shards import ExpertShard, Key, ShardDown, ShardedExperts, ShardLink, heat_from_trace, place
+from weightstream.engine.shards import ExpertShard, Key, ShardDown, ShardedExperts, ShardLink, heat_from_trace
 from weightstream.errors import WeightstreamError
+from weightstream.sim.placement import place
 
 POLL_S = 1.0  # a down shard is asked again at most this often
 TRANSPORTS = ("graph", "calls")
@@ -38,8 +39,10 @@ class ShardOptions:
     plan_out: str | None = None  # --shard-plan: where to save the plan (JSON)
     address: str | None = None  # --ray-address; None: a local cluster started here (unless Ray is running)
     transport: str = "graph"
+    placement: str = "layers"  # --shard-placement: sim/placement.py's `place`
     timeout_s: float = 60.0
     io_threads: int = 2
+    delay_us: float = 0.0  # --shard-delay-us: added to each layer's round trip (a network's latency, benchmarks)
 
 
 def _ray():
@@ -136,7 +139,8 @@ def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions
         for a in actors:
             ray.kill(a, no_restart=True)
         raise WeightstreamError(_shard_error(exc)) from None
-    return ShardedExperts([RayLink(a, options.transport) for a in actors], timeout_s=options.timeout_s)
+    links = [RayLink(a, options.transport) for a in actors]
+    return ShardedExperts(links, timeout_s=options.timeout_s, delay_s=options.delay_us / 1e6)
 
 
 def _shard_error(exc: BaseException) -> str:
@@ -157,7 +161,7 @@ def remove_cgroups(report: dict) -> None:
     """The shards' memory cgroups removed, once their processes are gone (a few seconds at most)."""
     from pathlib import Path
 
-    from weightstream.bench.cgroup import MemoryCgroup
+    from weightstream.cgroup import MemoryCgroup
 
     for shard in report.get("shards", []):
         path = shard.get("cgroup") or ""
@@ -170,7 +174,7 @@ def plan(model, options: ShardOptions) -> tuple[list[list[Key]], str]:
     layout = model.weightstream.layout
     heat = heat_from_trace(options.heat_trace, layout) if options.heat_trace else None
     source = f"routing trace {options.heat_trace}" if heat else "none (every expert alike)"
-    return place(sorted(layout.experts), options.shards, heat), source
+    return place(sorted(layout.experts), options.shards, heat, options.placement), source
 
 
 def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions) -> dict:
@@ -179,7 +183,7 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
     shards = []
     for i, link in enumerate(sharded.links):
         held = sorted(k for layer, es in sharded.owned[i].items() for k in ((layer, e) for e in es))
-        report = link.report() if hasattr(link, "report") else {}
+        report = link.report()
         shards.append({"shard": i, **report, "held": [list(k) for k in held]})
     head = sorted(set(layout.experts) - sharded.held())
     return {
@@ -187,6 +191,7 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
         "head_reads": [list(k) for k in head],  # not held by any shard: the head's cache reads them from disk
         "heat": heat_source,
         "transport": options.transport,
+        "placement": options.placement,
         "shard_memory": options.memory,
     }
 
@@ -204,15 +209,26 @@ def summary(report: dict) -> str:
 
 
 @contextlib.contextmanager
-def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -> Iterator[dict]:
-    """`model`'s experts computed by `options.shards` Ray actors for the block: Ray started here (a local cluster, or
-    `options.address`'s; one already running in this process is used as it is) and shut down after if started here.
-    Yields the plan (`plan_report`), printed on stderr unless `quiet` and saved to `options.plan_out` if given."""
+def ray_running(options: ShardOptions) -> Iterator[None]:
+    """Ray for the block: a local cluster started here, or `options.address`'s joined, and shut down after; one
+    already running in this process (a Ray Serve replica) is used as it is."""
     ray = _ray()
-    offered, heat_source = plan(model, options)  # a bad trace is refused before Ray starts
     started = not ray.is_initialized()
     if started:
         ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -> Iterator[dict]:
+    """`model`'s experts computed by `options.shards` Ray actors for the block (Ray running: `ray_running`), taken
+    back after. Yields the plan (`plan_report`), printed on stderr unless `quiet` and saved to `options.plan_out` if
+    given."""
+    offered, heat_source = plan(model, options)
     runtime, report = model.weightstream, {}
     try:
         runtime.shards = start_shards(model_dir, offered, options)
@@ -226,8 +242,6 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
         if runtime.shards is not None:
             runtime.shards.close()
         runtime.shards = None
-        if started:
-            ray.shutdown()
         remove_cgroups(report)
 
 

@@ -13,15 +13,17 @@ kernels, `fused`); the head's cache is never asked for an expert a live shard ho
 
 A shard that fails or does not answer in time costs latency, not answers: the head computes its experts from its own
 reads for that layer and every later one until the link says the shard is back (Ray restarts it; the link re-reads
-what it holds). `place` spreads each layer's experts over the shards by heat (`heat_from_trace`: a routing trace's
-counts); engine/shard_ray.py runs shards as Ray actors.
+what it holds). sim/placement.py's `place` makes the plan, by heat where given (`heat_from_trace`: a routing
+trace's counts); engine/shard_ray.py runs shards as Ray actors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,9 +32,14 @@ from weightstream import native
 from weightstream.cache.policy import split_waves
 from weightstream.engine.experts import arrivals, contribute_groups, empty_contributions
 from weightstream.errors import WeightstreamError
+from weightstream.sim.placement import heat_counts
 
 Key = tuple[int, int]  # (layer, expert)
 Request = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # layer, hidden rows, their top-k index and weights
+
+
+QUICKEST_OF = 32  # round trips a shard's quickest is taken over
+DUE_SHARE = 0.8  # of the quickest, slept before reading the answers
 
 
 class ShardDown(Exception):
@@ -42,7 +49,7 @@ class ShardDown(Exception):
 def _confine(memory: int, name: str) -> tuple[object | None, str]:
     """This process moved into the memory cgroup `name` (made, or taken as it is where it exists: a restarted
     shard's) of `memory` bytes: (the cgroup, its path), or (None, why not)."""
-    from weightstream.bench.cgroup import MemoryCgroup
+    from weightstream.cgroup import MemoryCgroup
 
     try:
         group = MemoryCgroup.create(memory, name=name, unique=False)
@@ -69,6 +76,7 @@ class ExpertShard:
         memory: int | None = None,
         io_threads: int = 2,
         cgroup: str | None = None,
+        threads: int | None = None,
     ):
         from weightstream.cgroup import margin_for
         from weightstream.engine.config import EngineConfig
@@ -76,6 +84,9 @@ class ExpertShard:
         from weightstream.store.model import map_model
 
         self.pid, self.memory = os.getpid(), memory
+        with contextlib.suppress(OSError):  # Ray starts workers at niceness 15: a shard computes on the head's path
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))  # Ray's workers start with one
         self.group, self.cgroup = (None, "not confined")
         if memory and cgroup:
             self.group, self.cgroup = _confine(memory, cgroup)
@@ -190,6 +201,10 @@ class ShardLink:
     def resident(self) -> list[Key]:
         raise NotImplementedError
 
+    def report(self) -> dict:
+        """`ExpertShard.report` of the shard."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -212,6 +227,9 @@ class LocalLink(ShardLink):
     def resident(self) -> list[Key]:
         return self.shard.resident()
 
+    def report(self) -> dict:
+        return self.shard.report()
+
 
 @dataclass
 class ShardedExperts:
@@ -219,10 +237,12 @@ class ShardedExperts:
 
     links: list[ShardLink]
     timeout_s: float = 60.0  # a shard that takes longer is taken as down for the layer
+    delay_s: float = 0.0  # added once to each layer's round trip (benchmarks: a network's latency, injected)
     stats: list[LinkStats] = field(init=False)
 
     def __post_init__(self):
         self.stats = [LinkStats() for _ in self.links]
+        self.quickest = [deque(maxlen=QUICKEST_OF) for _ in self.links]  # each shard's last round trips, seconds
         self.owned: list[dict[int, list[int]]] = [self._owned(link) for link in self.links]
 
     @staticmethod
@@ -255,10 +275,13 @@ class ShardedExperts:
         chosen = set(top_k_index.reshape(-1).tolist())
         calls = []  # (shard, its experts here, its rows, handle, start)
         for i, link in enumerate(self.links):
-            members = [e for e in self.owned[i].get(layer, ()) if e in chosen] if self.stats[i].up else []
+            members = [e for e in self.owned[i].get(layer, ()) if e in chosen]
             if not members:
                 continue
             rows = owned_rows(top_k_index, members)
+            if not self.stats[i].up:  # the head computes them below, with its own
+                self.stats[i].fallback_rows += int(rows.sum())
+                continue
             tokens = rows.any(dim=1).nonzero().squeeze(1)  # only the tokens that chose one of them travel
             request = (layer, hidden_states[tokens], top_k_index[tokens], top_k_weights[tokens])
             start = time.perf_counter()
@@ -282,6 +305,9 @@ class ShardedExperts:
             top_k_weights,
             io_wait,
         )
+        if calls and self.delay_s:
+            time.sleep(self.delay_s)
+        self._sleep_until_due(calls)
         late = []
         for i, members, rows, handle, start in calls:
             s = self.stats[i]
@@ -292,11 +318,24 @@ class ShardedExperts:
                 s.fallback_rows += int(rows.sum())
                 late += members
                 continue
-            s.round_trips, s.round_trip_s = s.round_trips + 1, s.round_trip_s + time.perf_counter() - start
+            took = time.perf_counter() - start
+            s.round_trips, s.round_trip_s = s.round_trips + 1, s.round_trip_s + took
+            self.quickest[i].append(took)
             s.rows, s.bytes_in = s.rows + len(answer), s.bytes_in + answer.nbytes
             contrib[rows] = answer
         self._compute_here(contrib, late, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait)
         return native.moe_sum(contrib, top_k_index, hidden_states)
+
+    def _sleep_until_due(self, calls) -> None:
+        """Sleeps until the first answer can be due: DUE_SHARE of the quickest of each shard's last round trips
+        after it was sent. Ray's channels wait for an answer by spinning (sched_yield), which takes a core from
+        shards that share the machine; an answer is never due sooner than the quickest trip, so on a network this
+        costs nothing."""
+        due = [start + DUE_SHARE * min(self.quickest[i]) for i, _, _, _, start in calls if self.quickest[i]]
+        if due and len(due) == len(calls):
+            wait = min(due) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
 
     @staticmethod
     def _compute_here(contrib, experts, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
@@ -316,6 +355,13 @@ class ShardedExperts:
             row["shard"] = i
             row["experts"] = sum(len(v) for v in self.owned[i].values())
             row["round_trip_mean_us"] = round(1e6 * s.round_trip_s / s.round_trips, 1) if s.round_trips else None
+            if s.up:  # what the shard says of itself: its compute time, its process's memory
+                with contextlib.suppress(Exception):
+                    own = self.links[i].report()
+                    row["shard_compute_s"], row["shard_rss_bytes"] = own["compute_s"], own["rss_bytes"]
+                    row["shard_compute_mean_us"] = (
+                        round(1e6 * own["compute_s"] / s.round_trips, 1) if s.round_trips else None
+                    )
             out.append(row)
         return out
 
@@ -324,29 +370,9 @@ class ShardedExperts:
             link.close()
 
 
-def place(keys: Sequence[Key], shards: int, heat: Mapping[Key, float] | None = None) -> list[list[Key]]:
-    """`keys` over `shards` lists, each layer's experts balanced by `heat` (expected lookups; none: all alike):
-    hottest first, each to the shard with the least heat of that layer so far (ties: the fewest experts, then the
-    first shard). Each list is in the order a shard keeps them: hottest first, so one short of memory drops the
-    coldest."""
-    if shards < 1:
-        raise WeightstreamError(f"--expert-shards {shards}: give 1 or more shards")
-    heat_of = lambda key: (heat or {}).get(key, 1.0 if heat is None else 0.0)
-    placement: list[list[Key]] = [[] for _ in range(shards)]
-    for layer in sorted({layer for layer, _ in keys}):
-        load = [(0.0, 0, i) for i in range(shards)]
-        for key in sorted((k for k in keys if k[0] == layer), key=lambda k: (-heat_of(k), k)):
-            weight, count, i = min(load)
-            placement[i].append(key)
-            load[i] = (weight + heat_of(key), count + 1, i)
-    return [sorted(keys_, key=lambda k: (-heat_of(k), k)) for keys_ in placement]
-
-
 def heat_from_trace(path: str, layout) -> dict[Key, float]:
     """(layer, expert) -> its lookups in the routing trace at `path`, model routed layer i counted from the trace's
     layer i (wrapping, as replay does)."""
-    import numpy as np
-
     from weightstream.engine.routing import per_token_choices
     from weightstream.trace import load
 
@@ -357,10 +383,5 @@ def heat_from_trace(path: str, layout) -> dict[Key, float]:
             f"--shard-heat {path}: the trace has {trace.shape.n_experts} experts a layer, this model {n_model}; "
             "give a trace of this model (`weightstream trace record`) or of one with at most as many experts"
         )
-    choices = per_token_choices(trace)  # (tokens, trace layers, k)
-    heat: dict[Key, float] = {}
-    for i, layer in enumerate(layout.layers):
-        column = choices[:, i % choices.shape[1]].reshape(-1)
-        counts = np.bincount(column[column >= 0], minlength=n_model)
-        heat.update({(layer, e): float(c) for e, c in enumerate(counts) if (layer, e) in layout.experts})
-    return heat
+    heat = heat_counts(per_token_choices(trace), layout.layers, n_model)
+    return {key: count for key, count in heat.items() if key in layout.experts}

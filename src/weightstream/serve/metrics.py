@@ -179,6 +179,8 @@ class _LiveCollector:
             "Memory of the expert cache (its byte budget)",
             runtime.cache.memory_bytes,
         )
+        if runtime.shards is not None:
+            yield from _shard_metrics(runtime.shards)
         totals = engine.recorder.snapshot()
         yield _counter("weightstream_decode_steps", "Decode forwards", totals.steps)
         yield _counter(
@@ -197,3 +199,42 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+SHARD_METRICS = (  # (name, kind, what, LinkStats field) of each expert shard, labelled shard="i" (--expert-shards)
+    (
+        "weightstream_shard_up",
+        "gauge",
+        "1 while the head sends the shard its rows; 0 while it computes them itself",
+        "up",
+    ),
+    ("weightstream_shard_experts", "gauge", "Experts the shard holds in memory", None),
+    ("weightstream_shard_round_trips", "counter", "Layer round trips to the shard", "round_trips"),
+    ("weightstream_shard_round_trip_seconds", "counter", "Time in round trips to the shard", "round_trip_s"),
+    ("weightstream_shard_rows", "counter", "(token, k) rows the shard computed", "rows"),
+    ("weightstream_shard_sent_bytes", "counter", "Hidden rows, top-k index and weights sent", "bytes_out"),
+    ("weightstream_shard_received_bytes", "counter", "Contribution rows received from the shard", "bytes_in"),
+    (
+        "weightstream_shard_failures",
+        "counter",
+        "Calls that failed or timed out (the shard then taken as down)",
+        "failures",
+    ),
+    (
+        "weightstream_shard_fallback_rows",
+        "counter",
+        "The shard's rows the head computed while it was down",
+        "fallback_rows",
+    ),
+    ("weightstream_shard_readmitted", "counter", "Times the shard came back after failing", "readmitted"),
+)
+
+
+def _shard_metrics(sharded):
+    """Per expert shard, from what the head measured (no call to the shards at scrape time)."""
+    for name, kind, doc, attr in SHARD_METRICS:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["shard"])
+        for i, stats in enumerate(sharded.stats):
+            value = sum(map(len, sharded.owned[i].values())) if attr is None else float(getattr(stats, attr))
+            family.add_metric([str(i)], value)
+        yield family

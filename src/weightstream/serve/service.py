@@ -4,6 +4,7 @@ budget), and the Reply that gathers them."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -58,6 +59,7 @@ class ServeSettings:
     shutdown_grace_s: float = 10.0
     routing_trace: str | None = None  # replay this trace's routing (benchmarks; the text is then meaningless)
     step_log: str | None = None  # one JSON line per forward step
+    shards: object | None = None  # engine/shard_ray.py's ShardOptions: experts held by shard actors (--expert-shards)
     replay_by_prompt: bool = False  # routing_trace: a prompt replays the trace request it hashes to (replay.py)
     expert_affinity: bool = False  # record each prompt's prefill experts and the cache's for a router (affinity.py)
     prefill_chunk: int | None = None  # positions per prefill forward (None: one forward; --memory: 256)
@@ -124,6 +126,8 @@ class ModelService:
         self.max_model_len = self.kv_bytes_per_token = 0
         self.eos_ids: frozenset[int] = frozenset()
         self._loader = threading.Thread(target=self._load_or_report, name="ws-load", daemon=True)
+        self._shards = contextlib.ExitStack()  # Ray and the expert shards, with --expert-shards
+        self.shard_plan: dict | None = None
 
     @property
     def model_name(self) -> str:
@@ -147,10 +151,23 @@ class ModelService:
             engine = engine.replace(
                 kv_cache_bytes=s.kv_budget_bytes, context=s.max_model_len, warmup_tokens=s.prefill_chunk
             )
-        self.model = load_streaming_model(s.model_dir, engine)
+        if s.shards is not None:  # Ray connected before the model, so that --memory counts it
+            from weightstream.engine.shard_ray import ray_running
+
+            self._shards.enter_context(ray_running(s.shards))
         try:
+            self.model = load_streaming_model(s.model_dir, engine)
+        except BaseException:
+            self._shards.close()
+            raise
+        try:
+            if s.shards is not None:
+                from weightstream.engine.shard_ray import sharded
+
+                self.shard_plan = self._shards.enter_context(sharded(self.model, s.model_dir, s.shards))
             self._configure()
         except BaseException:
+            self._shards.close()
             self.model.weightstream.close()
             self.model = None
             raise
@@ -255,6 +272,7 @@ class ModelService:
             self.scheduler.stop()
         if self.recorder is not None:
             self.recorder.close()
+        self._shards.close()  # the shard actors, then Ray where this process started it
         if self.model is not None:
             self.model.weightstream.close()
         self.ready = False
