@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -156,8 +157,17 @@ def run(args) -> int:
         return 0
     from weightstream.serve.server import serve
 
-    serve(settings, host=args.host, port=args.port, log_level=args.log_level)
+    with _ray_for_shards(settings.shards):  # in this thread: processes Ray starts end with the thread that started it
+        serve(settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _ray_for_shards(options):
+    if options is None:
+        return contextlib.nullcontext()
+    from weightstream.engine.shard_ray import ray_running
+
+    return ray_running(options)
 
 
 def ray_app(args: dict):
