@@ -54,7 +54,8 @@ def _command(args, shards: int, extra: list[str]) -> list[str]:
     cmd += ["--max-new-tokens", str(args.tokens), "--memory", args.budget, "--routing-trace", args.trace, "--json"]
     if shards:
         cmd += ["--expert-shards", str(shards), "--shard-memory", args.budget, "--ray-address", args.address]
-        cmd += ["--shard-placement", args.placement] + (["--shard-heat", args.heat] if args.heat else [])
+        cmd += ["--shard-placement", args.placement, "--shard-transport", args.transport]
+        cmd += ["--shard-heat", args.heat] if args.heat else []
     return cmd + extra
 
 
@@ -163,6 +164,7 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
     ap.add_argument("--heat", help="the routing trace the placement's heat comes from (.npz; default: none)")
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--placement", default="layers", choices=("layers", "spread"))
+    ap.add_argument("--transport", default="graph", choices=("graph", "calls"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens a run (default 64)")
     ap.add_argument("--prompt-ids", default="3,17,101,250,7,42,311,5")
@@ -220,6 +222,7 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
             "heat": args.heat,
             "shards": args.shards,
             "placement": args.placement,
+            "transport": args.transport,
             "tokens": args.tokens,
             "tokens_equal": True,
             "ratio_median": statistics.median(ratios),

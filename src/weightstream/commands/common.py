@@ -265,14 +265,16 @@ def add_shard_options(p, ray_address: bool = True) -> None:
     g.add_argument(
         "--shard-memory",
         metavar="SIZE",
-        help="what each shard may hold, the process included (e.g. 6GiB): it keeps the hottest experts that fit and, "
-        "where it may (root, cgroup v2), runs in a memory cgroup of SIZE (default: no limit, every expert held)",
+        help="what each shard may hold, its process included (e.g. 6GiB): it keeps the hottest experts of its share "
+        "that fit beside what its process holds and, where it may (root, a cgroup memory controller), runs in a "
+        "memory cgroup of SIZE of its own (default: no limit, every expert held)",
     )
     g.add_argument(
         "--shard-heat",
         metavar="TRACE.npz",
-        help="place experts by their lookups in this routing trace (`weightstream trace record` or `trace import`): "
-        "each layer's load balanced over the shards, the hottest kept first (default: every expert alike)",
+        help="the experts' heat: their lookups in this routing trace (`weightstream trace record` or `trace "
+        "import`): each shard keeps the hottest of its share first, and --shard-placement spread balances each "
+        "layer's heat over the shards (default: every expert alike)",
     )
     g.add_argument("--shard-plan", metavar="FILE.json", help="save the placement as built: shard -> experts, pids")
     g.add_argument(

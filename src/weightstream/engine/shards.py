@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -36,10 +35,6 @@ from weightstream.sim.placement import heat_counts
 
 Key = tuple[int, int]  # (layer, expert)
 Request = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # layer, hidden rows, their top-k index and weights
-
-
-QUICKEST_OF = 32  # round trips a shard's quickest is taken over
-DUE_SHARE = 0.8  # of the quickest, slept before reading the answers
 
 
 class ShardDown(Exception):
@@ -86,7 +81,7 @@ class ExpertShard:
         self.pid, self.memory = os.getpid(), memory
         with contextlib.suppress(OSError):  # Ray starts workers at niceness 15: a shard computes on the head's path
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))  # Ray's workers start with one
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))  # Ray starts its workers with one
         self.group, self.cgroup = (None, "not confined")
         if memory and cgroup:
             self.group, self.cgroup = _confine(memory, cgroup)
@@ -242,7 +237,6 @@ class ShardedExperts:
 
     def __post_init__(self):
         self.stats = [LinkStats() for _ in self.links]
-        self.quickest = [deque(maxlen=QUICKEST_OF) for _ in self.links]  # each shard's last round trips, seconds
         self.owned: list[dict[int, list[int]]] = [self._owned(link) for link in self.links]
 
     @staticmethod
@@ -307,7 +301,6 @@ class ShardedExperts:
         )
         if calls and self.delay_s:
             time.sleep(self.delay_s)
-        self._sleep_until_due(calls)
         late = []
         for i, members, rows, handle, start in calls:
             s = self.stats[i]
@@ -320,22 +313,10 @@ class ShardedExperts:
                 continue
             took = time.perf_counter() - start
             s.round_trips, s.round_trip_s = s.round_trips + 1, s.round_trip_s + took
-            self.quickest[i].append(took)
             s.rows, s.bytes_in = s.rows + len(answer), s.bytes_in + answer.nbytes
             contrib[rows] = answer
         self._compute_here(contrib, late, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait)
         return native.moe_sum(contrib, top_k_index, hidden_states)
-
-    def _sleep_until_due(self, calls) -> None:
-        """Sleeps until the first answer can be due: DUE_SHARE of the quickest of each shard's last round trips
-        after it was sent. Ray's channels wait for an answer by spinning (sched_yield), which takes a core from
-        shards that share the machine; an answer is never due sooner than the quickest trip, so on a network this
-        costs nothing."""
-        due = [start + DUE_SHARE * min(self.quickest[i]) for i, _, _, _, start in calls if self.quickest[i]]
-        if due and len(due) == len(calls):
-            wait = min(due) - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
 
     @staticmethod
     def _compute_here(contrib, experts, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
