@@ -96,7 +96,8 @@ def test_a_shard_short_of_memory_keeps_the_hottest_it_has_room_for_and_the_head_
     keys = sorted(map_model(native_model).layout.experts)
     offered = list(reversed(keys))  # "hottest first": the last keys
     slot = map_model(native_model).layout.slot_bytes
-    # beside what this process holds now (the shard measures itself once loaded, so the room is its own figure)
+    # beside what this process holds now (the shard measures itself once loaded, so the room is its own figure: in a
+    # long test session this process may hold more than the budget's estimate, and the shard then keeps none)
     memory = 2**20 if budget.startswith("no") else int((psutil_rss() + 12 * slot + 48 * 2**20) / 0.98)
     shard = ExpertShard(native_model, offered, memory=memory)
     try:
@@ -109,7 +110,8 @@ def test_a_shard_short_of_memory_keeps_the_hottest_it_has_room_for_and_the_head_
         shard.close()
     assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
     assert not asked & set(shard.resident()), "the head's cache was asked for an expert the shard holds"
-    assert asked and asked <= set(keys) - set(shard.resident()), "the head reads what the shard does not hold"
+    assert asked <= set(keys) - set(shard.resident()), "the head reads what the shard does not hold, nothing else"
+    assert bool(asked) == (room < len(offered)), "the head reads when, and only when, the shard is short of room"
 
 
 def psutil_rss() -> int:
@@ -118,7 +120,7 @@ def psutil_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster():
     import ray
 
