@@ -167,7 +167,7 @@ def test_a_shard_killed_mid_run_costs_no_answer_and_comes_back(native_model, one
         tokens, logits = greedy_logits(model)
         down = sharded.report()[0]
         assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
-        assert down["failures"] == 1 and down["fallback_rows"] > 0 and not down["up"], down
+        assert down["failures"] == 1 and down["fallback_rows"] > 0, down  # (it may be back already: Ray is quick)
         deadline = time.monotonic() + 120
         while not sharded.stats[0].up and time.monotonic() < deadline:  # Ray restarts it; the head polls it
             sharded._readmit()
@@ -222,6 +222,10 @@ def test_bad_shard_options_are_refused_before_loading(native_model, tmp_path):
         ("--expert-shards", "2", "--shard-memory", "lots"): "--shard-memory 'lots': not a size",
         ("--expert-shards", "2", "--shard-heat", tmp_path / "none.npz"): "none.npz: no such file",
         ("--expert-shards", "2", "--shard-plan", tmp_path / "no" / "p.json"): "p.json: its directory does not exist",
+        ("--expert-shards", "2", "--shard-plan", tmp_path): "is a directory; give a file name",
+        ("--expert-shards", "2", "--shard-memory", "600MiB"): "give at least 1GiB",
+        ("--expert-shards", "2", "--shard-delay-us", "nan"): "--shard-delay-us nan: give 0 or more microseconds",
+        ("--expert-shards", "2", "--ray-address", "127.0.0.1:1"): "--ray-address 127.0.0.1:1: nothing answers there",
     }
     for extra, message in cases.items():
         code, err = refused_in_process(*base, *extra)

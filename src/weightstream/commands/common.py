@@ -250,6 +250,9 @@ def prediction_line(stats) -> str:
     )
 
 
+MIN_SHARD_MEMORY = 2**30  # a shard's process holds 470-495 MiB before any expert (docs/serving.md)
+
+
 def add_shard_options(p, ray_address: bool = True) -> None:
     """--expert-shards and its companions (generate, serve): experts held by shard processes (engine/shard_ray.py)."""
     g = p.add_argument_group(
@@ -314,8 +317,8 @@ def shard_options(args):
     given = [f for f in ("shard_memory", "shard_heat", "shard_plan") if getattr(args, f) is not None]
     if n < 0:
         raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
-    if args.shard_delay_us < 0:
-        raise WeightstreamError(f"--shard-delay-us {args.shard_delay_us}: must be 0 or more")
+    if not 0 <= args.shard_delay_us < 1e7:  # nan and inf too
+        raise WeightstreamError(f"--shard-delay-us {args.shard_delay_us}: give 0 or more microseconds (below 10 s)")
     if not n:
         if given:
             raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
@@ -324,9 +327,16 @@ def shard_options(args):
         raise WeightstreamError(f"--shard-heat {args.shard_heat}: no such file; give a routing trace (.npz)")
     if args.shard_plan is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.shard_plan))):
         raise WeightstreamError(f"--shard-plan {args.shard_plan}: its directory does not exist")
+    if args.shard_plan is not None and os.path.isdir(args.shard_plan):
+        raise WeightstreamError(f"--shard-plan {args.shard_plan}: is a directory; give a file name")
     from weightstream.engine.shard_ray import ShardOptions
 
     memory = parse_size(args.shard_memory, "--shard-memory") if args.shard_memory is not None else None
+    if memory is not None and memory < MIN_SHARD_MEMORY:
+        raise WeightstreamError(
+            f"--shard-memory {args.shard_memory}: a shard's process alone holds about 500 MiB (Python, torch, Ray, "
+            "the model's skeleton) before any expert; give at least 1GiB"
+        )
     return ShardOptions(
         shards=n,
         memory=memory,

@@ -256,7 +256,7 @@ def _cluster(args, trace) -> int:
 
     if args.shards is None or args.shard_memory is None or args.hidden is None:
         raise WeightstreamError("--shards prices a cluster: give --shards N, --shard-memory SIZE and --hidden N")
-    if args.hidden < 1 or args.network_gbps <= 0 or args.network_rtt_us < 0:
+    if args.hidden < 1 or not 0 < args.network_gbps < 1e6 or not 0 <= args.network_rtt_us < 1e9:  # nan, inf too
         raise WeightstreamError("--hidden and --network-gbps must be positive, --network-rtt-us 0 or more")
     spec = ClusterSpec(
         shards=args.shards,

@@ -26,6 +26,7 @@ from weightstream.errors import WeightstreamError
 from weightstream.sim.placement import place
 
 POLL_S = 1.0  # a down shard is asked again at most this often
+START_TIMEOUT_S = 900  # for the shards to load and read their experts
 TRANSPORTS = ("graph", "calls")
 
 
@@ -92,24 +93,24 @@ class RayLink(ShardLink):
                 self.graph.teardown()
         self.graph = None
 
-    def alive(self) -> bool:
+    def alive(self) -> list[Key] | None:
         now = time.monotonic()
         if self._probe is None:
             if now - self._probed_at < POLL_S:
-                return False
+                return None
             self._probe, self._probed_at = self.actor.resident.remote(), now
         ready, _ = self.ray.wait([self._probe], timeout=0)
         if not ready:
-            return False
+            return None
         probe, self._probe = self._probe, None
         try:
-            self.ray.get(probe)
+            keys = [tuple(k) for k in self.ray.get(probe)]
             if self.transport == "graph":
                 self.graph = self._compile()
         except Exception:
             self._drop_graph()
-            return False
-        return True
+            return None
+        return keys
 
     def resident(self) -> list[Key]:
         return [tuple(k) for k in self.ray.get(self.actor.resident.remote())]
@@ -133,13 +134,18 @@ def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions
         actor.remote(model_dir, keys, options.memory, options.io_threads, f"{session}-{i}")
         for i, keys in enumerate(offered)
     ]
-    try:
-        ray.get([a.resident.remote() for a in actors])  # built: an error in one is raised here, naming it
+    try:  # built: an error in one is raised here, naming it
+        ray.get([a.resident.remote() for a in actors], timeout=START_TIMEOUT_S)
+        links = [RayLink(a, options.transport) for a in actors]
     except Exception as exc:
         for a in actors:
             ray.kill(a, no_restart=True)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise WeightstreamError(
+                f"--expert-shards: the shards did not hold their experts within {START_TIMEOUT_S} s (a shard killed "
+                "while loading, e.g. for memory, is restarted again and again); give them more --shard-memory"
+            ) from None
         raise WeightstreamError(_shard_error(exc)) from None
-    links = [RayLink(a, options.transport) for a in actors]
     return ShardedExperts(links, timeout_s=options.timeout_s, delay_s=options.delay_us / 1e6)
 
 
@@ -208,14 +214,36 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _reachable(address: str | None) -> None:
+    """A HOST:PORT address that nothing answers on is refused at once (Ray would retry it for minutes)."""
+    import socket
+
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "http")):
+        return  # auto, local, a client address: Ray's own checks
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise WeightstreamError(
+            f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); start the cluster with "
+            "`ray start --head` on that machine, or leave --ray-address out to start a local one"
+        ) from None
+
+
 @contextlib.contextmanager
 def ray_running(options: ShardOptions) -> Iterator[None]:
     """Ray for the block: a local cluster started here, or `options.address`'s joined, and shut down after; one
     already running in this process (a Ray Serve replica) is used as it is."""
     ray = _ray()
+    _reachable(options.address)
     started = not ray.is_initialized()
     if started:
-        ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=False)
+        except Exception as exc:  # an address with no cluster, one that refuses us
+            where = f"--ray-address {options.address}" if options.address else "a local Ray cluster"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WeightstreamError(f"{where}: Ray did not start or join it ({first})") from None
     try:
         yield
     finally:

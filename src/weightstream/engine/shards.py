@@ -82,20 +82,24 @@ class ExpertShard:
         with contextlib.suppress(OSError):  # Ray starts workers at niceness 15: a shard computes on the head's path
             os.setpriority(os.PRIO_PROCESS, 0, 0)
         torch.set_num_threads(threads or len(os.sched_getaffinity(0)))  # Ray starts its workers with one
-        self.group, self.cgroup = (None, "not confined")
-        if memory and cgroup:
-            self.group, self.cgroup = _confine(memory, cgroup)
         offered = list(dict.fromkeys(tuple(k) for k in offered))
         layout = map_model(model_dir).layout
         unknown = [k for k in offered if k not in layout.experts]
         if unknown:
             raise WeightstreamError(f"expert shard: {model_dir} has no expert {unknown[0]} (layer, expert)")
+        self.group, self.cgroup = (None, "not confined")
+        if memory and cgroup:
+            self.group, self.cgroup = _confine(memory, cgroup)
         slot = layout.slot_bytes
         # the cache's arena is mapped, not touched: what it costs is the experts read into it (at least one token's
         # slots, which a cache must have)
         slots = max(len(offered), len(layout.num_experts) * layout.top_k)
         config = EngineConfig(expert_cache=slots * slot, io_threads=io_threads)
-        self.model = load_streaming_model(model_dir, config)
+        try:
+            self.model = load_streaming_model(model_dir, config)
+        except BaseException:
+            self._leave_cgroup()
+            raise
         self.runtime = self.model.weightstream
         try:
             self.base_bytes = _rss()  # the interpreter, torch, the model's skeleton: before any expert
@@ -116,8 +120,17 @@ class ExpertShard:
                     self.runtime.cache.wait(fetch)
         except BaseException:
             self.close()  # its I/O threads and leases
+            self._leave_cgroup()
             raise
         self.rows_served, self.compute_s = 0, 0.0
+
+    def _leave_cgroup(self) -> None:
+        """A shard that failed to start moves back to its parent cgroup and removes its own (an actor that ends is
+        removed by the head: `shard_ray.remove_cgroups`)."""
+        if self.group is not None:
+            with contextlib.suppress(OSError):
+                (self.group.path.parent / "cgroup.procs").write_text(str(os.getpid()))
+                self.group.remove()
 
     def rows(self, request: Request) -> torch.Tensor:
         """The contributions (rows, hidden; float32) of this shard's experts among `request`'s choices: the
@@ -190,7 +203,8 @@ class ShardLink:
     def receive(self, handle, timeout_s: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def alive(self) -> bool:
+    def alive(self) -> list[Key] | None:
+        """The keys a shard that failed holds once it answers again; None while it does not (never blocks)."""
         raise NotImplementedError
 
     def resident(self) -> list[Key]:
@@ -216,8 +230,8 @@ class LocalLink(ShardLink):
     def receive(self, handle, timeout_s: float) -> torch.Tensor:
         return handle
 
-    def alive(self) -> bool:
-        return True
+    def alive(self) -> list[Key] | None:
+        return self.shard.resident()
 
     def resident(self) -> list[Key]:
         return self.shard.resident()
@@ -240,9 +254,9 @@ class ShardedExperts:
         self.owned: list[dict[int, list[int]]] = [self._owned(link) for link in self.links]
 
     @staticmethod
-    def _owned(link: ShardLink) -> dict[int, list[int]]:
+    def _owned(link: ShardLink, keys: Sequence[Key] | None = None) -> dict[int, list[int]]:
         owned: dict[int, list[int]] = {}
-        for layer, expert in sorted(tuple(k) for k in link.resident()):
+        for layer, expert in sorted(tuple(k) for k in (link.resident() if keys is None else keys)):
             owned.setdefault(layer, []).append(expert)
         return owned
 
@@ -254,8 +268,11 @@ class ShardedExperts:
 
     def _readmit(self) -> None:
         for i, link in enumerate(self.links):
-            if not self.stats[i].up and link.alive():
-                self.owned[i] = self._owned(link)  # a restarted shard may hold another share of what it was offered
+            if self.stats[i].up:
+                continue
+            keys = link.alive()
+            if keys is not None:  # a restarted shard may hold another share of what it was offered
+                self.owned[i] = self._owned(link, keys)
                 self.stats[i].up, self.stats[i].readmitted = True, self.stats[i].readmitted + 1
 
     def _down(self, i: int) -> None:
@@ -283,6 +300,7 @@ class ShardedExperts:
                 handle = link.send(request)
             except ShardDown:
                 self._down(i)
+                self.stats[i].fallback_rows += int(rows.sum())
                 continue
             self.stats[i].bytes_out += sum(t.nbytes for t in request[1:])
             calls.append((i, members, rows, handle, start))
@@ -306,6 +324,11 @@ class ShardedExperts:
             s = self.stats[i]
             try:
                 answer = self.links[i].receive(handle, self.timeout_s)
+                if answer.shape != (
+                    int(rows.sum()),
+                    hidden_states.shape[-1],
+                ):  # restarted unseen, holding another share
+                    raise ShardDown(f"shard {i} answered {tuple(answer.shape)} rows for {int(rows.sum())}")
             except ShardDown:
                 self._down(i)
                 s.fallback_rows += int(rows.sum())
