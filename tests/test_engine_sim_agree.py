@@ -5,8 +5,9 @@ import torch
 
 from weightstream.engine.generate import generate
 from weightstream.engine.loader import load_streaming_model
-from weightstream.engine.routing import RoutingRecorder, RoutingReplay, per_token_choices
+from weightstream.engine.routing import RoutingRecorder, RoutingReplay
 from weightstream.sim import replay as sim_replay
+from weightstream.trace.remap import token_rows
 
 from _real_traces import mixtral
 
@@ -28,8 +29,8 @@ def test_engine_counts_what_simulate_predicts(tiny_model, mixtral_trace, policy,
     runtime.close()
     recorded = recorder.finish()
     # replay is faithful: each token's choices are the trace's, layer by layer
-    source = per_token_choices(mixtral_trace)[: recorded.n_tokens, :3]
-    assert (per_token_choices(recorded) == source).all()
+    source = token_rows(mixtral_trace)[: recorded.n_tokens, :3]
+    assert (token_rows(recorded) == source).all()
     sim = sim_replay(recorded, policy, int(float(size[:-1]) * recorded.shape.working_set_bytes))
     assert (sim.hits, sim.misses) == (stats.expert_hits, stats.expert_misses)
     assert stats.expert_misses > 0 and stats.expert_hits > 0

@@ -443,7 +443,8 @@ def test_scheduler_threads_end(tiny_model):
 
 def test_batched_replay_gives_each_sequence_its_own_part_of_the_trace(tiny_model):
     """Three sequences decoding together replay trace requests 0, 1, 0 from their starts, token after token."""
-    from weightstream.engine.routing import BatchRoutingReplay, per_token_choices
+    from weightstream.engine.routing import BatchRoutingReplay
+    from weightstream.trace.remap import token_rows
 
     from _real_traces import mixtral
 
@@ -483,7 +484,7 @@ def test_batched_replay_gives_each_sequence_its_own_part_of_the_trace(tiny_model
         sched.stop()
         model.weightstream.close()
     assert max(sched.observer.batches) > 1
-    choices = per_token_choices(trace)[:, 0]  # (tokens, top-k) at the first routed layer
+    choices = token_rows(trace)[:, 0]  # (tokens, top-k) at the first routed layer
     for seq, request in zip(seqs, (0, 1, 0)):
         start = replay.request_starts[request]
         n = len(seq.prompt_ids) + len(seq.generated) - 1  # the last token is sampled, never run

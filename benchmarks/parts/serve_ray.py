@@ -154,8 +154,8 @@ def simulate(argv: list[str], prog: str) -> None:
     from weightstream.cache.policy import LRUPolicy, access_layer
     from weightstream.engine.batching.replay import prompt_request
     from weightstream.engine.loader import load_tokenizer
-    from weightstream.engine.routing import per_token_choices
     from weightstream.trace import load
+    from weightstream.trace.remap import token_rows
 
     ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("model")
@@ -168,7 +168,7 @@ def simulate(argv: list[str], prog: str) -> None:
         config = json.load(f)
     layers, one_token = config["num_hidden_layers"], config["num_hidden_layers"] * config["num_experts_per_tok"]
     trace = load(args.trace)
-    choices = per_token_choices(trace)  # [tokens, trace layers, k]
+    choices = token_rows(trace)  # [tokens, trace layers, k]
     token_start = np.concatenate([[0], np.cumsum(trace.step_tokens)])
     starts = [int(token_start[trace.first_step_of_request(r)]) for r in range(len(trace.requests))]
     tokenizer = load_tokenizer(args.model, required=True)

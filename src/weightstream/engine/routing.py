@@ -8,6 +8,7 @@ import torch
 from weightstream.errors import WeightstreamError
 from weightstream.store.layout import ModelLayout
 from weightstream.trace import ModelShape, Trace, TraceWriter
+from weightstream.trace.remap import token_rows
 
 
 def layout_shape(layout: ModelLayout, name: str) -> ModelShape:
@@ -40,20 +41,6 @@ class RoutingRecorder:
         return self.writer.finish()
 
 
-def per_token_choices(trace: Trace) -> np.ndarray:
-    """[tokens, routed layers, top_k] expert ids in replay order (a batched step contributes one row per token)."""
-    k, layers = trace.shape.top_k, list(trace.shape.layers)
-    out = np.full((trace.n_tokens, len(layers), k), -1, dtype=np.int64)
-    token = 0
-    for step in range(trace.n_steps):
-        n = int(trace.step_tokens[step])
-        for g in range(int(trace.step_groups[step]), int(trace.step_groups[step + 1])):
-            chosen = trace.experts[trace.group_offsets[g] : trace.group_offsets[g + 1]]
-            out[token : token + n, layers.index(int(trace.group_layer[g]))] = chosen.reshape(n, k)
-        token += n
-    return out
-
-
 class RoutingReplay:
     """Routing override: the router's top-k is replaced, token by token, by a recorded trace's choices.
 
@@ -69,7 +56,7 @@ class RoutingReplay:
                 f"routing trace {trace.shape.name!r} has {trace.shape.n_experts} experts per "
                 f"layer; this model has {n_model}; replay it on a model with at least as many"
             )
-        self.choices = per_token_choices(trace)
+        self.choices = token_rows(trace)
         self.layer_pos = {layer: i % self.choices.shape[1] for i, layer in enumerate(layout.layers)}
         self.first_layer = layout.layers[0]
         self.cursor, self._last_tokens = 0, 0

@@ -377,8 +377,8 @@ class ShardedExperts:
 def heat_from_trace(path: str, layout) -> dict[Key, float]:
     """(layer, expert) -> its lookups in the routing trace at `path`, model routed layer i counted from the trace's
     layer i (wrapping, as replay does)."""
-    from weightstream.engine.routing import per_token_choices
     from weightstream.trace import load
+    from weightstream.trace.remap import token_rows
 
     trace = load(path)
     n_model = min(layout.num_experts.values())
@@ -387,5 +387,5 @@ def heat_from_trace(path: str, layout) -> dict[Key, float]:
             f"--shard-heat {path}: the trace has {trace.shape.n_experts} experts a layer, this model {n_model}; "
             "give a trace of this model (`weightstream trace record`) or of one with at most as many experts"
         )
-    heat = heat_counts(per_token_choices(trace), layout.layers, n_model)
+    heat = heat_counts(token_rows(trace), layout.layers, n_model)
     return {key: count for key, count in heat.items() if key in layout.experts}
