@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
@@ -307,6 +308,17 @@ def add_shard_options(p, ray_address: bool = True) -> None:
             metavar="ADDR",
             help="with --expert-shards: the Ray cluster to place the shards on (default: a local one started here)",
         )
+
+
+def ray_for_shards(options):
+    """Ray running for the block where shards are asked for (engine/shard_ray.py's `ray_running`), else nothing. Enter
+    it in the main thread, before the model loads: the processes Ray starts end with the thread that started it, and
+    --memory then counts what Ray takes of this process."""
+    if options is None:
+        return contextlib.nullcontext()
+    from weightstream.engine.shard_ray import ray_running
+
+    return ray_running(options)
 
 
 def shard_options(args):

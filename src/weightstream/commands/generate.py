@@ -16,6 +16,7 @@ from weightstream.commands.common import (
     miss_copy_note,
     parse_prompt_ids,
     prefill_chunk_of,
+    ray_for_shards,
     shard_options,
     summary_line,
 )
@@ -88,7 +89,7 @@ def run(args) -> int:
     trace = _trace(args.routing_trace)  # read before the model, so that --memory counts it with what came before
     # Ray connected before the model, so that --memory counts Ray's share of this process too; what Ray prints (a
     # shard's death) goes to stderr, so that stdout holds the answer alone
-    with _ray(shards), contextlib.redirect_stdout(sys.stderr if shards else sys.stdout):
+    with ray_for_shards(shards), contextlib.redirect_stdout(sys.stderr if shards else sys.stdout):
         answer = _generate(args, model_dir, engine, tokenizer, ids, chunk, shards, trace)
     print(answer)
     return 0
@@ -146,15 +147,6 @@ def _trace(path: str | None):
     from weightstream.trace import load
 
     return load(path)
-
-
-def _ray(options):
-    """Ray connected (or a local cluster started) for the block where shards are asked for."""
-    if options is None:
-        return contextlib.nullcontext()
-    from weightstream.engine.shard_ray import ray_running
-
-    return ray_running(options)
 
 
 def _shards(options, model, model_dir: str):

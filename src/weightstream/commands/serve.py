@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -14,6 +13,7 @@ from weightstream.commands.common import (
     engine_config,
     miss_copy_note,
     prefill_chunk_of,
+    ray_for_shards,
     shard_options,
 )
 from weightstream.errors import WeightstreamError
@@ -157,17 +157,9 @@ def run(args) -> int:
         return 0
     from weightstream.serve.server import serve
 
-    with _ray_for_shards(settings.shards):  # in this thread: processes Ray starts end with the thread that started it
+    with ray_for_shards(settings.shards):
         serve(settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-def _ray_for_shards(options):
-    if options is None:
-        return contextlib.nullcontext()
-    from weightstream.engine.shard_ray import ray_running
-
-    return ray_running(options)
 
 
 def ray_app(args: dict):

@@ -59,10 +59,12 @@ def _ray():
 class RayLink(ShardLink):
     """An `ExpertShard` actor, by compiled graph or actor calls."""
 
-    def __init__(self, actor, transport: str = "graph"):
+    def __init__(self, actor, keys: list[Key], transport: str = "graph"):
+        """`keys`: what the actor answered it holds once built (`resident`)."""
         if transport not in TRANSPORTS:
             raise WeightstreamError(f"shard transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.ray, self.actor, self.transport = _ray(), actor, transport
+        self.keys = [tuple(k) for k in keys]
         self.graph = self._compile() if transport == "graph" else None
         self._probe, self._probed_at = None, 0.0
 
@@ -110,10 +112,11 @@ class RayLink(ShardLink):
         except Exception:
             self._drop_graph()
             return None
+        self.keys = keys
         return keys
 
     def resident(self) -> list[Key]:
-        return [tuple(k) for k in self.ray.get(self.actor.resident.remote())]
+        return self.keys
 
     def report(self) -> dict:
         return self.ray.get(self.actor.report.remote(), timeout=10)
@@ -135,8 +138,8 @@ def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions
         for i, keys in enumerate(offered)
     ]
     try:  # built: an error in one is raised here, naming it
-        ray.get([a.resident.remote() for a in actors], timeout=START_TIMEOUT_S)
-        links = [RayLink(a, options.transport) for a in actors]
+        held = ray.get([a.resident.remote() for a in actors], timeout=START_TIMEOUT_S)
+        links = [RayLink(a, keys, options.transport) for a, keys in zip(actors, held)]
     except Exception as exc:
         for a in actors:
             ray.kill(a, no_restart=True)

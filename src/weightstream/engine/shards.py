@@ -275,23 +275,25 @@ class ShardedExperts:
                 self.owned[i] = self._owned(link, keys)
                 self.stats[i].up, self.stats[i].readmitted = True, self.stats[i].readmitted + 1
 
-    def _down(self, i: int) -> None:
-        self.stats[i].up = False
-        self.stats[i].failures += 1
+    def _down(self, i: int, rows: int) -> None:
+        """Shard `i` failed: the head computes its `rows` of this layer, and its experts until it is back."""
+        s = self.stats[i]
+        s.up, s.failures, s.fallback_rows = False, s.failures + 1, s.fallback_rows + rows
 
     def compute_layer(self, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
         """The layer's combined expert output: the shards' rows asked for first, the head's own computed meanwhile,
         a failed shard's computed by the head after."""
         self._readmit()
         chosen = set(top_k_index.reshape(-1).tolist())
-        calls = []  # (shard, its experts here, its rows, handle, start)
+        calls = []  # (shard, its experts here, its rows, how many, handle, start)
         for i, link in enumerate(self.links):
             members = [e for e in self.owned[i].get(layer, ()) if e in chosen]
             if not members:
                 continue
             rows = owned_rows(top_k_index, members)
+            n = int(rows.sum())
             if not self.stats[i].up:  # the head computes them below, with its own
-                self.stats[i].fallback_rows += int(rows.sum())
+                self.stats[i].fallback_rows += n
                 continue
             tokens = rows.any(dim=1).nonzero().squeeze(1)  # only the tokens that chose one of them travel
             request = (layer, hidden_states[tokens], top_k_index[tokens], top_k_weights[tokens])
@@ -299,39 +301,25 @@ class ShardedExperts:
             try:
                 handle = link.send(request)
             except ShardDown:
-                self._down(i)
-                self.stats[i].fallback_rows += int(rows.sum())
+                self._down(i, n)
                 continue
             self.stats[i].bytes_out += sum(t.nbytes for t in request[1:])
-            calls.append((i, members, rows, handle, start))
-        far = {e for _, members, _, _, _ in calls for e in members}
+            calls.append((i, members, rows, n, handle, start))
+        far = {e for _, members, *_ in calls for e in members}
         contrib = empty_contributions(hidden_states, top_k_index)
-        self._compute_here(
-            contrib,
-            [e for e in chosen if e not in far],
-            kernel,
-            source,
-            layer,
-            hidden_states,
-            top_k_index,
-            top_k_weights,
-            io_wait,
-        )
+        here = [e for e in chosen if e not in far]
+        self._compute_here(contrib, here, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait)
         if calls and self.delay_s:
             time.sleep(self.delay_s)
         late = []
-        for i, members, rows, handle, start in calls:
+        for i, members, rows, n, handle, start in calls:
             s = self.stats[i]
             try:
                 answer = self.links[i].receive(handle, self.timeout_s)
-                if answer.shape != (
-                    int(rows.sum()),
-                    hidden_states.shape[-1],
-                ):  # restarted unseen, holding another share
-                    raise ShardDown(f"shard {i} answered {tuple(answer.shape)} rows for {int(rows.sum())}")
+                if answer.shape != (n, hidden_states.shape[-1]):  # restarted unseen, holding another share
+                    raise ShardDown(f"shard {i} answered {tuple(answer.shape)} rows for {n}")
             except ShardDown:
-                self._down(i)
-                s.fallback_rows += int(rows.sum())
+                self._down(i, n)
                 late += members
                 continue
             took = time.perf_counter() - start

@@ -59,7 +59,9 @@ class ServeSettings:
     shutdown_grace_s: float = 10.0
     routing_trace: str | None = None  # replay this trace's routing (benchmarks; the text is then meaningless)
     step_log: str | None = None  # one JSON line per forward step
-    shards: object | None = None  # engine/shard_ray.py's ShardOptions: experts held by shard actors (--expert-shards)
+    # engine/shard_ray.py's ShardOptions: experts held by shard actors (--expert-shards); Ray must be running (serve's
+    # command starts it in its main thread; a Ray Serve replica is in it)
+    shards: object | None = None
     replay_by_prompt: bool = False  # routing_trace: a prompt replays the trace request it hashes to (replay.py)
     expert_affinity: bool = False  # record each prompt's prefill experts and the cache's for a router (affinity.py)
     prefill_chunk: int | None = None  # positions per prefill forward (None: one forward; --memory: 256)
@@ -126,7 +128,7 @@ class ModelService:
         self.max_model_len = self.kv_bytes_per_token = 0
         self.eos_ids: frozenset[int] = frozenset()
         self._loader = threading.Thread(target=self._load_or_report, name="ws-load", daemon=True)
-        self._shards = contextlib.ExitStack()  # Ray and the expert shards, with --expert-shards
+        self._shards = contextlib.ExitStack()  # the expert shards, with --expert-shards
         self.shard_plan: dict | None = None
 
     @property
@@ -151,15 +153,7 @@ class ModelService:
             engine = engine.replace(
                 kv_cache_bytes=s.kv_budget_bytes, context=s.max_model_len, warmup_tokens=s.prefill_chunk
             )
-        if s.shards is not None:  # Ray connected before the model, so that --memory counts it
-            from weightstream.engine.shard_ray import ray_running
-
-            self._shards.enter_context(ray_running(s.shards))
-        try:
-            self.model = load_streaming_model(s.model_dir, engine)
-        except BaseException:
-            self._shards.close()
-            raise
+        self.model = load_streaming_model(s.model_dir, engine)
         try:
             if s.shards is not None:
                 from weightstream.engine.shard_ray import sharded
@@ -272,7 +266,7 @@ class ModelService:
             self.scheduler.stop()
         if self.recorder is not None:
             self.recorder.close()
-        self._shards.close()  # the shard actors, then Ray where this process started it
+        self._shards.close()  # the shard actors
         if self.model is not None:
             self.model.weightstream.close()
         self.ready = False
