@@ -104,7 +104,8 @@ def _run(args, shards: int, delay_us: float = 0.0, kill: bool = False) -> dict:
         run["shards"] = [
             {
                 "experts": len(s["held"]),
-                "cgroup": s["cgroup"],
+                # the shard's own memory cgroup by name (its path names this machine), or why it had none
+                "cgroup": os.path.basename(s["cgroup"]) if s["cgroup"].startswith("/") else s["cgroup"],
                 "rss_mib": round(s["rss_bytes"] / MIB, 1),
                 "round_trips": t["round_trips"],
                 "round_trip_mean_us": t["round_trip_mean_us"],
