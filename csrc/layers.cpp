@@ -59,7 +59,11 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 
 // t (B, H, S, D) rotated: out = t * cos + rotate_half(t) * sin, cos and sin (B or 1, S, D) broadcast over heads;
 // rotate_half(t) = cat(-t[..., D/2:], t[..., :D/2]). Strides as empty_like(t) gives; t's last dimension dense.
-at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
+// `interleaved`: DeepSeek-V3's form (transformers' apply_rotary_pos_emb_interleave), whose pairs are t's even and odd
+// elements and whose angles are the first half of cos and sin: out = cat(t1 * c - t2 * s, t2 * c + t1 * s) with
+// t1 = t[..., 0::2], t2 = t[..., 1::2], c = cos[..., :D/2], s = sin[..., :D/2] (the same roundings: a * c + (-b) * s
+// is a * c - b * s exactly).
+at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
   at::Tensor out = at::empty_like(t);
   TORCH_CHECK(t.stride(3) == 1 && out.stride(3) == 1, "weightstream rope: the last dimension must be dense");
@@ -75,6 +79,16 @@ at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
       float* o = op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2);
       const float* c = cp + b * cb + s * D;
       const float* n = sp + b * cb + s * D;
+      if (interleaved) {
+        for (int64_t j = 0; j < half; j++) {
+          const float even = x[2 * j], odd = x[2 * j + 1];
+          const float straight = even * c[j], turned = (-odd) * n[j];
+          o[j] = straight + turned;
+          const float straight2 = odd * c[j], turned2 = even * n[j];
+          o[j + half] = straight2 + turned2;
+        }
+        continue;
+      }
       for (int64_t j = 0; j < half; j++) {
         const float straight = x[j] * c[j], turned = (-x[j + half]) * n[j];
         o[j] = straight + turned;
@@ -89,7 +103,7 @@ at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
 }
 
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_in,
-                                        const at::Tensor& sin_in) {
+                                        const at::Tensor& sin_in, bool interleaved) {
   for (const at::Tensor* t : {&q, &k, &cos_in, &sin_in}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat, "weightstream rope: q, k, cos and sin must be float32");
   }
@@ -101,14 +115,14 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
                     (cos.size(0) == 1 || cos.size(0) == t->size(0)),
                 "weightstream rope: q ", q.sizes(), " and k ", k.sizes(), " do not match cos ", cos.sizes());
   }
-  return {rotate(q, cos, sin), rotate(k, cos, sin)};
+  return {rotate(q, cos, sin, interleaved), rotate(k, cos, sin, interleaved)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(weightstream, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from weightstream import native
@@ -109,6 +110,24 @@ def test_forms_that_are_not_the_standard_ones_are_not_proven():
     assert _rope_proves(getattr(modeling_qwen3_moe.apply_rotary_pos_emb, "original", None) or _standard_rope)
 
 
+@pytest.mark.parametrize("batch,heads,seq,dim", [(1, 16, 1, 64), (1, 128, 3, 64), (2, 4, 5, 16)])
+def test_the_interleaved_rope_is_bitwise_deepseek_v3s(batch, heads, seq, dim):
+    """DeepSeek-V3's interleaved rotary (pairs of even and odd elements, the first half of cos and sin) against the
+    native op's interleaved form: same bits for q (B, H, S, D) transposed and the one-head rotary key; each proof
+    tells the two forms apart."""
+    original = modeling_deepseek_v3.apply_rotary_pos_emb_interleave
+    original = getattr(original, "original", original)
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(batch, seq, heads, dim, generator=gen).mul_(3).transpose(1, 2)
+    k = torch.randn(batch, 1, seq, dim, generator=gen)
+    cos, sin = torch.randn(2, batch, seq, dim, generator=gen)
+    for want, got in zip(original(q, k, cos, sin), native.rope(q, k, cos, sin, True), strict=True):
+        assert want.shape == got.shape and torch.equal(want, got)
+    assert not torch.equal(native.rope(q, k, cos, sin)[0], native.rope(q, k, cos, sin, True)[0])
+    assert _rope_proves(original, True) and not _rope_proves(original, False)
+    assert not _rope_proves(_standard_rope, True)
+
+
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_a_quantized_dense_model_runs_fused_and_answers_as_unfused(tiny_model, tmp_path, arch):
     """Every tiny architecture with int8 dense weights: its norms and rotary run natively where they prove,
@@ -120,6 +139,8 @@ def test_a_quantized_dense_model_runs_fused_and_answers_as_unfused(tiny_model, t
     # DeepSeek V2 rotates complex pairs, gpt-oss halves without rotate_half: theirs stay
     rotary = any(f.endswith(".apply_rotary_pos_emb") for f in runtime.fused)
     assert rotary == (arch not in ("deepseek_v2", "gpt_oss")), runtime.fused
+    interleaved = "modeling_deepseek_v3.apply_rotary_pos_emb_interleave" in runtime.fused  # V3's own form
+    assert interleaved == (arch == "deepseek_v3"), runtime.fused
     streamed_tokens, streamed, _ = greedy_run(out, PROMPT, expert_cache="1x", io_threads=3)
     assert streamed_tokens == tokens and all(torch.equal(s, w) for s, w in zip(streamed, logits, strict=True))
     plain_tokens, plain, plain_runtime = greedy_run(out, PROMPT, expert_cache="100x", fuse=False)

@@ -111,14 +111,15 @@ def floor(model, prompt, tokens: int) -> dict:
     """Step times with the products answered by zeros (the weights never read), against the real ones, paired."""
     from weightstream import native
 
-    real = native.linear, native.moe_layer
+    real = native.linear, native.moe_layer, native.heads_product
 
     def use(fake: bool) -> None:
         if fake:
             native.linear = lambda x, w, wtype, n, k, bias: x.new_zeros(*x.shape[:-1], n)
-            native.moe_layer = lambda x, *args, into=None: None if into is not None else torch.zeros_like(x)
+            native.moe_layer = lambda x, *args, into=None, **kw: None if into is not None else torch.zeros_like(x)
+            native.heads_product = lambda x, w, wtype, n: x.new_zeros(*x.shape[:-1], n)  # latent attention's k_b, v_b
         else:
-            native.linear, native.moe_layer = real
+            native.linear, native.moe_layer, native.heads_product = real
 
     times = {"products": [], "zeros": []}
     try:

@@ -141,9 +141,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.weightstream.rms_norm(x, weight, eps)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k (B, H, S, D) times cos plus rotate_half times sin, float32, bitwise the standard rotary embedding."""
-    return torch.ops.weightstream.rope(q, k, cos, sin)
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (B, H, S, D) times cos plus rotate_half times sin, float32, bitwise the standard rotary embedding;
+    `interleaved`: bitwise DeepSeek-V3's (pairs of even and odd elements, the first half of cos and sin)."""
+    return torch.ops.weightstream.rope(q, k, cos, sin, interleaved)
 
 
 def heads_product(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ share of its time that the arithmetic does not explain. `fuse_dense_ops` puts on
   another order than torch's) on random rows; Gemma-style `(1 + weight)` norms and other forms fail and stay;
 - a modeling module's `apply_rotary_pos_emb` is replaced, in that module, by `NativeRotary` when the native op
   equals it bitwise on random inputs; for any call the op does not cover (other dtypes, `unsqueeze_dim`, shapes)
-  it calls the original.
+  it calls the original. `apply_rotary_pos_emb_interleave` (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash: pairs of even and
+  odd elements; some 20 torch ops for q and k a layer) likewise, by the native op's interleaved form.
 
 The rotary replacement holds for the whole process, not for the one model: transformers' attention looks
 `apply_rotary_pos_emb` up in its modeling module's globals at every call, so the only ways to scope it to a model
@@ -37,7 +38,7 @@ from weightstream import native
 
 NORM_TOLERANCE = 1e-5  # relative to the output's largest magnitude: a few float32 ulps of the scale
 # model -> what `fuse_dense_ops` put in it: ([(parent module, attribute, NativeRMSNorm)], [(modeling module,
-# NativeRotary)]), for `use_native_ops`
+# function name, NativeRotary)]), for `use_native_ops`
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -58,16 +59,21 @@ class NativeRMSNorm(torch.nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, native"
 
 
-class NativeRotary:
-    """A modeling module's `apply_rotary_pos_emb`, by the native op where it covers the call, else the original."""
+# a modeling module's rotary functions the native op may stand for -> whether it is the interleaved form
+ROTARY_FUNCTIONS = {"apply_rotary_pos_emb": False, "apply_rotary_pos_emb_interleave": True}
 
-    def __init__(self, original):
-        self.original = original
+
+class NativeRotary:
+    """A modeling module's rotary function (`ROTARY_FUNCTIONS`), by the native op where it covers the call, else
+    the original."""
+
+    def __init__(self, original, interleaved: bool = False):
+        self.original, self.interleaved = original, interleaved
 
     def __call__(self, q, k, cos, sin, *args, **kwargs):
         if args or kwargs or not _rope_covers(q, k, cos, sin):
             return self.original(q, k, cos, sin, *args, **kwargs)
-        return native.rope(q, k, cos, sin)
+        return native.rope(q, k, cos, sin, self.interleaved)
 
 
 def _rope_covers(q, k, cos, sin) -> bool:
@@ -98,13 +104,14 @@ def fuse_dense_ops(model: torch.nn.Module) -> list[str]:
             fused.add(type(module).__name__)
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         modeling = sys.modules.get(module_name)
-        original = getattr(modeling, "apply_rotary_pos_emb", None)
-        if not isinstance(original, NativeRotary):  # another model of this architecture replaced it already
-            if not (callable(original) and _rope_proves(original)):
-                continue
-            modeling.apply_rotary_pos_emb = NativeRotary(original)
-        rotaries.append((modeling, modeling.apply_rotary_pos_emb))
-        fused.add(f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
+        for name, interleaved in ROTARY_FUNCTIONS.items():
+            original = getattr(modeling, name, None)
+            if not isinstance(original, NativeRotary):  # another model of this architecture replaced it already
+                if not (callable(original) and _rope_proves(original, interleaved)):
+                    continue
+                setattr(modeling, name, NativeRotary(original, interleaved))
+            rotaries.append((modeling, name, getattr(modeling, name)))
+            fused.add(f"{module_name.rsplit('.', 1)[-1]}.{name}")
     _FUSED[model] = (norms, rotaries)
     return sorted(fused)
 
@@ -116,8 +123,8 @@ def use_native_ops(model: torch.nn.Module, on: bool) -> int:
     norms, rotaries = _FUSED.get(model, ((), ()))
     for parent, attr, norm in norms:
         setattr(parent, attr, norm if on else norm.replaced[0])
-    for modeling, rotary in rotaries:
-        modeling.apply_rotary_pos_emb = rotary if on else rotary.original
+    for modeling, name, rotary in rotaries:
+        setattr(modeling, name, rotary if on else rotary.original)
     return len(norms)
 
 
@@ -149,9 +156,9 @@ def _norm_proves(module: torch.nn.Module, eps: float) -> bool:
     return bool(((want - got).abs() / scale).max() <= NORM_TOLERANCE)
 
 
-def _rope_proves(fn) -> bool:
-    """Whether the native op equals `fn(q, k, cos, sin)` bitwise, on the layouts attention passes (q and k viewed
-    (B, S, H, D) and transposed; GQA's fewer key heads; a batch-1 cos)."""
+def _rope_proves(fn, interleaved: bool = False) -> bool:
+    """Whether the native op (its interleaved form if `interleaved`) equals `fn(q, k, cos, sin)` bitwise, on the
+    layouts attention passes (q and k viewed (B, S, H, D) and transposed; GQA's fewer key heads; a batch-1 cos)."""
     gen = torch.Generator().manual_seed(0)
     cases = ((1, 4, 2, 3, 16, 1), (2, 2, 2, 5, 8, 2), (1, 3, 3, 1, 32, 1))
     for batch, heads, kv_heads, seq, dim, cos_batch in cases:
@@ -163,7 +170,7 @@ def _rope_proves(fn) -> bool:
                 want = fn(q, k, cos, sin)
         except Exception:  # another signature or layout: not the standard function
             return False
-        got = native.rope(q, k, cos, sin)
+        got = native.rope(q, k, cos, sin, interleaved)
         if not (isinstance(want, tuple) and len(want) == 2):
             return False
         if not all(w.shape == g.shape and torch.equal(w, g) for w, g in zip(want, got, strict=True)):
