@@ -76,6 +76,37 @@ def test_absorbed_streamed_equals_resident_bitwise(tiny_model, arch):
             assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True)), (size, threads)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}, {"rope_interleave": False}])
+def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, overrides, monkeypatch):
+    """A float32 decode row runs LatentAttention.decode (plain q or q_lora; either rotary form) and gives the
+    module's forward's tokens and logits bitwise; the prompt runs the module."""
+    model_dir = tiny_model("deepseek_v3", **overrides)
+    model = load_streaming_model(model_dir, expert_cache="100x")
+    calls = []
+    decode = LatentAttention.decode
+    monkeypatch.setattr(LatentAttention, "decode", lambda self, *a: calls.append(1) or decode(self, *a))
+    try:
+        modules = [m for m in model.modules() if hasattr(m, "_ws_latent")]
+        runs = []
+        for lean in (True, False):
+            if not lean:
+                for module in modules:
+                    del module.forward  # the class's forward again
+            with torch.inference_mode():
+                out = model.generate(
+                    PROMPT, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+                )
+            runs.append((out.sequences[0].tolist(), out.logits))
+            if lean:
+                assert len(calls) == 5 * len(modules)  # every step after the prompt's
+        assert len(calls) == 5 * len(modules)
+        (lean_tokens, lean_logits), (tokens, logits) = runs
+        assert lean_tokens == tokens
+        assert all(torch.equal(g, w) for g, w in zip(lean_logits, logits, strict=True))
+    finally:
+        model.weightstream.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_expanded_form_is_transformers_bitwise(tiny_model, arch):
     model_dir = tiny_model(arch)

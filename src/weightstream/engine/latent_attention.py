@@ -22,11 +22,19 @@ a copy of the module's config naming it) are replaced. The absorbed form sums in
 one, so logits differ from transformers' within rounding (tests/test_latent_attention.py states the tolerance);
 a streamed run and the same model with every expert resident run the same form and stay bitwise equal.
 `load_streaming_model(..., latent_attention="expanded")` keeps transformers' form (bitwise its logits).
+
+A decode step of one sequence in float32 (what a GGUF-imported model computes in) skips the module's forward
+altogether (`LatentAttention.decode`): the same projections, norms, rotary function, cache update and native calls
+on the same values, without the module's reshaping and copies around them (a concatenated query, float copies,
+transposes: some 25 torch calls a layer, a 27-layer model pays them 27 times a token), so it gives the module
+path's bits (tests/test_latent_attention.py). Only transformers' DeepSeek-V3 attention (`deepseek_v3`, what
+`weightstream import` makes of any `deepseek2` GGUF) takes it; every other call runs the module's own forward.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +91,29 @@ class LatentAttention:
         if self.k_rows is None:
             return torch.bmm(by_head, self.v_b)
         return native.heads_product(by_head, self.v_rows, "BF16", self.v)
+
+    def decode(self, module, hidden_states, cos, sin, cache) -> torch.Tensor:
+        """The attention output (1, 1, hidden) of one decode row of one sequence, float32: the module's forward
+        (`_lean_forward` checks that it applies) with its views in place of its copies."""
+        if module.q_lora_rank is None:
+            query = module.q_proj(hidden_states)
+        else:
+            query = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+        q_nope, q_rot = query.view(1, self.heads, 1, -1).split([self.nope, self.rope], dim=-1)  # (1, H, 1, N|R)
+        latent, k_rot = module.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora, self.rope], dim=-1)
+        latent = module.kv_a_layernorm(latent).view(1, 1, 1, self.kv_lora)
+        modeling = sys.modules[type(module).__module__]  # its rotary function as the module calls it (fused or not)
+        rotary = (
+            modeling.apply_rotary_pos_emb_interleave if module.config.rope_interleave else modeling.apply_rotary_pos_emb
+        )
+        q_rot, k_rot = rotary(q_rot, k_rot.view(1, 1, 1, self.rope), cos, sin)
+        latent, k_rot = cache.update(latent, k_rot, module.layer_idx)
+        q_lat = self._to_latent(q_nope.view(self.heads, 1, self.nope)).view(1, self.heads, self.kv_lora)
+        weighted = native.latent_attend(
+            q_lat, q_rot.view(1, self.heads, self.rope), latent[:, 0], k_rot[:, 0], module.scaling
+        )
+        out = self._to_values(weighted.view(self.heads, 1, self.kv_lora))  # (H, 1, V)
+        return module.o_proj(out.view(1, 1, self.heads * self.v))
 
     @staticmethod
     def keep_latent(latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +226,30 @@ def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.
 AttentionInterface.register(IMPLEMENTATION, _forward)
 
 
+def _lean_forward(module: torch.nn.Module):
+    """The module's forward, taking `LatentAttention.decode` for one float32 row of one sequence that sees every
+    cached position (in a model out of training mode, natively); anything else runs the module's own forward."""
+    original, latent = module.forward, module._ws_latent
+
+    def forward(*args, **kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        rotary = kwargs.get("position_embeddings")
+        if (
+            hidden.shape[:2] == (1, 1)
+            and hidden.dtype is torch.float32
+            and cache is not None
+            and rotary is not None
+            and not args[1:]
+            and _sees_everything(kwargs.get("attention_mask"))
+            and not module.training
+        ):
+            return latent.decode(module, hidden, *rotary, cache), None
+        return original(*args, **kwargs)
+
+    return forward
+
+
 def is_latent_attention(module: torch.nn.Module) -> bool:
     """Whether a module is transformers' multi-head latent attention (DeepSeek-V2/V3 and their kin)."""
     needed = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_heads")
@@ -223,5 +278,7 @@ def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> i
         module.expand_kv = module._ws_latent.keep_latent
         module.config = copy.copy(module.config)
         module.config._attn_implementation_internal = IMPLEMENTATION
+        if type(module).__name__ == "DeepseekV3Attention" and native.available():
+            module.forward = _lean_forward(module)
         changed += 1
     return changed

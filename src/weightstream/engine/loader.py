@@ -30,7 +30,7 @@ from weightstream.engine.footprint import (
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
 from weightstream.engine.kernels.choice import choose_kernel
-from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding
+from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
 from weightstream.engine.page_cache_source import PageCacheSource
@@ -139,6 +139,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     if config.miss_copy:
         _check_miss_copy(model_dir, quant)
     _load_dense(model, layout.dense, model_dir, quant)
+    lookup_without_padding(model.get_input_embeddings())
     release_heap()  # what loading allocated and freed
     reset_peak()  # from here the peak is decode's (the load's own, before any cache, is lower than what follows)
     # before any I/O thread: a refusal leaves none running
@@ -352,7 +353,7 @@ def _to_compute_dtype(model, state: dict) -> None:
         if param is None or not tensor.is_floating_point() or tensor.dtype == param.dtype:
             continue
         if param is embedding.weight and not tied:
-            model.set_input_embeddings(StoredEmbedding(state.pop(name), embedding.padding_idx, param.dtype))
+            model.set_input_embeddings(StoredEmbedding(state.pop(name), param.dtype))
             continue
         state[name] = tensor.to(param.dtype)
 
