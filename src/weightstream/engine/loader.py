@@ -29,6 +29,7 @@ from weightstream.engine.footprint import (
 )
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
+from weightstream.engine.grouped_attention import install_grouped_attention
 from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
@@ -149,6 +150,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     latent = any(is_latent_attention(m) for m in model.modules())
     absorb_latent_attention(model, config.latent_attention)
     install_sink_attention(model)  # gpt-oss: long prompts without eager's score matrices
+    install_grouped_attention(model)  # fewer key heads than query heads: no repeated keys over a long cache
     modules = experts_modules(model)
     parts = {module: _part(kernels[type(module)], layout.module_layers[path]) for path, module in modules.items()}
     tied = ties_embeddings(model.config)
