@@ -16,7 +16,9 @@ of medians is ours / llama.cpp's.
 `--depths 256,1024,4096` measures at those context depths instead (issue 50: decode that does not fall with the
 context): llama.cpp's `llama-bench -p 256 -n 16 -d DEPTHS` (its pp and tg tests at each depth), ours in one process
 per round: DEPTH tokens prefilled (512 a forward), then 16 greedy tokens timed one forward each (decode at depth
-DEPTH), then one forward of a 256-token prompt (at depth DEPTH + 16). `--latent-attention absorbed,expanded` times
+DEPTH), then one forward of a 256-token prompt (at depth DEPTH + 16). Each forward computes the output head for its
+last row only, as `generate` does and as llama-bench's pp test does (a batch without a logits array outputs its last
+token); before 2026-12-06 20:30 ours computed it for all 256 rows, which understated our prompts at depth. `--latent-attention absorbed,expanded` times
 each form of DeepSeek's latent attention as a side of its own (expanded: transformers', the form before issue 50).
 """
 
@@ -71,8 +73,8 @@ vocab = model.config.get_text_config().vocab_size
 depths, prompt, new = {depths!r}, {prompt}, {new}
 ids = (torch.arange(max(depths) + new + prompt) * 7919 + 11).remainder(vocab - 10).add(5).reshape(1, -1)
 
-def last(chunk, cache):
-    return model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
+def last(chunk, cache):  # the last row's logits only, as generate and llama-bench's pp compute them
+    return model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 out = {{}}
 with torch.inference_mode(), quiet_cache_kwarg():
