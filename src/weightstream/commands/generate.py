@@ -31,7 +31,8 @@ def register(sub) -> None:
         "experts from disk through a fixed-budget expert cache (O_DIRECT, dedicated I/O threads, reads "
         "overlapped with compute). Tokens equal the in-memory model's (not with --miss-copy; DeepSeek's latent "
         "attention, absorbed by default, gives its logits within float32 rounding: --latent-attention expanded "
-        "for its exact ones; gpt-oss's attention over long prompts and caches likewise). Greedy by default.",
+        "for its exact ones; gpt-oss's attention over long prompts and caches likewise, and grouped-query "
+        "attention over a long cache). Greedy by default.",
         epilog="examples:\n  weightstream generate models/olmoe --prompt 'Hello' --expert-cache 2GiB\n"
         "  weightstream generate models/olmoe --prompt-ids 1,2,3 --max-new-tokens 16 --json\n"
         "  weightstream generate models/olmoe-q4k --prompt 'Hello' --expert-shards 3",
