@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
+from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from weightstream import native

@@ -18,8 +18,9 @@ context): llama.cpp's `llama-bench -p 256 -n 16 -d DEPTHS` (its pp and tg tests 
 per round: DEPTH tokens prefilled (512 a forward), then 16 greedy tokens timed one forward each (decode at depth
 DEPTH), then one forward of a 256-token prompt (at depth DEPTH + 16). Each forward computes the output head for its
 last row only, as `generate` does and as llama-bench's pp test does (a batch without a logits array outputs its last
-token); before 2026-12-06 20:30 ours computed it for all 256 rows, which understated our prompts at depth. `--latent-attention absorbed,expanded` times
-each form of DeepSeek's latent attention as a side of its own (expanded: transformers', the form before issue 50).
+token); before 2026-12-06 20:30 ours computed it for all 256 rows, which understated our prompts at depth.
+`--latent-attention absorbed,expanded` times each form of DeepSeek's latent attention as a side of its own
+(expanded: transformers', the form before issue 50).
 """
 
 from __future__ import annotations
