@@ -10,6 +10,8 @@ import pytest
 
 from weightstream.io.pagecache import process_read_bytes
 
+from cli_support import ran_in_process
+
 ROOT = os.geteuid() == 0
 
 
@@ -96,11 +98,12 @@ def test_bench_table_and_replay_reason_for_accelerate(tiny_model, tmp_path):
 
 
 def test_bench_refuses_unknown_mode_and_bad_limit(tiny_model):
+    """(The CLI's `main` in this process: refusals need no fresh interpreter.)"""
     model_dir = tiny_model("olmoe", dtype="bf16")
-    r = run_cli("bench", model_dir, "--memory-limit", "2GiB", "--modes", "direct,turbo")
-    assert r.returncode == 2 and "--modes: unknown mode 'turbo'" in r.stderr
-    r = run_cli("bench", model_dir, "--memory-limit", "lots")
-    assert r.returncode == 2 and "--memory-limit 'lots'" in r.stderr
+    code, _, err = ran_in_process("bench", model_dir, "--memory-limit", "2GiB", "--modes", "direct,turbo")
+    assert code == 2 and "--modes: unknown mode 'turbo'" in err, err
+    code, _, err = ran_in_process("bench", model_dir, "--memory-limit", "lots")
+    assert code == 2 and "--memory-limit 'lots'" in err, err
 
 
 @pytest.mark.skipif(not ROOT, reason="bench needs root for memory cgroups and the system-wide cache drop (CI is root)")

@@ -27,6 +27,7 @@ from weightstream.store.quant.ggml_blocks import ENCODERS
 from weightstream.store.quant.manifest import BLOCK_TYPES, blob_key, read_manifest
 from weightstream.store.synth import synthesize
 
+from cli_support import ran_in_process
 from gguf_support import (
     GGUF_ARCH,
     PERMUTED,
@@ -694,6 +695,7 @@ def test_the_command_imports_says_what_is_lossy_and_shows_progress(source, tmp_p
 
 
 def test_force_replaces_only_an_import_and_a_gguf_given_to_other_commands_names_the_import(imported, tmp_path):
+    """(The CLI's `main` in this process: six commands without starting torch six times.)"""
     path = imported("qwen2-q8")[0]
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -703,18 +705,18 @@ def test_force_replaces_only_an_import_and_a_gguf_given_to_other_commands_names_
         (("--out", str(mine), "--force"), "weightstream did not write it"),
         (("--out", os.path.dirname(path), "--force"), "holds the source"),
     ):
-        run = _cli("import", path, *args)
-        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
-        assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("weightstream import: error: ")
+        code, _, err = ran_in_process("import", path, *args)
+        assert code == 2 and message in err, err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("weightstream import: error: ")
     assert os.listdir(mine) == ["notes.txt"]
     out = tmp_path / "out"
-    assert _cli("import", path, "--out", str(out)).returncode == 0
-    run = _cli("import", path, "--out", str(out), "--force")
-    assert run.returncode == 0 and "wrote" in run.stdout and read_manifest(str(out)).scheme == "q8_0", run.stderr
+    assert ran_in_process("import", path, "--out", out)[0] == 0
+    code, stdout, err = ran_in_process("import", path, "--out", out, "--force")
+    assert code == 0 and "wrote" in stdout and read_manifest(str(out)).scheme == "q8_0", err
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
     hint = f"a GGUF file; weightstream runs model directories. Import it once with `weightstream import {path} --out"
-    run = _cli("generate", path, "--prompt-ids", "1,2")  # serve too: both resolve the model by resolve_model
-    assert run.returncode == 2 and hint in run.stderr, run.stderr
+    code, _, err = ran_in_process("generate", path, "--prompt-ids", "1,2")  # serve too: both resolve_model
+    assert code == 2 and hint in err, err
     with pytest.raises(WeightstreamError, match="Import it once with"):  # quantize, bench, tune, trace record
         open_checkpoint(path)
 

@@ -222,7 +222,8 @@ def test_cli_refuses_bad_input_and_changes_nothing(tiny_model, quantized, tmp_pa
 
 
 def test_force_replaces_only_what_weightstream_wrote(tiny_model, tmp_path):
-    """The review's case: `quantize par/src --out par --force` deleted the source and par/mine.txt."""
+    """The review's case: `quantize par/src --out par --force` deleted the source and par/mine.txt. (The CLI's
+    `main` in this process: five commands without starting torch five times.)"""
     import shutil
 
     par = tmp_path / "par"
@@ -231,19 +232,21 @@ def test_force_replaces_only_what_weightstream_wrote(tiny_model, tmp_path):
     (par / "mine.txt").write_text("unrelated")
     before = sorted(os.listdir(src))
     for out, message in ((par, "holds the source"), (src, "is the source")):
-        r = _cli("quantize", str(src), "--bits", "8", "--out", str(out), "--force")
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        code, _, err = ran_in_process("quantize", src, "--bits", "8", "--out", out, "--force")
+        assert code == 2 and message in err, err
     assert sorted(os.listdir(src)) == before and (par / "mine.txt").read_text() == "unrelated"
     assert sorted(os.listdir(par)) == ["mine.txt", "src"]
 
     out = tmp_path / "q"
-    assert _cli("quantize", str(src), "--bits", "8", "--out", str(out)).returncode == 0
-    r = _cli("quantize", str(src), "--bits", "4", "--group-size", "32", "--out", str(out), "--force", "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["group_size"] == 32, r.stderr  # its own output: replaced
+    assert ran_in_process("quantize", src, "--bits", "8", "--out", out)[0] == 0
+    code, stdout, err = ran_in_process(
+        "quantize", src, "--bits", "4", "--group-size", "32", "--out", out, "--force", "--json"
+    )
+    assert code == 0 and json.loads(stdout)["group_size"] == 32, err  # its own output: replaced
     assert read_manifest(str(out)).scheme == "int4"
     (out / "notes.txt").write_text("the user's")
-    r = _cli("quantize", str(src), "--bits", "8", "--out", str(out), "--force")
-    assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+    code, _, err = ran_in_process("quantize", src, "--bits", "8", "--out", out, "--force")
+    assert code == 2 and "notes.txt" in err, err
     assert (out / "notes.txt").read_text() == "the user's" and read_manifest(str(out)).scheme == "int4"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no work or set-aside directory left
 
