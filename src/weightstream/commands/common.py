@@ -284,13 +284,11 @@ def add_shard_options(p, ray_address: bool = True) -> None:
     g.add_argument(
         "--shard-transport",
         choices=("graph", "calls"),
-        default="graph",
         help="graph (default): a Ray compiled graph per shard (shared-memory channels); calls: plain actor calls",
     )
     g.add_argument(
         "--shard-placement",
         choices=("layers", "spread"),
-        default="layers",
         help="layers (default): consecutive layers to each shard, one round trip a layer (shards sharing a machine's "
         "cores, or a slow network); spread: each layer's experts over every shard, balanced by heat, the layer's "
         "compute in parallel (a shard per machine, a fast network)",
@@ -298,7 +296,6 @@ def add_shard_options(p, ray_address: bool = True) -> None:
     g.add_argument(
         "--shard-delay-us",
         type=float,
-        default=0.0,
         metavar="US",
         help="benchmarks: add US microseconds to each layer's round trip to the shards (a network's latency)",
     )
@@ -326,11 +323,13 @@ def shard_options(args):
     from weightstream.units import parse_size
 
     n = args.expert_shards
-    given = [f for f in ("shard_memory", "shard_heat", "shard_plan") if getattr(args, f) is not None]
+    shard_flags = ("shard_memory", "shard_heat", "shard_plan", "shard_transport", "shard_placement", "shard_delay_us")
+    given = [f for f in shard_flags if getattr(args, f) is not None]
+    delay = args.shard_delay_us if args.shard_delay_us is not None else 0.0
     if n < 0:
         raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
-    if not 0 <= args.shard_delay_us < 1e7:  # nan and inf too
-        raise WeightstreamError(f"--shard-delay-us {args.shard_delay_us}: give 0 or more microseconds (below 10 s)")
+    if not 0 <= delay < 1e7:  # nan and inf too
+        raise WeightstreamError(f"--shard-delay-us {delay}: give 0 or more microseconds (below 10 s)")
     if not n:
         if given:
             raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
@@ -355,8 +354,8 @@ def shard_options(args):
         heat_trace=args.shard_heat,
         plan_out=args.shard_plan,
         address=getattr(args, "ray_address", None),
-        transport=args.shard_transport,
-        placement=args.shard_placement,
+        transport=args.shard_transport or "graph",
+        placement=args.shard_placement or "layers",
         io_threads=args.io_threads,
-        delay_us=args.shard_delay_us,
+        delay_us=delay,
     )
