@@ -9,7 +9,9 @@ DEMO_DIR ?= .work/demo-model
 
 .PHONY: venv demo test lint format clean
 
-$(VENV)/.installed: pyproject.toml
+# the native extension is built by the editable install: sources newer than the stamp rebuild it (a stale one
+# lacks the ops' current signatures)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH_SPEC)' || $(PY) -m pip install -q 'torch>=2.9'
