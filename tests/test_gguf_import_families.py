@@ -244,8 +244,9 @@ def _tensors(src: str, arch: str, cfg: dict, expert_type, split_kv_b=False, next
         elif split_kv_b and name.endswith(".attn_kv_b.weight"):
             heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
             k_b, v_b = w.view(heads, nope + v, w.shape[-1]).split([nope, v], dim=1)
-            dense(name.replace("attn_kv_b", "attn_k_b"), k_b.transpose(1, 2).contiguous(), halves)
-            dense(name.replace("attn_kv_b", "attn_v_b"), v_b.contiguous(), halves)
+            k_kind, v_kind = (halves, halves) if isinstance(halves, str) else halves
+            dense(name.replace("attn_kv_b", "attn_k_b"), k_b.transpose(1, 2).contiguous(), k_kind)
+            dense(name.replace("attn_kv_b", "attn_v_b"), v_b.contiguous(), v_kind)
             if split_kv_b == "both":  # as some forks' converters write it: the whole one too
                 dense(name, w)
         else:
@@ -598,36 +599,60 @@ def test_deepseek2_files_choose_v2_or_v3_by_their_scoring_and_read_kv_b_whole_wh
     assert planned.notes == ["6 attn_k_b/attn_v_b tensor(s) not read: attn_kv_b holds the same weights whole"]
 
 
-def test_quantized_kv_b_halves_are_joined_from_their_decoded_values_and_the_loss_is_said(source, tmp_path):
-    """Q8_0 k_b/v_b (llama.cpp quantizes them like other attention weights): k_b's blocks run along its transposed
-    rows, so kv_b_proj is their decoded values joined, stored in bf16, and the import says why and at what error."""
+def test_quantized_kv_b_halves_are_kept_as_the_files_blocks_and_run_as_them(source, tmp_path):
+    """Quantized k_b/v_b (llama-quantize makes k_b Q5_0 or Q8_0 and v_b Q4_K or Q8_0: blocks along each head's rows,
+    not kv_b_proj's): stored as the file's bytes under k_b_proj/v_b_proj, listed in the manifest with their types,
+    and multiplied by as those types (as llama.cpp does); streamed equals resident bitwise; the expanded form (their
+    decoded values) and transformers' model with kv_b the decoded values agree within the kernels' rounding."""
     path = family_gguf(
-        source("deepseek_v3"), tmp_path / "q8.gguf", lambda layer, proj: "Q8_0", split_kv_b=True, halves="Q8_0"
+        source("deepseek_v3"),
+        tmp_path / "q.gguf",
+        lambda layer, proj: "Q8_0",
+        split_kv_b=True,
+        mla_keys=True,
+        halves=("Q5_0", "Q8_0"),
     )
-    result = import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
-    tensors, cfg = gguf_tensors(path), json.load(open(tmp_path / "out" / "config.json"))
+    out = str(tmp_path / "out")
+    result = import_gguf(path, out, log=lambda line: None)
+    assert not any("re-joined" in line for line in result.notes), result.notes
+    tensors, cfg, fmt = gguf_tensors(path), json.load(open(os.path.join(out, "config.json"))), read_manifest(out)
     heads, nope, v, lora = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
+    stored = open_checkpoint(out).tensors
+    joined = {}
     for layer in range(cfg["num_hidden_layers"]):
-        k_b, v_b = (tensors[f"blk.{layer}.attn_{p}_b.weight"] for p in ("k", "v"))
-        assert k_b.tensor_type.name == v_b.tensor_type.name == "Q8_0"
-        k = gguf_values(k_b.data, k_b.tensor_type).reshape(heads, lora, nope).transpose(1, 2)
+        prefix = f"model.layers.{layer}.self_attn."
+        assert prefix + "kv_b_proj.weight" not in stored
+        for half, kind, rows, inputs in (("k", "Q5_0", heads * lora, nope), ("v", "Q8_0", heads * v, lora)):
+            key, t = f"{prefix}{half}_b_proj.weight", tensors[f"blk.{layer}.attn_{half}_b.weight"]
+            assert t.tensor_type.name == kind and fmt.dense[key] == (kind, (rows, inputs)), key
+            with safe_open(stored[key].path, "pt") as f:
+                assert np.array_equal(f.get_tensor(key).numpy().reshape(-1), t.data.reshape(-1).view(np.uint8)), key
+        k_b, v_b = (tensors[f"blk.{layer}.attn_{half}_b.weight"] for half in ("k", "v"))
+        k = gguf_values(k_b.data, k_b.tensor_type).reshape(heads, lora, nope)
         vv = gguf_values(v_b.data, v_b.tensor_type).reshape(heads, v, lora)
-        want = torch.cat([k, vv], dim=1).reshape(heads * (nope + v), lora).to(torch.bfloat16)
-        key = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-        info = open_checkpoint(str(tmp_path / "out")).tensors[key]
-        with safe_open(info.path, "pt") as f:
-            assert torch.equal(f.get_tensor(key), want), key
-    assert any(
-        line.startswith("dense weights: 6 Q8_0 tensor(s) dequantized to bfloat16 (blk.0.attn_k_b.weight, ")
-        and line.endswith(
-            "kv_b_proj re-joined from attn_k_b and attn_v_b: llama.cpp stores k_b transposed, so its "
-            "blocks are not rows of kv_b_proj"
-        )
-        for line in result.notes
-    ), result.notes
-    assert any(
-        line.startswith("dense weights: 3 Q8_0 tensor(s) stored as bfloat16: relative RMS") for line in result.notes
-    )
+        joined[layer] = torch.cat([k.transpose(1, 2), vv], dim=1).reshape(heads * (nope + v), lora)
+
+    tokens, logits, _ = greedy_logits_of(out, expert_cache="100x", io_threads=2)
+    for threads in (1, 8):
+        got_tokens, got_logits, _ = greedy_logits_of(out, expert_cache="1x", io_threads=threads)
+        assert got_tokens == tokens and all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True))
+
+    reference = _reference(source("deepseek_v3"), tensors, dtype=torch.float32)
+    with torch.no_grad():
+        for layer, weight in joined.items():
+            reference.model.layers[layer].self_attn.kv_b_proj.weight.copy_(weight)
+        want = reference(PROMPT).logits[0]
+    for form in ("absorbed", "expanded"):
+        model = load_streaming_model(out, expert_cache="4x", latent_attention=form)
+        try:
+            latent = [m._ws_latent for m in model.modules() if hasattr(m, "_ws_latent")]
+            assert {(x.k_type, x.v_type) for x in latent} == ({("Q5_0", "Q8_0")} if form == "absorbed" else set())
+            with torch.inference_mode():
+                got = model(PROMPT).logits[0].float()
+        finally:
+            model.weightstream.close()
+        error = float((got - want).abs().max() / want.abs().max())
+        assert error < 0.03, (form, error)  # the 8-bit activations of every native product
 
 
 def test_bad_files_are_refused_naming_the_fault_and_nothing_is_left(source, tmp_path):

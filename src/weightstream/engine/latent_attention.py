@@ -44,53 +44,105 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from weightstream import native
 from weightstream.engine.kernels.dense import NativeLinear
 from weightstream.errors import WeightstreamError
+from weightstream.store.facts import KV_B_HALVES
 from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
 
 FORMS = ("absorbed", "expanded")
 IMPLEMENTATION = "weightstream_latent"
 
 
+class SplitKvB(torch.nn.Module):
+    """kv_b_proj as a GGUF stores it for absorbed attention and `weightstream import` keeps it: k_b, each head's
+    kv_lora rows of nope inputs, and v_b, its v rows of kv_lora inputs, GGML blocks of the file's types (uint8
+    (rows, row bytes), store/facts.py's KV_B_HALVES). The absorbed form multiplies by the blocks themselves; called
+    as transformers' Linear (the expanded form), it computes with their decoded values, decoded at each call (a
+    float copy would double what they hold resident)."""
+
+    def __init__(self, k_b: torch.Tensor, k_type: str, v_b: torch.Tensor, v_type: str, module: torch.nn.Module):
+        super().__init__()
+        self.k_b, self.k_type, self.v_b, self.v_type = k_b, k_type, v_b, v_type
+        self.heads, self.kv_lora = module.num_heads, module.kv_lora_rank
+        self.nope, self.v = module.qk_nope_head_dim, module.v_head_dim
+
+    def float_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight (H * (nope + v), kv_lora), float32: what the blocks encode."""
+        k = native.dequantize(self.k_b, self.k_type, self.heads * self.kv_lora, self.nope)
+        v = native.dequantize(self.v_b, self.v_type, self.heads * self.v, self.kv_lora)
+        k = k.view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
+        return torch.cat([k, v.view(self.heads, self.v, self.kv_lora)], dim=1).reshape(-1, self.kv_lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.float_weight().to(x.dtype))
+
+
+def keep_kv_b_apart(model: torch.nn.Module, state: dict, blocks: dict, model_dir: str) -> int:
+    """Put the k_b/v_b blocks of a checkpoint that keeps them apart (`state`'s KV_B_HALVES keys, their GGML types
+    in `blocks`) in place of each latent attention module's kv_b_proj (taken out of `state`); how many."""
+    kept = 0
+    for name, module in model.named_modules():
+        keys = [f"{name}.{half}.weight" for half in KV_B_HALVES]
+        if not is_latent_attention(module) or not any(k in state for k in keys):
+            continue
+        if not all(k in state and k in blocks for k in keys):
+            raise WeightstreamError(
+                f"{model_dir}: {name} has {' and '.join(k for k in keys if k in state)} but not both as GGML blocks "
+                "listed in the manifest; the checkpoint is damaged: import it again"
+            )
+        (k_b, k_type), (v_b, v_type) = ((state.pop(k), blocks[k][0]) for k in keys)
+        module.kv_b_proj = SplitKvB(k_b, k_type, v_b, v_type, module)
+        kept += 1
+    return kept
+
+
 class LatentAttention:
     """One MLA module's absorbed attention: its kv_b_proj weight per head as k_b and v_b.
 
-    Where kv_b's weights are bfloat16 values (as `weightstream import` stores llama.cpp's split `attn_k_b` and
-    `attn_v_b`, and as bf16 checkpoints hold them) and the rows are whole 32-value blocks, k_b and v_b are kept as
-    bf16 rows in llama.cpp's layout (k_b: each head's kv_lora x nope, v_b: its v x kv_lora) and multiplied by the
-    native kernels (`native.heads_product`: float32 activations, each bf16 weight exact): half the bytes a token of
-    float32 copies, which decode reads cold every layer (16 heads of kv_lora 512: 4 MiB a layer, 0.7 ms of a 20 ms
-    token at depth 256 on the V2-Lite shape). Else float32 views, multiplied by torch."""
+    k_b and v_b are rows of GGML blocks in llama.cpp's layout (k_b: each head's kv_lora x nope, v_b: its v x
+    kv_lora), multiplied by the native kernels (`native.heads_product`, activations quantized to the type's
+    activation blocks as in every native product) where they can be: the file's own blocks where the checkpoint
+    keeps them apart (`SplitKvB`: Q5_0 and Q4_K in a Q4_K_M file, a third of bf16's bytes), or bf16 rows where kv_b's
+    weights are bfloat16 values (as `weightstream import` joins float halves and bf16 checkpoints hold them) and the
+    rows are whole 32-value blocks (float32 activations, each bf16 weight exact): decode reads them cold every layer
+    (16 heads of kv_lora 512: 4 MiB a layer of float32, 0.7 ms of a 20 ms token at depth 256 on the V2-Lite shape).
+    Else float32 views, multiplied by torch."""
 
     def __init__(self, module: torch.nn.Module):
         self.heads, self.kv_lora = module.num_heads, module.kv_lora_rank
         self.nope, self.rope, self.v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
-        weight = _kv_b_weight(module.kv_b_proj)  # (H * (nope + v), kv_lora) float32
-        per_head = weight.view(self.heads, self.nope + self.v, self.kv_lora)
-        self.k_rows, self.v_rows = _bf16_rows(per_head, self.nope)
-        if self.k_rows is None:
-            self.weight = weight
-            self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
-            self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
+        proj = module.kv_b_proj
+        if isinstance(proj, SplitKvB):
+            self.k_rows, self.k_type, self.v_rows, self.v_type = proj.k_b, proj.k_type, proj.v_b, proj.v_type
+        else:
+            weight = _kv_b_weight(proj)  # (H * (nope + v), kv_lora) float32
+            per_head = weight.view(self.heads, self.nope + self.v, self.kv_lora)
+            self.k_rows, self.v_rows = _bf16_rows(per_head, self.nope)
+            self.k_type = self.v_type = "BF16"
+            if self.k_rows is None:
+                self.weight = weight
+                self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
+                self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
         self.expand_from = rows_to_expand(self.kv_lora, self.nope, self.v)
 
     def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight (H * (nope + v), kv_lora) in `dtype`, for the expanded form."""
         if self.k_rows is None:
             return self.weight.to(dtype)
-        k = self.k_rows.view(torch.bfloat16).view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
-        v = self.v_rows.view(torch.bfloat16).view(self.heads, self.v, self.kv_lora)
-        return torch.cat([k, v], dim=1).reshape(-1, self.kv_lora).to(dtype)
+        k = native.dequantize(self.k_rows, self.k_type, self.heads * self.kv_lora, self.nope)
+        v = native.dequantize(self.v_rows, self.v_type, self.heads * self.v, self.kv_lora)
+        k = k.view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
+        return torch.cat([k, v.view(self.heads, self.v, self.kv_lora)], dim=1).reshape(-1, self.kv_lora).to(dtype)
 
     def _to_latent(self, by_head: torch.Tensor) -> torch.Tensor:
         """(H, M, kv_lora): each head's query rows (H, M, nope) times its k_b."""
         if self.k_rows is None:
             return torch.bmm(by_head, self.k_b)
-        return native.heads_product(by_head, self.k_rows, "BF16", self.kv_lora)
+        return native.heads_product(by_head, self.k_rows, self.k_type, self.kv_lora)
 
     def _to_values(self, by_head: torch.Tensor) -> torch.Tensor:
         """(H, M, v): each head's weighted latents (H, M, kv_lora) times its v_b."""
         if self.k_rows is None:
             return torch.bmm(by_head, self.v_b)
-        return native.heads_product(by_head, self.v_rows, "BF16", self.v)
+        return native.heads_product(by_head, self.v_rows, self.v_type, self.v)
 
     def decode(self, module, hidden_states, cos, sin, cache) -> torch.Tensor:
         """The attention output (1, 1, hidden) of one decode row of one sequence, float32: the module's forward
@@ -192,6 +244,8 @@ def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 def _kv_b_weight(projection: torch.nn.Module) -> torch.Tensor:
     """kv_b_proj's weight in float32: a float32 Linear's own (no copy), a bf16 one's converted (exactly), GGML
     blocks dequantized once (what the file's blocks encode)."""
+    if isinstance(projection, SplitKvB):
+        return projection.float_weight()
     if isinstance(projection, NativeLinear):
         n, k = projection.out_features, projection.in_features
         return native.dequantize(projection.blocks, projection.wtype, n, k)

@@ -33,7 +33,7 @@ from weightstream.engine.grouped_attention import install_grouped_attention
 from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
-from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention
+from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention, keep_kv_b_apart
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
@@ -309,24 +309,26 @@ def _load_dense(model, dense: dict, model_dir: str, quant: QuantFormat | None = 
         with safe_open(path, framework="pt") as f:
             for target, name in keys:
                 state[target] = f.get_tensor(name)
-    blocks = (quant.dense or {}) if quant is not None else {}
-    for target in [t for t in state if dense[t].name in blocks]:
-        if not native.available():
-            gguf = (quant.source or {}).get("gguf")
-            hint = (
-                f"`weightstream import` keeps {gguf}'s blocks as they are (experts and dense linear weights alike), "
-                "so the directory runs only where the native kernels do: importing again would not change that"
-                if gguf
-                else "or quantize the original checkpoint with --dense keep"
-            )
-            raise WeightstreamError(
-                f"{model_dir}: its dense weights are GGML blocks, which need weightstream's native kernels "
-                f"({native.why_not()}); {hint}"
-            )
+    listed = (quant.dense or {}) if quant is not None else {}
+    blocks = {t: listed[dense[t].name] for t in state if dense[t].name in listed}  # target -> (type, (n, k))
+    if blocks and not native.available():
+        gguf = (quant.source or {}).get("gguf")
+        hint = (
+            f"`weightstream import` keeps {gguf}'s blocks as they are (experts and dense linear weights alike), "
+            "so the directory runs only where the native kernels do: importing again would not change that"
+            if gguf
+            else "or quantize the original checkpoint with --dense keep"
+        )
+        raise WeightstreamError(
+            f"{model_dir}: its dense weights are GGML blocks, which need weightstream's native kernels "
+            f"({native.why_not()}); {hint}"
+        )
+    keep_kv_b_apart(model, state, blocks, model_dir)  # DeepSeek's k_b and v_b: no Linear of transformers' own
+    for target in [t for t in blocks if t in state]:
         path = target.removesuffix(".weight")
         parent, _, attr = path.rpartition(".")
         linear = model.get_submodule(path)
-        wtype, (n, k) = blocks[dense[target].name]
+        wtype, (n, k) = blocks[target]
         setattr(model.get_submodule(parent), attr, NativeLinear(state.pop(target), wtype, n, k, linear.bias))
     _to_compute_dtype(model, state)
     model.load_state_dict(state, strict=False, assign=True)

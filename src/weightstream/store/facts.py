@@ -18,6 +18,10 @@ TOP_K_FIELDS = (
     "moe_top_k",
 )
 
+# DeepSeek's kv_b_proj as llama.cpp's converter splits it for absorbed attention, stored apart where the GGUF's blocks
+# are kept (`self_attn.k_b_proj.weight`: each head's kv_lora rows of qk_nope inputs; `v_b_proj`: its v rows of kv_lora)
+KV_B_HALVES = ("k_b_proj", "v_b_proj")
+
 
 def top_k(config) -> int | None:
     """Experts per token: the first of TOP_K_FIELDS that is a positive integer, in a transformers config

@@ -176,11 +176,20 @@ def plan(gf: GgufFile, arch: str, fields: dict, requantize: str) -> Plan:
             if d.block:
                 d.block, d.why_float = None, "the experts are floats: a plain checkpoint, with no table of blocks"
     else:
+        dense = [part for d in dense for part in _kept_apart(family, d, config)]
         for lay in layers:
             # float experts the checkpoint would store fused (a whole layer per tensor, gpt-oss's): the import
             # writes one expert at a time, so they go into blobs as BF16 rows the native kernels run
             lay.targets = {p: "BF16" if floats else _target(gf, t, requantize) for p, t in lay.tensors.items()}
     return Plan(config, model, dense, layers, notes)
+
+
+def _kept_apart(family, d: Dense, config) -> list[Dense]:
+    """A joined dense tensor as the parts the family keeps apart, each the file's own blocks; else [d]."""
+    if d.source is None:
+        return [d]
+    parts = family.kept_apart(d.key, d.source, config)
+    return [Dense(key, t, shape, block=t.type, dtype=d.dtype) for key, t, shape in parts] or [d]
 
 
 def _expert_dims(module) -> tuple[int, int, int]:

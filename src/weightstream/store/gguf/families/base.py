@@ -117,6 +117,12 @@ class Family:
         check_shape(gf, t, shape, key, config)
         return DenseSource((t,), self.permute_heads(key, config))
 
+    def kept_apart(self, key: str, source: DenseSource, config) -> list[tuple[str, GgufTensor, tuple[int, int]]]:
+        """For a dense tensor the file stores as several (`source`, joined by `build`) whose blocks the native
+        kernels run as they are: (checkpoint key, tensor, (rows, inputs)) of each, stored instead of the joined
+        tensor (in a checkpoint with a table of blocks); [] to store the joined values."""
+        return []
+
     def tensor(self, gf: GgufFile, name: str, key: str, config, also: str = "") -> GgufTensor:
         t = gf.tensors.get(name)
         if t is None:

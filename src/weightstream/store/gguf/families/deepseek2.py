@@ -7,7 +7,11 @@ as the file holds them and transformers computes them.
 Multi-head latent attention as llama.cpp stores it: `attn_q` (no `attention.q_lora_rank`) or `attn_q_a`,
 `attn_q_a_norm`, `attn_q_b`; `attn_kv_a_mqa`, `attn_kv_a_norm`; and `attn_kv_b` whole (older files) or split into
 `attn_k_b` (per head, transposed: kv_lora_rank x qk_nope_head_dim) and `attn_v_b` (v_head_dim x kv_lora_rank), as
-the current converter writes them for its absorbed attention: they are joined back into `kv_b_proj`, shapes checked.
+the current converter writes them for its absorbed attention. Where both halves are blocks the native kernels run
+(`llama-quantize` makes k_b Q5_0/Q8_0 and v_b Q4_K and the like), they are stored as they are, under the keys
+`self_attn.k_b_proj.weight` and `self_attn.v_b_proj.weight` (`KV_B_HALVES`), and the absorbed attention multiplies
+by them in the file's own types, as llama.cpp does (engine/latent_attention.py); float halves (and a checkpoint
+without a table of blocks) are joined back into transformers' `kv_b_proj`, shapes checked.
 Head sizes come from `attention.key_length_mla`/`value_length_mla` where the file has them (the current converter
 writes `key_length` = kv_lora_rank + rope dims for its MQA form), else `key_length`/`value_length` (older files).
 llama.cpp writes `head_count_kv` 1 for that MQA form; transformers expands kv_b per head, so every head has its
@@ -30,7 +34,10 @@ import re
 import torch
 
 from weightstream.errors import WeightstreamError
+from weightstream.native import BLOCK_TYPES
+from weightstream.store.facts import KV_B_HALVES
 from weightstream.store.gguf.families.base import DenseSource, Family, Skipped, decimal
+from weightstream.store.gguf.reader import FLOATS
 
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE values that transformers runs
 _BIAS = re.compile(r"^blk\.\d+\.exp_probs_b\.bias$")
@@ -181,6 +188,19 @@ class Deepseek2(Family):
             "rows of kv_b_proj"
         )
         return DenseSource((k_b, v_b), build=join, why_float=why)
+
+    def kept_apart(self, key, source, config):
+        if not key.endswith(".self_attn.kv_b_proj.weight") or source.build is None:
+            return []
+        if any(t.type in FLOATS or t.type not in BLOCK_TYPES for t in source.parts):
+            return []  # bf16/f16 halves join without loss (or with the loss the import states)
+        heads, lora = config.num_attention_heads, config.kv_lora_rank
+        k_b, v_b = source.parts
+        prefix = key.removesuffix("kv_b_proj.weight")
+        return [
+            (f"{prefix}{KV_B_HALVES[0]}.weight", k_b, (heads * lora, config.qk_nope_head_dim)),
+            (f"{prefix}{KV_B_HALVES[1]}.weight", v_b, (heads * config.v_head_dim, lora)),
+        ]
 
     def skipped(self, gf, config):
         out = super().skipped(gf, config)
