@@ -34,6 +34,7 @@ from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention, keep_kv_b_apart
+from weightstream.engine.lean_moe import install_lean_moe
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
@@ -146,7 +147,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     # before any I/O thread: a refusal leaves none running
     kernels = _kernels(model, config.expert_kernel, quant, config.miss_copy)
     computes_float32 = quant is not None and quant.compute_dtype is torch.float32
-    fused = fuse_dense_ops(model) if config.fuse and computes_float32 else []
+    fused = fuse_dense_ops(model) + install_lean_moe(model) if config.fuse and computes_float32 else []
     latent = any(is_latent_attention(m) for m in model.modules())
     absorb_latent_attention(model, config.latent_attention)
     install_sink_attention(model)  # gpt-oss: long prompts without eager's score matrices
