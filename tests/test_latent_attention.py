@@ -76,11 +76,20 @@ def test_absorbed_streamed_equals_resident_bitwise(tiny_model, arch):
             assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True)), (size, threads)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24}, {"rope_interleave": False}])
-def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, overrides, monkeypatch):
-    """A float32 decode row runs LatentAttention.decode (plain q or q_lora; either rotary form) and gives the
-    module's forward's tokens and logits bitwise; the prompt runs the module."""
-    model_dir = tiny_model("deepseek_v3", **overrides)
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("deepseek_v3", {}),
+        ("deepseek_v3", {"q_lora_rank": 24}),
+        ("deepseek_v3", {"rope_interleave": False}),
+        ("deepseek_v2", {}),  # V2's rotary: complex frequencies
+        ("deepseek_v2", {"q_lora_rank": 24}),
+    ],
+)
+def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, arch, overrides, monkeypatch):
+    """A float32 decode row runs LatentAttention.decode (V3 or V2; plain q or q_lora; each rotary form) and gives
+    the module's forward's tokens and logits bitwise; the prompt runs the module."""
+    model_dir = tiny_model(arch, **overrides)
     model = load_streaming_model(model_dir, expert_cache="100x")
     calls = []
     decode = LatentAttention.decode

@@ -1,4 +1,4 @@
-"""The one-row forms of DeepSeek-V3's MoE block and of gated MLPs (engine/lean_moe.py): on quantized-dense tiny
+"""The one-row forms of DeepSeek's MoE blocks and of gated MLPs (engine/lean_moe.py): on quantized-dense tiny
 models, decode with them gives the bits of the modules' own forwards, streamed and resident alike; they are put
 only where they apply."""
 
@@ -50,6 +50,12 @@ LEAN = ("function", "_GatedRow")
         ("deepseek_v3", {}, {"DeepseekV3MLP: gate and up in one product", "DeepseekV3MoE: one-row router"}),
         # groups that hide experts: transformers' router keeps its masks
         ("deepseek_v3", {"n_group": 2, "topk_group": 1}, {"DeepseekV3MLP: gate and up in one product"}),
+        ("deepseek_v2", {}, {"DeepseekV2MLP: gate and up in one product", "DeepseekV2Moe: one-row router"}),
+        (
+            "deepseek_v2",
+            {"n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy"},
+            {"DeepseekV2MLP: gate and up in one product"},
+        ),
         ("qwen2_moe", {}, {"Qwen2MoeMLP: gate and up in one product"}),
     ],
 )
@@ -57,7 +63,7 @@ def test_decode_with_the_one_row_forms_gives_the_modules_bits(
     tiny_model, tmp_path, monkeypatch, arch, overrides, want
 ):
     calls = {"router": 0, "gated": 0}
-    router, gated = lean_moe._router, lean_moe._GatedRow.__call__
+    gated = lean_moe._GatedRow.__call__
 
     def counted(name, fn):
         def call(*args):
@@ -66,7 +72,8 @@ def test_decode_with_the_one_row_forms_gives_the_modules_bits(
 
         return call
 
-    monkeypatch.setattr(lean_moe, "_router", counted("router", router))
+    for name in ("_router", "_softmax_router"):
+        monkeypatch.setattr(lean_moe, name, counted("router", getattr(lean_moe, name)))
     monkeypatch.setattr(lean_moe._GatedRow, "__call__", counted("gated", gated))
     out = str(tmp_path / "q")
     quantize_checkpoint(tiny_model(arch, "bf16", **overrides), out, 8, dense="int8")

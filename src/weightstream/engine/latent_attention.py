@@ -27,8 +27,9 @@ A decode step of one sequence in float32 (what a GGUF-imported model computes in
 altogether (`LatentAttention.decode`): the same projections, norms, rotary function, cache update and native calls
 on the same values, without the module's reshaping and copies around them (a concatenated query, float copies,
 transposes: some 25 torch calls a layer, a 27-layer model pays them 27 times a token), so it gives the module
-path's bits (tests/test_latent_attention.py). Only transformers' DeepSeek-V3 attention (`deepseek_v3`, what
-`weightstream import` makes of any `deepseek2` GGUF) takes it; every other call runs the module's own forward.
+path's bits (tests/test_latent_attention.py). transformers' DeepSeek-V3 and V2 attention take it (`weightstream
+import` makes a `deepseek2` GGUF scored by sigmoid a V3, by softmax, as DeepSeek-V2 and V2-Lite are, a V2), each
+with its own rotary function; every other call runs the module's own forward.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from weightstream.store.facts import KV_B_HALVES
 from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
 
 FORMS = ("absorbed", "expanded")
+LEAN_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention")  # whose decode row `LatentAttention.decode` computes
 IMPLEMENTATION = "weightstream_latent"
 
 
@@ -144,9 +146,10 @@ class LatentAttention:
             return torch.bmm(by_head, self.v_b)
         return native.heads_product(by_head, self.v_rows, self.v_type, self.v)
 
-    def decode(self, module, hidden_states, cos, sin, cache) -> torch.Tensor:
+    def decode(self, module, hidden_states, rotary_embedding, cache) -> torch.Tensor:
         """The attention output (1, 1, hidden) of one decode row of one sequence, float32: the module's forward
-        (`_lean_forward` checks that it applies) with its views in place of its copies."""
+        (`_lean_forward` checks that it applies) with its views in place of its copies. `rotary_embedding`: what
+        the model passes as position_embeddings (V3: (cos, sin); V2: complex frequencies)."""
         if module.q_lora_rank is None:
             query = module.q_proj(hidden_states)
         else:
@@ -154,11 +157,7 @@ class LatentAttention:
         q_nope, q_rot = query.view(1, self.heads, 1, -1).split([self.nope, self.rope], dim=-1)  # (1, H, 1, N|R)
         latent, k_rot = module.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora, self.rope], dim=-1)
         latent = module.kv_a_layernorm(latent).view(1, 1, 1, self.kv_lora)
-        modeling = sys.modules[type(module).__module__]  # its rotary function as the module calls it (fused or not)
-        rotary = (
-            modeling.apply_rotary_pos_emb_interleave if module.config.rope_interleave else modeling.apply_rotary_pos_emb
-        )
-        q_rot, k_rot = rotary(q_rot, k_rot.view(1, 1, 1, self.rope), cos, sin)
+        q_rot, k_rot = _rotate(module, q_rot, k_rot.view(1, 1, 1, self.rope), rotary_embedding)
         latent, k_rot = cache.update(latent, k_rot, module.layer_idx)
         q_lat = self._to_latent(q_nope.view(self.heads, 1, self.nope)).view(1, self.heads, self.kv_lora)
         weighted = native.latent_attend(
@@ -272,6 +271,18 @@ def _bf16_rows(per_head: torch.Tensor, nope: int) -> tuple[torch.Tensor | None, 
     return k_rows.reshape(-1).view(torch.uint8), v_rows.reshape(-1).view(torch.uint8)
 
 
+def _rotate(module, q_rot, k_rot, rotary_embedding):
+    """The module's rotary function (as its modeling module holds it: fused or not) on one row's query and key:
+    V3's `apply_rotary_pos_emb` or its interleaved form, on (cos, sin); V2's `apply_rotary_emb`, on complex
+    frequencies."""
+    modeling = sys.modules[type(module).__module__]
+    if isinstance(rotary_embedding, torch.Tensor):
+        return modeling.apply_rotary_emb(q_rot, k_rot, rotary_embedding)
+    interleaved = module.config.rope_interleave
+    rotary = modeling.apply_rotary_pos_emb_interleave if interleaved else modeling.apply_rotary_pos_emb
+    return rotary(q_rot, k_rot, *rotary_embedding)
+
+
 def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function the absorbed modules' configs name (`key`/`value`: the latent and the rotary key)."""
     return module._ws_latent.attend(query, key, value, attention_mask, scaling), None
@@ -298,7 +309,7 @@ def _lean_forward(module: torch.nn.Module):
             and _sees_everything(kwargs.get("attention_mask"))
             and not module.training
         ):
-            return latent.decode(module, hidden, *rotary, cache), None
+            return latent.decode(module, hidden, rotary, cache), None
         return original(*args, **kwargs)
 
     return forward
@@ -332,7 +343,7 @@ def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> i
         module.expand_kv = module._ws_latent.keep_latent
         module.config = copy.copy(module.config)
         module.config._attn_implementation_internal = IMPLEMENTATION
-        if type(module).__name__ == "DeepseekV3Attention" and native.available():
+        if type(module).__name__ in LEAN_CLASSES and native.available():
             module.forward = _lean_forward(module)
         changed += 1
     return changed

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MoE block and gated MLPs on one decode row, without the steps that change nothing there.
+"""DeepSeek's MoE blocks and gated MLPs on one decode row, without the steps that change nothing there.
 
 A decode token of a model whose dense weights are GGML blocks spends a share of its time between the products: at
 one row each torch call costs about as much as a small product, and a 27-layer DeepSeek pays every call 27 times a
@@ -6,8 +6,9 @@ token. Two of transformers' modules do more calls than their arithmetic needs at
 
 - DeepSeek-V3's router (`DeepseekV3TopkRouter`) converts float32 tensors to float32 and, with one group of experts
   or every group chosen (`topk_group >= n_group`: V2-Lite's shape, Kimi-K2's), builds a mask of its groups that
-  hides nothing: some 14 calls a layer. `lean_moe_block` runs the block's steps that change a value (the router's
-  product, sigmoid, biases, top-k, weights; the experts; the shared experts; the sum) in transformers' order.
+  hides nothing: some 14 calls a layer (V2's greedy router, DeepSeek-V2-Lite's, 3). `lean_moe_block` runs the
+  block's steps that change a value (the router's product, sigmoid or softmax, biases, top-k, weights; the
+  experts; the shared experts; the sum) in transformers' order.
 - A gated MLP (`down(act(gate(x)) * up(x))`: the shared experts, DeepSeek's first dense layers and most dense
   models' MLPs) multiplies the row by gate and up apart. Where both are NativeLinear of one block type, their
   blocks are put in one tensor (gate's rows, then up's; each keeps a view of its own rows, so nothing is held
@@ -45,26 +46,37 @@ def _router(gate: torch.nn.Module, row: torch.Tensor) -> tuple[torch.Tensor, tor
     return weights * gate.routed_scaling_factor, indices
 
 
-def _takes_lean_router(module: torch.nn.Module) -> bool:
+def _softmax_router(gate: torch.nn.Module, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DeepseekV2TopkRouter.forward`'s (top-k weights, top-k indices) of one float32 row (1, hidden), greedy."""
+    scores = F.linear(row, gate.weight).softmax(dim=-1, dtype=torch.float32)
+    weights, indices = torch.topk(scores, k=gate.top_k, dim=-1, sorted=False)
+    return weights * gate.routed_scaling_factor, indices
+
+
+def _lean_router(module: torch.nn.Module):
+    """The one-row router of a DeepSeek MoE block whose router it computes (else None): V3's where every group
+    is chosen, V2's greedy one (V2-Lite's)."""
     gate = getattr(module, "gate", None)
-    return (
-        type(module).__name__ == "DeepseekV3MoE"
-        and type(gate).__name__ == "DeepseekV3TopkRouter"
-        and gate.topk_group >= gate.num_group
-        and gate.weight.dtype is torch.float32
-        and gate.e_score_correction_bias.dtype is torch.float32
-    )
+    if gate is None or getattr(gate, "weight", None) is None or gate.weight.dtype is not torch.float32:
+        return None
+    kind = (type(module).__name__, type(gate).__name__)
+    if kind == ("DeepseekV3MoE", "DeepseekV3TopkRouter"):
+        all_groups = gate.topk_group >= gate.num_group
+        return _router if all_groups and gate.e_score_correction_bias.dtype is torch.float32 else None
+    if kind == ("DeepseekV2Moe", "DeepseekV2TopkRouter"):
+        return _softmax_router if gate.topk_method == "greedy" else None
+    return None
 
 
-def lean_moe_block(module: torch.nn.Module):
-    """A DeepseekV3MoE's forward taking `_router` for one float32 row; the module's own for anything else."""
+def lean_moe_block(module: torch.nn.Module, router):
+    """A DeepSeek MoE block's forward taking `router` for one float32 row; the module's own for anything else."""
     original = module.forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if not _one_row(hidden_states, module):
             return original(hidden_states)
         row = hidden_states.view(1, -1)
-        weights, indices = _router(module.gate, row)
+        weights, indices = router(module.gate, row)
         out = module.experts(row, indices, weights).view(hidden_states.shape)
         return out + module.shared_experts(hidden_states)
 
@@ -132,7 +144,8 @@ def install_lean_moe(model: torch.nn.Module) -> list[str]:
                 module.forward = gated
                 changed.add(f"{type(module).__name__}: gate and up in one product")
     for module in list(model.modules()):
-        if _takes_lean_router(module):
-            module.forward = lean_moe_block(module)
+        router = _lean_router(module)
+        if router is not None:
+            module.forward = lean_moe_block(module, router)
             changed.add(f"{type(module).__name__}: one-row router")
     return sorted(changed)
