@@ -102,6 +102,51 @@ at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// t (B, H, S, D) rotated as complex pairs (DeepSeek-V2's apply_rotary_emb: view_as_complex(t) * freqs): pair j of
+// t, (a, b) = (t[2j], t[2j + 1]), times the frequency (c, d) = (f[j][0], f[j][1]) of f (B or 1, S, D/2, 2), the real
+// and imaginary parts of the complex frequencies: (a c - b d, a d + b c), each product rounded, then the sum, as
+// torch multiplies complex floats. The pairs stay where they are.
+at::Tensor rotate_pairs(const at::Tensor& t, const at::Tensor& f) {
+  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
+  at::Tensor out = at::empty({B, H, S, D}, t.options());
+  TORCH_CHECK(t.stride(3) == 1, "weightstream rope_pairs: the last dimension must be dense");
+  const float* tp = t.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* fp = f.data_ptr<float>();
+  const int64_t fb = f.size(0) == 1 ? 0 : S * D;
+  at::parallel_for(0, B * H * S, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; idx++) {
+      const int64_t b = idx / (H * S), h = (idx / S) % H, s = idx % S;
+      const float* x = tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2);
+      const float* w = fp + b * fb + s * D;
+      float* o = op + idx * D;
+      for (int64_t j = 0; j < half; j++) {
+        const float a = x[2 * j], bb = x[2 * j + 1], c = w[2 * j], d = w[2 * j + 1];
+        const float ac = a * c, bd = bb * d, ad = a * d, bc = bb * c;
+        o[2 * j] = ac - bd;
+        o[2 * j + 1] = ad + bc;
+      }
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_pairs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& f_in) {
+  for (const at::Tensor* t : {&q, &k, &f_in}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "weightstream rope_pairs: q, k and the frequencies must be float32");
+  }
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && f_in.dim() == 4 && f_in.size(3) == 2,
+              "weightstream rope_pairs: q and k must be (B, H, S, D), the frequencies (B, S, D/2, 2)");
+  const at::Tensor f = f_in.contiguous();
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->size(3) % 2 == 0 && t->size(3) == 2 * f.size(2) && t->size(2) == f.size(1) &&
+                    (f.size(0) == 1 || f.size(0) == t->size(0)),
+                "weightstream rope_pairs: q ", q.sizes(), " and k ", k.sizes(), " do not match the frequencies ",
+                f.sizes());
+  }
+  return {rotate_pairs(q, f), rotate_pairs(k, f)};
+}
+
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos_in,
                                         const at::Tensor& sin_in, bool interleaved) {
   for (const at::Tensor* t : {&q, &k, &cos_in, &sin_in}) {
@@ -123,9 +168,11 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
 TORCH_LIBRARY_FRAGMENT(weightstream, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> (Tensor, Tensor)");
+  m.def("rope_pairs(Tensor q, Tensor k, Tensor freqs) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("rope_pairs", &rope_pairs);
 }

@@ -82,8 +82,8 @@ def test_absorbed_streamed_equals_resident_bitwise(tiny_model, arch):
         ("deepseek_v3", {}),
         ("deepseek_v3", {"q_lora_rank": 24}),
         ("deepseek_v3", {"rope_interleave": False}),
-        ("deepseek_v2", {}),  # V2's rotary: complex frequencies
-        ("deepseek_v2", {"q_lora_rank": 24}),
+        ("deepseek_v2", {}),  # V2's rotary: complex frequencies (8 dims: torch rounds them its other way here)
+        ("deepseek_v2", {"q_lora_rank": 24, "qk_rope_head_dim": 16}),
     ],
 )
 def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, arch, overrides, monkeypatch):
@@ -92,8 +92,9 @@ def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, arch, ove
     model_dir = tiny_model(arch, **overrides)
     model = load_streaming_model(model_dir, expert_cache="100x")
     calls = []
-    decode = LatentAttention.decode
+    decode, rope_pairs, pairs = LatentAttention.decode, native.rope_pairs, []
     monkeypatch.setattr(LatentAttention, "decode", lambda self, *a: calls.append(1) or decode(self, *a))
+    monkeypatch.setattr(native, "rope_pairs", lambda *a: pairs.append(1) or rope_pairs(*a))
     try:
         modules = [m for m in model.modules() if hasattr(m, "_ws_latent")]
         runs = []
@@ -108,6 +109,13 @@ def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, arch, ove
             runs.append((out.sequences[0].tolist(), out.logits))
             if lean:
                 assert len(calls) == 5 * len(modules)  # every step after the prompt's
+                if arch == "deepseek_v2":  # its rotary natively where that gives transformers' bits
+                    native_pairs = {m._ws_latent.native_pairs for m in modules}
+                    proofs = 3 * len(modules)  # at most, at the first decode row
+                    if native_pairs == {True}:
+                        assert 5 * len(modules) < len(pairs) <= 5 * len(modules) + proofs
+                    else:
+                        assert native_pairs == {False} and len(pairs) <= proofs
         assert len(calls) == 5 * len(modules)
         (lean_tokens, lean_logits), (tokens, logits) = runs
         assert lean_tokens == tokens
@@ -266,3 +274,22 @@ def test_memory_reserves_what_a_late_forward_of_either_form_holds():
     expanded = cache_layer + 16 * 16384 * (2 * 128 + 64 + 2 * 128) * 4
     assert context_temporaries(v2_lite, 16384, 171, 4, eager=False) == expanded
     assert context_temporaries(v2_lite, 16384, 32, 4, eager=False, latent="expanded") == expanded
+
+
+def test_the_native_complex_pairs_rotation_rounds_each_product_then_the_sum():
+    """native.rope_pairs against the same formula in separate torch ops (a c - b d, a d + b c: IEEE products and
+    sums, whatever torch's complex multiplication does on this machine), on decode and prompt layouts."""
+    assert native.available(), native.why_not()
+    gen = torch.Generator().manual_seed(3)
+    for heads, rows, dims in ((16, 1, 64), (4, 7, 8), (2, 3, 16)):
+        query = torch.randn(1, rows, heads, 24 + dims, generator=gen).transpose(1, 2)[..., 24:]  # a slice of each head
+        key = torch.randn(1, 1, rows, dims, generator=gen)
+        freqs = torch.view_as_real(
+            torch.polar(
+                torch.rand(1, rows, dims // 2, generator=gen) + 0.5, torch.randn(1, rows, dims // 2, generator=gen)
+            )
+        )
+        for t, got in zip((query, key), native.rope_pairs(query, key, freqs), strict=True):
+            a, b, c, d = t[..., 0::2], t[..., 1::2], freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
+            want = torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3)
+            assert got.shape == t.shape and torch.equal(got, want)

@@ -149,6 +149,13 @@ def rope(
     return torch.ops.weightstream.rope(q, k, cos, sin, interleaved)
 
 
+def rope_pairs(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (B, H, S, D) rotated as complex pairs by `freqs` (B or 1, S, D/2, 2: view_as_real of complex
+    frequencies), float32: bitwise DeepSeek-V2's apply_rotary_emb where torch multiplies complex floats as
+    (ac - bd, ad + bc)."""
+    return torch.ops.weightstream.rope_pairs(q, k, freqs)
+
+
 def heads_product(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int) -> torch.Tensor:
     """(H, M, N) float32: each head's rows x[h] (M, K) times its own N x K matrix, rows h N .. (h + 1) N of `w`."""
     return torch.ops.weightstream.heads_product(x, w, TYPE_IDS[wtype], n)

@@ -124,6 +124,7 @@ class LatentAttention:
                 self.k_b = per_head[:, : self.nope]  # (H, nope, kv_lora): q_nope -> the latent space
                 self.v_b = per_head[:, self.nope :].transpose(1, 2)  # (H, kv_lora, v): weighted latent -> values
         self.expand_from = rows_to_expand(self.kv_lora, self.nope, self.v)
+        self.native_pairs: bool | None = None  # V2's rotary by the native op at a decode row (decided at the first)
 
     def _kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight (H * (nope + v), kv_lora) in `dtype`, for the expanded form."""
@@ -157,7 +158,7 @@ class LatentAttention:
         q_nope, q_rot = query.view(1, self.heads, 1, -1).split([self.nope, self.rope], dim=-1)  # (1, H, 1, N|R)
         latent, k_rot = module.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora, self.rope], dim=-1)
         latent = module.kv_a_layernorm(latent).view(1, 1, 1, self.kv_lora)
-        q_rot, k_rot = _rotate(module, q_rot, k_rot.view(1, 1, 1, self.rope), rotary_embedding)
+        q_rot, k_rot = self._rotate(module, q_rot, k_rot.view(1, 1, 1, self.rope), rotary_embedding)
         latent, k_rot = cache.update(latent, k_rot, module.layer_idx)
         q_lat = self._to_latent(q_nope.view(self.heads, 1, self.nope)).view(1, self.heads, self.kv_lora)
         weighted = native.latent_attend(
@@ -165,6 +166,23 @@ class LatentAttention:
         )
         out = self._to_values(weighted.view(self.heads, 1, self.kv_lora))  # (H, 1, V)
         return module.o_proj(out.view(1, 1, self.heads * self.v))
+
+    def _rotate(self, module, q_rot, k_rot, rotary_embedding):
+        """The module's rotary function (as its modeling module holds it: fused or not) on one decode row's query
+        (1, H, 1, R) and key (1, 1, 1, R): V3's `apply_rotary_pos_emb` or its interleaved form, on (cos, sin); V2's
+        `apply_rotary_emb` on complex frequencies, or the native op where it gives that function's bits on these
+        layouts (`_pairs_prove`, once a module: torch multiplies complex floats in one of two roundings, chosen by
+        the tensors' shapes and strides, which are the same at every decode row)."""
+        modeling = sys.modules[type(module).__module__]
+        if isinstance(rotary_embedding, torch.Tensor):
+            if self.native_pairs is None:
+                self.native_pairs = _pairs_prove(modeling.apply_rotary_emb, q_rot, k_rot, rotary_embedding)
+            if self.native_pairs and rotary_embedding.shape == (1, 1, self.rope // 2):
+                return native.rope_pairs(q_rot, k_rot, torch.view_as_real(rotary_embedding))
+            return modeling.apply_rotary_emb(q_rot, k_rot, rotary_embedding)
+        interleaved = module.config.rope_interleave
+        rotary = modeling.apply_rotary_pos_emb_interleave if interleaved else modeling.apply_rotary_pos_emb
+        return rotary(q_rot, k_rot, *rotary_embedding)
 
     @staticmethod
     def keep_latent(latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,18 +289,6 @@ def _bf16_rows(per_head: torch.Tensor, nope: int) -> tuple[torch.Tensor | None, 
     return k_rows.reshape(-1).view(torch.uint8), v_rows.reshape(-1).view(torch.uint8)
 
 
-def _rotate(module, q_rot, k_rot, rotary_embedding):
-    """The module's rotary function (as its modeling module holds it: fused or not) on one row's query and key:
-    V3's `apply_rotary_pos_emb` or its interleaved form, on (cos, sin); V2's `apply_rotary_emb`, on complex
-    frequencies."""
-    modeling = sys.modules[type(module).__module__]
-    if isinstance(rotary_embedding, torch.Tensor):
-        return modeling.apply_rotary_emb(q_rot, k_rot, rotary_embedding)
-    interleaved = module.config.rope_interleave
-    rotary = modeling.apply_rotary_pos_emb_interleave if interleaved else modeling.apply_rotary_pos_emb
-    return rotary(q_rot, k_rot, *rotary_embedding)
-
-
 def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function the absorbed modules' configs name (`key`/`value`: the latent and the rotary key)."""
     return module._ws_latent.attend(query, key, value, attention_mask, scaling), None
@@ -347,3 +353,23 @@ def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> i
             module.forward = _lean_forward(module)
         changed += 1
     return changed
+
+
+def _pairs_prove(fn, q_rot: torch.Tensor, k_rot: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether `native.rope_pairs` gives `fn`'s bits (DeepSeek-V2's apply_rotary_emb) on random values laid out as
+    `q_rot`, `k_rot` and `freqs` are (the same shapes and strides, other values)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def like(t: torch.Tensor) -> torch.Tensor:
+        base = torch.randn(t.untyped_storage().nbytes() // 4 + t.storage_offset(), generator=gen)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    for _ in range(3):
+        q, k = like(q_rot), like(k_rot)
+        f = torch.polar(torch.rand(freqs.shape, generator=gen) + 0.5, torch.randn(freqs.shape, generator=gen))
+        with torch.no_grad():
+            want = fn(q, k, f)
+        got = native.rope_pairs(q, k, torch.view_as_real(f))
+        if not all(w.shape == g.shape and torch.equal(w, g) for w, g in zip(want, got, strict=True)):
+            return False
+    return True
