@@ -59,9 +59,7 @@ LEAN = ("function", "_GatedRow")
         ("qwen2_moe", {}, {"Qwen2MoeMLP: gate and up in one product"}),
     ],
 )
-def test_decode_with_the_one_row_forms_gives_the_modules_bits(
-    tiny_model, tmp_path, monkeypatch, arch, overrides, want
-):
+def test_decode_with_the_one_row_forms_gives_the_modules_bits(tiny_model, tmp_path, monkeypatch, arch, overrides, want):
     calls = {"router": 0, "gated": 0}
     gated = lean_moe._GatedRow.__call__
 
@@ -80,9 +78,9 @@ def test_decode_with_the_one_row_forms_gives_the_modules_bits(
     model = load_streaming_model(out, expert_cache="100x")
     streamed = load_streaming_model(out, expert_cache="1x", io_threads=3)
     try:
-        assert want <= set(model.weightstream.fused) and not {
-            f for f in model.weightstream.fused if ": " in f
-        } - want, model.weightstream.fused
+        assert (
+            want <= set(model.weightstream.fused) and not {f for f in model.weightstream.fused if ": " in f} - want
+        ), model.weightstream.fused
         tokens, logits = _decode(model)
         layers = model.config.num_hidden_layers
         routers = layers - getattr(model.config, "first_k_dense_replace", 0) if "one-row router" in str(want) else 0
