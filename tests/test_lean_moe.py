@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from weightstream import native
-from weightstream.engine.kv_cache import engine_cache
 from weightstream.engine import lean_moe
+from weightstream.engine.kv_cache import engine_cache
 from weightstream.engine.lean_moe import install_lean_moe
 from weightstream.engine.loader import load_streaming_model
 from weightstream.store.quant.pipeline import quantize_checkpoint
