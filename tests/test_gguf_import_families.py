@@ -615,6 +615,7 @@ def test_quantized_kv_b_halves_are_kept_as_the_files_blocks_and_run_as_them(sour
     out = str(tmp_path / "out")
     result = import_gguf(path, out, log=lambda line: None)
     assert not any("re-joined" in line for line in result.notes), result.notes
+    assert json.load(open(os.path.join(out, "weightstream-quantized.json")))["version"] == 4  # older readers refuse
     tensors, cfg, fmt = gguf_tensors(path), json.load(open(os.path.join(out, "config.json"))), read_manifest(out)
     heads, nope, v, lora = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"))
     stored = open_checkpoint(out).tensors
@@ -653,6 +654,13 @@ def test_quantized_kv_b_halves_are_kept_as_the_files_blocks_and_run_as_them(sour
             model.weightstream.close()
         error = float((got - want).abs().max() / want.abs().max())
         assert error < 0.03, (form, error)  # the 8-bit activations of every native product
+
+    manifest = os.path.join(out, "weightstream-quantized.json")
+    data = json.load(open(manifest))
+    data["dense"]["model.layers.1.self_attn.k_b_proj.weight"]["shape"] = [heads * lora, 2 * nope]
+    json.dump(data, open(manifest, "w"))
+    with pytest.raises(WeightstreamError, match=r"k_b_proj.weight is listed as .* needs \[256, 32\]"):
+        load_streaming_model(out, expert_cache="4x")
 
 
 def test_bad_files_are_refused_naming_the_fault_and_nothing_is_left(source, tmp_path):

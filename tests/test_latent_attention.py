@@ -84,6 +84,7 @@ def test_absorbed_streamed_equals_resident_bitwise(tiny_model, arch):
         ("deepseek_v3", {"rope_interleave": False}),
         ("deepseek_v2", {}),  # V2's rotary: complex frequencies (8 dims: torch rounds them its other way here)
         ("deepseek_v2", {"q_lora_rank": 24, "qk_rope_head_dim": 16}),
+        ("deepseek_v2", {"qk_rope_head_dim": 64}),  # V2-Lite's rotary size
     ],
 )
 def test_a_decode_step_skips_the_module_and_keeps_its_bits(tiny_model, arch, overrides, monkeypatch):

@@ -100,6 +100,11 @@ def available() -> bool:
     return _module is not None
 
 
+def has(op: str) -> bool:
+    """Whether the loaded extension registers `op` (one built from older sources may lack the newest ops)."""
+    return available() and hasattr(torch.ops.weightstream, op)
+
+
 def why_not() -> str | None:
     _load()
     return _why_not

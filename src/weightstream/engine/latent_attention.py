@@ -19,8 +19,10 @@ The cache is untouched: transformers' layers still update it with the latent and
 layer: (kv_lora_rank + qk_rope_head_dim) x the dtype, store/facts.py). The module's own projections, norms and rotary
 embedding still run; only `expand_kv` (kept the latent as it is) and the attention function (this module's, through
 a copy of the module's config naming it) are replaced. The absorbed form sums in another order than the expanded
-one, so logits differ from transformers' within rounding (tests/test_latent_attention.py states the tolerance);
-a streamed run and the same model with every expert resident run the same form and stay bitwise equal.
+one, so logits differ from transformers' within rounding (tests/test_latent_attention.py states the tolerance),
+and where k_b and v_b are a GGUF's quantized blocks their products take 8-bit activations, as every native product
+and llama.cpp's do (tests/test_gguf_import_families.py states that tolerance); a streamed run and the same model with
+every expert resident run the same form and stay bitwise equal.
 `load_streaming_model(..., latent_attention="expanded")` keeps transformers' form (bitwise its logits).
 
 A decode step of one sequence in float32 (what a GGUF-imported model computes in) skips the module's forward
@@ -90,6 +92,14 @@ def keep_kv_b_apart(model: torch.nn.Module, state: dict, blocks: dict, model_dir
                 f"{model_dir}: {name} has {' and '.join(k for k in keys if k in state)} but not both as GGML blocks "
                 "listed in the manifest; the checkpoint is damaged: import it again"
             )
+        heads, lora = module.num_heads, module.kv_lora_rank
+        want = {keys[0]: (heads * lora, module.qk_nope_head_dim), keys[1]: (heads * module.v_head_dim, lora)}
+        for key in keys:
+            if tuple(blocks[key][1]) != want[key]:
+                raise WeightstreamError(
+                    f"{model_dir}: {key} is listed as {list(blocks[key][1])} (rows, inputs); {name} of config.json "
+                    f"needs {list(want[key])}: the checkpoint and its config disagree; import it again"
+                )
         (k_b, k_type), (v_b, v_type) = ((state.pop(k), blocks[k][0]) for k in keys)
         module.kv_b_proj = SplitKvB(k_b, k_type, v_b, v_type, module)
         kept += 1
@@ -176,7 +186,9 @@ class LatentAttention:
         modeling = sys.modules[type(module).__module__]
         if isinstance(rotary_embedding, torch.Tensor):
             if self.native_pairs is None:
-                self.native_pairs = _pairs_prove(modeling.apply_rotary_emb, q_rot, k_rot, rotary_embedding)
+                self.native_pairs = native.has("rope_pairs") and _pairs_prove(
+                    modeling.apply_rotary_emb, q_rot, k_rot, rotary_embedding
+                )
             if self.native_pairs and rotary_embedding.shape == (1, 1, self.rope // 2):
                 return native.rope_pairs(q_rot, k_rot, torch.view_as_real(rotary_embedding))
             return modeling.apply_rotary_emb(q_rot, k_rot, rotary_embedding)
@@ -336,7 +348,7 @@ def check_form(form: str) -> None:
 def absorb_latent_attention(model: torch.nn.Module, form: str = "absorbed") -> int:
     """Put the absorbed form in the model's latent attention modules (form "absorbed"; "expanded" leaves them as
     transformers made them); how many modules were changed. Their kv_b_proj goes: the LatentAttention holds its
-    weight (as bf16 rows, or in float32)."""
+    weight (a GGUF's blocks kept apart, bf16 rows, or float32)."""
     check_form(form)
     if form == "expanded":
         return 0

@@ -24,6 +24,7 @@ import torch
 from weightstream.errors import WeightstreamError
 from weightstream.native import BLOCK_TYPES, row_bytes
 from weightstream.store.dtypes import from_torch_name
+from weightstream.store.facts import KV_B_HALVES
 from weightstream.store.quant.torch_codes import INT4_GROUPS, INT4_LAYOUTS
 
 MANIFEST = "weightstream-quantized.json"
@@ -33,7 +34,10 @@ FORMAT = "weightstream-quantized-experts"
 # instead of taking them for dense tensors)
 VERSION = 2
 MISS_COPY_VERSION = 3
-VERSIONS = (1, 2, 3)
+# version 4: DeepSeek's k_b and v_b kept as the GGUF's blocks apart (store/facts.py KV_B_HALVES), where the model has
+# one kv_b_proj (written only then: a reader that knows no such tensors refuses the directory)
+KV_B_VERSION = 4
+VERSIONS = (1, 2, 3, 4)
 TORCH_SCHEMES = ("int8", "int4")
 # GGML block schemes (native.py) -> the block types a weight may be stored in, the one `quantize` writes first
 # (an import keeps each tensor's own type: a Q4_K_M file stores some projections as Q6_K, a Q2_K file mixes
@@ -157,6 +161,8 @@ class QuantFormat:
 
     def to_json(self) -> dict:
         version = (MISS_COPY_VERSION if self.miss_copy else VERSION) if self.native else 1
+        if any(key.endswith(f"{KV_B_HALVES[0]}.weight") for key in self.dense or ()):
+            version = max(version, KV_B_VERSION)
         out = {"format": FORMAT, "version": version, **asdict(self)}
         out["tensors"] = _table_json(self.tensors)
         if self.layer_tables:
