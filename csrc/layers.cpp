@@ -57,6 +57,23 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   return out;
 }
 
+// Calls row(x, o, b, s) for each row (b, h, s) of t (B, H, S, D) and of out, in parallel: x its D inputs, o its D
+// outputs (t's last dimension dense; out's too).
+template <typename Row>
+void each_row(const at::Tensor& t, at::Tensor& out, const Row& row) {
+  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3);
+  TORCH_CHECK(t.stride(3) == 1 && out.stride(3) == 1, "weightstream rope: the last dimension must be dense");
+  const float* tp = t.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H * S, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; idx++) {
+      const int64_t b = idx / (H * S), h = (idx / S) % H, s = idx % S;
+      row(tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2),
+          op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2), b, s);
+    }
+  });
+}
+
 // t (B, H, S, D) rotated: out = t * cos + rotate_half(t) * sin, cos and sin (B or 1, S, D) broadcast over heads;
 // rotate_half(t) = cat(-t[..., D/2:], t[..., :D/2]). Strides as empty_like(t) gives; t's last dimension dense.
 // `interleaved`: DeepSeek-V3's form (transformers' apply_rotary_pos_emb_interleave), whose pairs are t's even and odd
@@ -64,39 +81,31 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 // t1 = t[..., 0::2], t2 = t[..., 1::2], c = cos[..., :D/2], s = sin[..., :D/2] (the same roundings: a * c + (-b) * s
 // is a * c - b * s exactly).
 at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
-  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
+  const int64_t S = t.size(2), D = t.size(3), half = D / 2;
   at::Tensor out = at::empty_like(t);
-  TORCH_CHECK(t.stride(3) == 1 && out.stride(3) == 1, "weightstream rope: the last dimension must be dense");
-  const float* tp = t.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t cb = cos.size(0) == 1 ? 0 : S * D;
-  at::parallel_for(0, B * H * S, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t idx = begin; idx < end; idx++) {
-      const int64_t b = idx / (H * S), h = (idx / S) % H, s = idx % S;
-      const float* x = tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2);
-      float* o = op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2);
-      const float* c = cp + b * cb + s * D;
-      const float* n = sp + b * cb + s * D;
-      if (interleaved) {
-        for (int64_t j = 0; j < half; j++) {
-          const float even = x[2 * j], odd = x[2 * j + 1];
-          const float straight = even * c[j], turned = (-odd) * n[j];
-          o[j] = straight + turned;
-          const float straight2 = odd * c[j], turned2 = even * n[j];
-          o[j + half] = straight2 + turned2;
-        }
-        continue;
-      }
+  each_row(t, out, [&](const float* x, float* o, int64_t b, int64_t s) {
+    const float* c = cp + b * cb + s * D;
+    const float* n = sp + b * cb + s * D;
+    if (interleaved) {
       for (int64_t j = 0; j < half; j++) {
-        const float straight = x[j] * c[j], turned = (-x[j + half]) * n[j];
+        const float even = x[2 * j], odd = x[2 * j + 1];
+        const float straight = even * c[j], turned = (-odd) * n[j];
         o[j] = straight + turned;
+        const float straight2 = odd * c[j], turned2 = even * n[j];
+        o[j + half] = straight2 + turned2;
       }
-      for (int64_t j = half; j < D; j++) {
-        const float straight = x[j] * c[j], turned = x[j - half] * n[j];
-        o[j] = straight + turned;
-      }
+      return;
+    }
+    for (int64_t j = 0; j < half; j++) {
+      const float straight = x[j] * c[j], turned = (-x[j + half]) * n[j];
+      o[j] = straight + turned;
+    }
+    for (int64_t j = half; j < D; j++) {
+      const float straight = x[j] * c[j], turned = x[j - half] * n[j];
+      o[j] = straight + turned;
     }
   });
   return out;
@@ -105,27 +114,19 @@ at::Tensor rotate(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
 // t (B, H, S, D) rotated as complex pairs (DeepSeek-V2's apply_rotary_emb: view_as_complex(t) * freqs): pair j of
 // t, (a, b) = (t[2j], t[2j + 1]), times the frequency (c, d) = (f[j][0], f[j][1]) of f (B or 1, S, D/2, 2), the real
 // and imaginary parts of the complex frequencies: (a c - b d, a d + b c), each product rounded, then the sum, as
-// torch multiplies complex floats. The pairs stay where they are.
+// torch multiplies complex floats. The pairs stay where they are; out is contiguous.
 at::Tensor rotate_pairs(const at::Tensor& t, const at::Tensor& f) {
-  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3), half = D / 2;
-  at::Tensor out = at::empty({B, H, S, D}, t.options());
-  TORCH_CHECK(t.stride(3) == 1, "weightstream rope_pairs: the last dimension must be dense");
-  const float* tp = t.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const int64_t S = t.size(2), D = t.size(3), half = D / 2;
+  at::Tensor out = at::empty({t.size(0), t.size(1), S, D}, t.options());
   const float* fp = f.data_ptr<float>();
   const int64_t fb = f.size(0) == 1 ? 0 : S * D;
-  at::parallel_for(0, B * H * S, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t idx = begin; idx < end; idx++) {
-      const int64_t b = idx / (H * S), h = (idx / S) % H, s = idx % S;
-      const float* x = tp + b * t.stride(0) + h * t.stride(1) + s * t.stride(2);
-      const float* w = fp + b * fb + s * D;
-      float* o = op + idx * D;
-      for (int64_t j = 0; j < half; j++) {
-        const float a = x[2 * j], bb = x[2 * j + 1], c = w[2 * j], d = w[2 * j + 1];
-        const float ac = a * c, bd = bb * d, ad = a * d, bc = bb * c;
-        o[2 * j] = ac - bd;
-        o[2 * j + 1] = ad + bc;
-      }
+  each_row(t, out, [&](const float* x, float* o, int64_t b, int64_t s) {
+    const float* w = fp + b * fb + s * D;
+    for (int64_t j = 0; j < half; j++) {
+      const float a = x[2 * j], bb = x[2 * j + 1], c = w[2 * j], d = w[2 * j + 1];
+      const float ac = a * c, bd = bb * d, ad = a * d, bc = bb * c;
+      o[2 * j] = ac - bd;
+      o[2 * j + 1] = ad + bc;
     }
   });
   return out;
