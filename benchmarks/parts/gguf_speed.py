@@ -248,8 +248,11 @@ def run_rounds(args, sides: dict) -> tuple[dict, dict]:
 def at_depths(args) -> None:
     depths = sorted({int(d) for d in args.depths.split(",")})
     sides = {"llama.cpp": lambda: llama_at_depths(args.gguf, args.threads, bool(args.repack), depths)}
-    for form in args.latent_attention.split(","):
-        sides[f"weightstream {form}"] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
+    with open(os.path.join(args.imported, "config.json")) as f:
+        latent = "kv_lora_rank" in json.load(f)  # DeepSeek's latent attention: each form its own side, named
+    for form in args.latent_attention.split(",") if latent else ["absorbed"]:
+        name = f"weightstream {form}" if latent else "weightstream"
+        sides[name] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
     runs, report = run_rounds(args, sides)
     report |= {
         "prompt_tokens": DEPTH_PROMPT,
