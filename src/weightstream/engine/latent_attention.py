@@ -70,13 +70,18 @@ class SplitKvB(torch.nn.Module):
 
     def float_weight(self) -> torch.Tensor:
         """kv_b_proj's weight (H * (nope + v), kv_lora), float32: what the blocks encode."""
-        k = native.dequantize(self.k_b, self.k_type, self.heads * self.kv_lora, self.nope)
-        v = native.dequantize(self.v_b, self.v_type, self.heads * self.v, self.kv_lora)
-        k = k.view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
-        return torch.cat([k, v.view(self.heads, self.v, self.kv_lora)], dim=1).reshape(-1, self.kv_lora)
+        return _joined_kv_b(self.k_b, self.k_type, self.v_b, self.v_type, self.heads, self.kv_lora, self.nope, self.v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.float_weight().to(x.dtype))
+
+
+def _joined_kv_b(k_b, k_type: str, v_b, v_type: str, heads: int, kv_lora: int, nope: int, v: int) -> torch.Tensor:
+    """kv_b_proj's weight (H * (nope + v), kv_lora), float32, from k_b's rows (H x kv_lora of nope) and v_b's (H x v
+    of kv_lora), GGML blocks of their types: each head's k_b transposed (its nope rows), then its v rows."""
+    k = native.dequantize(k_b, k_type, heads * kv_lora, nope).view(heads, kv_lora, nope).transpose(1, 2)
+    values = native.dequantize(v_b, v_type, heads * v, kv_lora).view(heads, v, kv_lora)
+    return torch.cat([k, values], dim=1).reshape(-1, kv_lora)
 
 
 def keep_kv_b_apart(model: torch.nn.Module, state: dict, blocks: dict, model_dir: str) -> int:
@@ -140,10 +145,8 @@ class LatentAttention:
         """kv_b_proj's weight (H * (nope + v), kv_lora) in `dtype`, for the expanded form."""
         if self.k_rows is None:
             return self.weight.to(dtype)
-        k = native.dequantize(self.k_rows, self.k_type, self.heads * self.kv_lora, self.nope)
-        v = native.dequantize(self.v_rows, self.v_type, self.heads * self.v, self.kv_lora)
-        k = k.view(self.heads, self.kv_lora, self.nope).transpose(1, 2)
-        return torch.cat([k, v.view(self.heads, self.v, self.kv_lora)], dim=1).reshape(-1, self.kv_lora).to(dtype)
+        rows = (self.k_rows, self.k_type, self.v_rows, self.v_type)
+        return _joined_kv_b(*rows, self.heads, self.kv_lora, self.nope, self.v).to(dtype)
 
     def _to_latent(self, by_head: torch.Tensor) -> torch.Tensor:
         """(H, M, kv_lora): each head's query rows (H, M, nope) times its k_b."""
@@ -373,7 +376,7 @@ def _pairs_prove(fn, q_rot: torch.Tensor, k_rot: torch.Tensor, freqs: torch.Tens
     gen = torch.Generator().manual_seed(0)
 
     def like(t: torch.Tensor) -> torch.Tensor:
-        base = torch.randn(t.untyped_storage().nbytes() // 4 + t.storage_offset(), generator=gen)
+        base = torch.randn(t.untyped_storage().nbytes() // 4, generator=gen)
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
     for _ in range(3):
