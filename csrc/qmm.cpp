@@ -183,6 +183,12 @@ WS_AVX2_INLINE __m256i lanes_s8_s8_times(__m256i w, __m256i x, __m256i mult) {
 
 WS_AVX2_INLINE __m256i lanes_s8_s8(__m256i w, __m256i x) { return lanes_s8_s8_times(w, x, _mm256_set1_epi16(1)); }
 
+// The same 8 sums of 4 on AVX-512 VNNI, in one instruction after the signs (no int16 step, so no saturation to
+// avoid: every code range here stays inside int16 anyway, so both give the same integers).
+WS_AVX512_INLINE __m256i vnni_s8_s8(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
 WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {  // low nibbles in the low half, high in the high
   const __m128i raw = _mm_loadu_si128((const __m128i*)qs);
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
@@ -288,6 +294,9 @@ struct Q8_0 {  // w = d q
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
   }
+  WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
+    return vnni_s8_s8(sub_avx2(x, 0), load256(xq));
+  }
 #endif
 };
 
@@ -364,6 +373,16 @@ struct Legacy32 {
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const float d = fp16_hw(x.d);
     return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
+  }
+  // With AVX-512 the fifth bits are a byte mask: 16 added where bit j of qh is set, one instruction.
+  WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
+    __m256i codes = nibbles32_avx2(x.qs);
+    if constexpr (Fifth) {
+      uint32_t qh;
+      std::memcpy(&qh, x.qh, 4);
+      codes = _mm256_mask_add_epi8(codes, (__mmask32)qh, codes, _mm256_set1_epi8(0x10));
+    }
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, load256(xq));
   }
 #endif
 };
@@ -766,6 +785,9 @@ struct MXFP4 {
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, scale(x), 0.f};
   }
+  WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
+    return vnni_s8_s8(sub_avx2(x, 0), load256(xq));
+  }
 #endif
 };
 
@@ -973,6 +995,67 @@ template <typename T>
 WS_AVX512 float dot_row_avx512(const uint8_t* row, const QAct& a, int64_t k) {
   return dot_row_body<T>(row, a, k);
 }
+
+// The 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) on AVX-512 with VNNI: dot_row_body's groups of eight
+// blocks and its float chain, each block's integer sums in one VNNI instruction (T::isum_vnni; Q5's fifth bits added
+// under a byte mask), the activations' scales and sums loaded eight at a time: the same integers and the same float
+// operations, so the same bits. Measured against dot_row_body (one 4096 x 4096 product, 1 thread, AMD EPYC):
+// Q5_0 12-13 -> 17-18.5 GB/s, Q4_0 +13%, Q8_0 +8%, MXFP4 +6%; rows of 128 (DeepSeek's k_b, 4 blocks) Q5_0 2.8 -> 7.4,
+// Q8_0 8.9 -> 17.7. What it took: a whole group and the row's last, partial one compiled apart (one body with a
+// test per block ran Q8_0 25% slower than dot_row_body), the blocks' scales gathered in registers (a vector load of
+// eight just-stored floats waits for the stores), and no masked loads (25% on Q8_0 here): the activations' scales
+// and sums are read past a row's end instead, into lanes the partial group discards (QRows pads them).
+template <typename T>
+constexpr bool kVnniRows32 = T::elements == 32 && T::act == 32;
+
+// Blocks b0 .. b0 + n - 1 (n = 8 when Full) into the chains acc and rest.
+template <typename T, bool Full>
+WS_AVX512_INLINE void group_vnni32(const typename T::Block* blocks, const QAct& a, int64_t b0, int n, __m256& acc,
+                                   __m256& rest) {
+  __m256i v[8];
+  float d[8], m[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) {
+    if (Full || i < n) {
+      const auto& x = blocks[b0 + i];
+      const PartV p = T::part_avx2(x, a, b0 + i);  // its d and m; its integer sums are the next line's
+      v[i] = T::isum_vnni(x, a.q + (b0 + i) * 32);
+      d[i] = p.d;
+      m[i] = p.m;
+    } else {
+      v[i] = _mm256_setzero_si256();
+      d[i] = m[i] = 0.f;
+    }
+  }
+  const __m256 dxv = _mm256_loadu_ps(a.d + b0);  // past the row's end: QRows::kPastRow, in lanes discarded below
+  __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]), dxv), _mm256_cvtepi32_ps(totals8(v)), acc);
+  __m256 next_rest = rest;
+  if constexpr (T::has_min) {
+    const __m256i ms = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(a.s + b0)));
+    next_rest = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_setr_ps(m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]), dxv), _mm256_cvtepi32_ps(ms), rest);
+  }
+  if constexpr (Full) {
+    acc = next;
+    rest = next_rest;
+  } else {  // a lane past the row keeps its value, as dot_row_body's
+    const __mmask8 live = (__mmask8)((1u << n) - 1);
+    acc = _mm256_mask_blend_ps(live, acc, next);
+    rest = _mm256_mask_blend_ps(live, rest, next_rest);
+  }
+}
+
+template <typename T>
+WS_AVX512 float dot_row_vnni32(const uint8_t* row, const QAct& a, int64_t k) {
+  const auto* blocks = reinterpret_cast<const typename T::Block*>(row);
+  const int64_t nb = k / 32, full = nb / 8 * 8;
+  __m256 acc = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < full; b0 += 8) group_vnni32<T, true>(blocks, a, b0, 8, acc, rest);
+  if (full < nb) group_vnni32<T, false>(blocks, a, full, (int)(nb - full), acc, rest);
+  alignas(32) float lanes[8], rests[8];
+  _mm256_store_ps(lanes, acc);
+  _mm256_store_ps(rests, rest);
+  return Chain::tree(lanes) + Chain::tree(rests);
+}
 #endif
 
 using DotFn = float (*)(const uint8_t*, const QAct&, int64_t);
@@ -984,7 +1067,11 @@ DotFn dot_fn(int64_t path, int64_t wtype) {
   return with_type(wtype, [path](auto t) -> DotFn {
     using T = decltype(t);
 #ifdef WS_X86
-    if (path == 2) return kWideRows<T> && have_vnni() ? &dot_row_avx512<T> : &dot_row_avx2<T>;
+    if (path == 2 && have_vnni()) {
+      if constexpr (kWideRows<T>) return &dot_row_avx512<T>;
+      if constexpr (kVnniRows32<T>) return &dot_row_vnni32<T>;
+    }
+    if (path == 2) return &dot_row_avx2<T>;
 #endif
     (void)path;
     return &dot_row_portable<T>;
@@ -1087,6 +1174,8 @@ void check_weights(const at::Tensor& w, int64_t wtype, int64_t n, int64_t k) {
 
 // Rows of activations quantized for one weight type (its activation block), kept for every product they meet.
 struct QRows {
+  // entries of d and s after the last row's: dot_row_vnni32 reads a group of 8 whole where the row ends inside it
+  static constexpr int64_t kPastRow = 8;
   int64_t k = 0, blocks = 0, sums = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
@@ -1103,8 +1192,8 @@ struct QRows {
     blocks = k / ablock;
     sums = k / 32;
     q.resize(m * k);
-    d.resize(m * blocks);
-    s.resize(m * sums);
+    d.resize(m * blocks + kPastRow);
+    s.resize(m * sums + kPastRow);
     s16.resize(m * 2 * sums);
     for (int64_t r = 0; r < m; r++) {
       int8_t* qr = q.data() + r * k;

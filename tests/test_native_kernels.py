@@ -116,6 +116,22 @@ def test_products_avx2_equal_portable_bitwise(wtype):
     assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable"))
 
 
+@pytest.mark.parametrize("wtype", [t for t in TYPES if native.BLOCK_TYPES[t].elements == 32 and t != "BF16"])
+def test_rows_whose_last_group_of_blocks_is_partial_equal_portable_bitwise(wtype):
+    """The row path ("avx2": on a CPU with AVX-512 VNNI the 32-element types take their own kernel) handles blocks
+    eight at a time; a row of 1, 4 (DeepSeek's k_b rows of 128), 7 or 25 blocks ends inside a group, whose lanes past
+    the row must keep their value (and the activations' scales read past the row's end must not reach the result).
+    Rows that are all zero in a block's activations, and weights of one sign, check the sign of zeros too."""
+    _needs_avx2()
+    for blocks in (1, 4, 7, 25):
+        n, k = 40, 32 * blocks
+        w = torch.from_numpy(_blocks(wtype, n, k, seed=blocks)).reshape(-1)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(blocks))
+        x[1, :32] = 0.0
+        x[2] = -x[2].abs()
+        assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable")), blocks
+
+
 def _tile_paths():
     """The tile kernels this CPU runs: AVX2's (8 rows a vector) and, with AVX-512 VNNI, VNNI's (16)."""
     if not native.tiles_available():
