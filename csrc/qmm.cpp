@@ -183,12 +183,6 @@ WS_AVX2_INLINE __m256i lanes_s8_s8_times(__m256i w, __m256i x, __m256i mult) {
 
 WS_AVX2_INLINE __m256i lanes_s8_s8(__m256i w, __m256i x) { return lanes_s8_s8_times(w, x, _mm256_set1_epi16(1)); }
 
-// The same 8 sums of 4 on AVX-512 VNNI, in one instruction after the signs (no int16 step, so no saturation to
-// avoid: every code range here stays inside int16 anyway, so both give the same integers).
-WS_AVX512_INLINE __m256i vnni_s8_s8(__m256i w, __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
 WS_AVX2_INLINE __m256i nibbles32_avx2(const uint8_t* qs) {  // low nibbles in the low half, high in the high
   const __m128i raw = _mm_loadu_si128((const __m128i*)qs);
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
@@ -294,8 +288,11 @@ struct Q8_0 {  // w = d q
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
   }
+  // VNNI multiplies unsigned bytes by signed ones: the codes as q + 128, their 128 x sum(qx) taken back per block
+  static constexpr int vnni_offset = 128;
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
-    return vnni_s8_s8(sub_avx2(x, 0), load256(xq));
+    const __m256i codes = _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8((char)0x80));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, load256(xq));
   }
 #endif
 };
@@ -375,6 +372,7 @@ struct Legacy32 {
     return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
   }
   // With AVX-512 the fifth bits are a byte mask: 16 added where bit j of qh is set, one instruction.
+  static constexpr int vnni_offset = 0;  // unsigned codes already; the offset is the min term's
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
     __m256i codes = nibbles32_avx2(x.qs);
     if constexpr (Fifth) {
@@ -785,8 +783,11 @@ struct MXFP4 {
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, scale(x), 0.f};
   }
+  static constexpr int vnni_offset = 12;  // the codes as kvalues + 12 (0..24) for VNNI's unsigned operand
+  static constexpr uint8_t kcodes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
-    return vnni_s8_s8(sub_avx2(x, 0), load256(xq));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kcodes));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs)), load256(xq));
   }
 #endif
 };
@@ -997,14 +998,16 @@ WS_AVX512 float dot_row_avx512(const uint8_t* row, const QAct& a, int64_t k) {
 }
 
 // The 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) on AVX-512 with VNNI: dot_row_body's groups of eight
-// blocks and its float chain, each block's integer sums in one VNNI instruction (T::isum_vnni; Q5's fifth bits added
-// under a byte mask), the activations' scales and sums loaded eight at a time: the same integers and the same float
-// operations, so the same bits. Measured against dot_row_body (one 4096 x 4096 product, 1 thread, AMD EPYC):
-// Q5_0 12-13 -> 17-18.5 GB/s, Q4_0 +13%, Q8_0 +8%, MXFP4 +6%; rows of 128 (DeepSeek's k_b, 4 blocks) Q5_0 2.8 -> 7.4,
-// Q8_0 8.9 -> 17.7. What it took: a whole group and the row's last, partial one compiled apart (one body with a
-// test per block ran Q8_0 25% slower than dot_row_body), the blocks' scales gathered in registers (a vector load of
-// eight just-stored floats waits for the stores), and no masked loads (25% on Q8_0 here): the activations' scales
-// and sums are read past a row's end instead, into lanes the partial group discards (QRows pads them).
+// blocks and its float chain, each block's integer sums in one VNNI instruction (T::isum_vnni: unsigned codes
+// against the signed activations; Q8_0's and MXFP4's signed codes as value + T::vnni_offset, that offset times
+// the block's sum of qx subtracted after, exactly; Q5's fifth bits added under a byte mask), the activations'
+// scales and sums loaded eight at a time: the same integers and the same float operations, so the same bits.
+// Against dot_row_body (one 4096 x 4096 product, 1 thread, AMD EPYC, 3 rounds): Q5_0 11.8 -> 17.5 GB/s, Q8_0 29.2
+// -> 39.7, MXFP4 13.0 -> 16.8, Q4_0 13.6 -> 16.7. What it took: a whole group and the row's last, partial one
+// compiled apart (one body testing each block against the row's end ran Q8_0 25% slower than dot_row_body), the
+// blocks' scales gathered in registers (a vector load of eight just-stored floats waits for the stores), no masked
+// loads (25% on Q8_0 here): the activations' scales and sums are read past a row's end instead, into lanes the
+// partial group discards (QRows::kPastRow pads them).
 template <typename T>
 constexpr bool kVnniRows32 = T::elements == 32 && T::act == 32;
 
@@ -1028,7 +1031,13 @@ WS_AVX512_INLINE void group_vnni32(const typename T::Block* blocks, const QAct& 
     }
   }
   const __m256 dxv = _mm256_loadu_ps(a.d + b0);  // past the row's end: QRows::kPastRow, in lanes discarded below
-  __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]), dxv), _mm256_cvtepi32_ps(totals8(v)), acc);
+  __m256i isum = totals8(v);
+  if constexpr (T::vnni_offset != 0) {  // codes taken as value + offset: offset x the block's sum of qx back, exactly
+    const __m256i sums = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(a.s + b0)));
+    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sums, _mm256_set1_epi32(T::vnni_offset)));
+  }
+  __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]), dxv),
+                                _mm256_cvtepi32_ps(isum), acc);
   __m256 next_rest = rest;
   if constexpr (T::has_min) {
     const __m256i ms = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(a.s + b0)));
