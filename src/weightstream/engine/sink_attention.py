@@ -34,7 +34,10 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 IMPLEMENTATION = "weightstream_sinks"
 EAGER_BELOW = 2**24  # heads x query rows x keys: 64 MiB of float32 scores, of which eager holds four
-REPEAT_BELOW = 2**22  # heads x keys x head_dim: eager's copy of the keys (and of the values) for every query head
+# heads x keys x head_dim: eager's copy of the keys (and of the values) for every query head. 1 MiB of float32: on
+# gpt-oss-20b's 64 heads from 64 keys (at depth 256 the grouped rows took 18.7 ms a token against eager's 19.5 on its
+# 2-layer shape, 3 rounds alternated in one process); the tests' tiny model (4 heads, 512 keys, 64 wide) stays eager.
+REPEAT_BELOW = 2**18
 
 
 def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
