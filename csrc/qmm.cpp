@@ -11,6 +11,9 @@
 //                   integers) and the multi-row tiles (codes_avx2<T>: T::codes on AVX2); signed values where
 //                   T::signed_subs (T::codes adds code_offset to them), else the unsigned codes themselves
 //   T::dequantize   one block to float32, bitwise as the `gguf` package's decoder
+//   T::isum_vnni    (the 32-element types) the block's integer sums against one row in one VNNI instruction, its
+//                   codes unsigned (stored code + T::code_offset): the rows on AVX-512 VNNI (dot_row_vnni32), a
+//                   second decoder where VNNI's byte mask or unsigned operand makes a shorter one
 // and listed once in WS_TYPES; everything else (row sizes, checks, dispatch, the table Python checks itself against
 // at load: native.py) is derived from those. Adding a type is its struct and its line in WS_TYPES.
 //
@@ -20,7 +23,8 @@
 // term). BF16 is not quantized: its activations stay float32 and each weight meets its value in a float fused
 // multiply-add.
 //
-// Determinism: every path (portable rows, AVX2 rows, tiles of 16 rows on AVX-512 VNNI or on AVX2) computes the
+// Determinism: every path (portable rows, AVX2 rows and their AVX-512 variants, tiles of 16 rows on AVX-512 VNNI or
+// on AVX2) computes the
 // same integers and then the same float chain per output (Chain), compiled with -ffp-contract=off so the compiler
 // fuses nothing on its own; each output element is computed by one thread. So the result does not depend on the
 // path, the thread count, the number of rows or the other rows of the batch.
@@ -288,8 +292,7 @@ struct Q8_0 {  // w = d q
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, fp16_hw(x.d), 0.f};
   }
-  // VNNI multiplies unsigned bytes by signed ones: the codes as q + 128, their 128 x sum(qx) taken back per block
-  static constexpr int vnni_offset = 128;
+  // VNNI multiplies unsigned bytes by signed ones: the codes as q + 128 (code_offset), 128 x sum(qx) taken back
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
     const __m256i codes = _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8((char)0x80));
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, load256(xq));
@@ -372,7 +375,6 @@ struct Legacy32 {
     return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
   }
   // With AVX-512 the fifth bits are a byte mask: 16 added where bit j of qh is set, one instruction.
-  static constexpr int vnni_offset = 0;  // unsigned codes already; the offset is the min term's
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
     __m256i codes = nibbles32_avx2(x.qs);
     if constexpr (Fifth) {
@@ -783,10 +785,14 @@ struct MXFP4 {
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     return {lanes_s8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), 0, scale(x), 0.f};
   }
-  static constexpr int vnni_offset = 12;  // the codes as kvalues + 12 (0..24) for VNNI's unsigned operand
-  static constexpr uint8_t kcodes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  // the values + code_offset (0..24), VNNI's unsigned operand: one table lookup, as the signed values are
+  static constexpr std::array<uint8_t, 16> kcodes = [] {
+    std::array<uint8_t, 16> out{};
+    for (int i = 0; i < 16; i++) out[i] = (uint8_t)(kvalues[i] + code_offset);
+    return out;
+  }();
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kcodes));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kcodes.data()));
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_shuffle_epi8(table, nibbles32_avx2(x.qs)), load256(xq));
   }
 #endif
@@ -988,7 +994,8 @@ WS_AVX2 float dot_row_avx2(const uint8_t* row, const QAct& a, int64_t k) {
 // registers instead of spilling to the stack (the same arithmetic, so the same bits). Taken for the K types' blocks
 // (`kWideRows`), whose bodies spilled: one 4096 x 4096 row product, 1 thread, 7 pairs alternated with the AVX2
 // registers: Q6_K 30.6-34.5 -> 36.5-39.7 GB/s (+9 to +21% in every pair), Q4_K +4 to +17% in 6 of 7, the other
-// K types unchanged. The 32-element types gained nothing and Q4_0 lost 15% (19.1 -> 16.5): they keep the AVX2 build.
+// K types unchanged. The 32-element types gained nothing from this build (Q4_0 lost 15% then): they take
+// dot_row_vnni32 below instead.
 template <typename T>
 constexpr bool kWideRows = T::elements == 256 && T::act != 0;
 
@@ -999,8 +1006,8 @@ WS_AVX512 float dot_row_avx512(const uint8_t* row, const QAct& a, int64_t k) {
 
 // The 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) on AVX-512 with VNNI: dot_row_body's groups of eight
 // blocks and its float chain, each block's integer sums in one VNNI instruction (T::isum_vnni: unsigned codes
-// against the signed activations; Q8_0's and MXFP4's signed codes as value + T::vnni_offset, that offset times
-// the block's sum of qx subtracted after, exactly; Q5's fifth bits added under a byte mask), the activations'
+// against the signed activations; Q8_0's and MXFP4's signed codes as value + T::code_offset, that offset times
+// the block's sum of qx subtracted after; Q5's fifth bits added under a byte mask), the activations'
 // scales and sums loaded eight at a time: the same integers and the same float operations, so the same bits.
 // Against dot_row_body (one 4096 x 4096 product, 1 thread, AMD EPYC, 3 rounds): Q5_0 11.8 -> 17.5 GB/s, Q8_0 29.2
 // -> 39.7, MXFP4 13.0 -> 16.8, Q4_0 13.6 -> 16.7. What it took: a whole group and the row's last, partial one
@@ -1032,9 +1039,10 @@ WS_AVX512_INLINE void group_vnni32(const typename T::Block* blocks, const QAct& 
   }
   const __m256 dxv = _mm256_loadu_ps(a.d + b0);  // past the row's end: QRows::kPastRow, in lanes discarded below
   __m256i isum = totals8(v);
-  if constexpr (T::vnni_offset != 0) {  // codes taken as value + offset: offset x the block's sum of qx back, exactly
+  if constexpr (T::signed_subs) {  // codes taken as value + offset: offset x the block's sum of qx taken back (the
+    // integers exact for finite activations, whose sums `s` hold)
     const __m256i sums = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(a.s + b0)));
-    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sums, _mm256_set1_epi32(T::vnni_offset)));
+    isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sums, _mm256_set1_epi32(T::code_offset)));
   }
   __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_setr_ps(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]), dxv),
                                 _mm256_cvtepi32_ps(isum), acc);
