@@ -1079,11 +1079,13 @@ using DotFn = float (*)(const uint8_t*, const QAct&, int64_t);
 
 bool have_vnni();
 
-// The row dot of type wtype on path 1 (portable) or 2 (AVX2), looked up once per product.
+// The row dot of type wtype on path 1 (portable), 2 (AVX2, with its AVX-512 variants where the CPU has VNNI) or 5
+// (AVX2's own body alone, which a VNNI CPU otherwise never runs: for the tests), looked up once per product.
 DotFn dot_fn(int64_t path, int64_t wtype) {
   return with_type(wtype, [path](auto t) -> DotFn {
     using T = decltype(t);
 #ifdef WS_X86
+    if (path == 5) return &dot_row_avx2<T>;
     if (path == 2 && have_vnni()) {
       if constexpr (kWideRows<T>) return &dot_row_avx512<T>;
       if constexpr (kVnniRows32<T>) return &dot_row_vnni32<T>;
@@ -1151,15 +1153,19 @@ bool have_vnni() {
 
 // Paths: 0 the best this CPU runs (from tile_rows(wtype) rows VNNI tiles where it has them, else AVX2 tiles; fewer
 // rows as AVX2 rows; portable rows without AVX2), 1 portable rows, 2 AVX2 rows, 3 VNNI tiles at every row count,
-// 4 AVX2 tiles at every row count. Every path gives the same bits.
+// 4 AVX2 tiles at every row count, 5 AVX2 rows without their AVX-512 variants. Every path gives the same bits.
 int64_t resolve_path(int64_t path) {
-  TORCH_CHECK(path == 0 || path == 1 || ((path == 2 || path == 4) && have_avx2()) || (path == 3 && have_vnni()),
+  TORCH_CHECK(path == 0 || path == 1 || ((path == 2 || path == 4 || path == 5) && have_avx2()) ||
+                  (path == 3 && have_vnni()),
               "weightstream qmm: path ", path, " is not available here");
   return path;
 }
 
-// The path of one-row dot products: 1 (portable) or 2 (AVX2).
-int64_t row_path(int64_t path) { return path != 1 && have_avx2() ? 2 : 1; }
+// The path of one-row dot products: 1 (portable), 2 (AVX2 and its variants) or 5 (AVX2's body alone).
+int64_t row_path(int64_t path) {
+  if (path == 1 || !have_avx2()) return 1;
+  return path == 5 ? 5 : 2;
+}
 
 // Rows of a product from which the best path computes them as tiles (of 16 rows, the last of 8 or fewer on 8
 // lanes). VNNI: from 4 rows tiles were faster for Q4_K, Q6_K and Q8_0, at 3 for the K types alone (2048 x 2048,
@@ -1218,7 +1224,7 @@ struct QRows {
       int16_t* sr = s.data() + r * sums;
       int16_t* s16r = s16.data() + r * 2 * sums;
 #ifdef WS_X86
-      if (path == 2) {
+      if (path != 1) {
         quantize_row_avx2(x + r * k, k, ablock, qr, dr, sr, s16r);
         continue;
       }

@@ -109,11 +109,14 @@ def test_products_are_close_to_float(wtype):
     assert error < (1e-5 if wtype == "BF16" else 0.02), error
 
 
+@pytest.mark.parametrize("path", ["avx2", "avx2-rows"])
 @pytest.mark.parametrize("wtype", TYPES)
-def test_products_avx2_equal_portable_bitwise(wtype):
+def test_products_avx2_equal_portable_bitwise(wtype, path):
+    """Both row paths: "avx2" (on a CPU with AVX-512 VNNI, the K types' body built for it and the 32-element types'
+    own kernel) and "avx2-rows" (AVX2's body alone, as a CPU without AVX-512 runs it)."""
     _needs_avx2()
     x, w, n, k = _product_case(wtype)
-    assert torch.equal(native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable"))
+    assert torch.equal(native.qmm(x, w, wtype, n, k, path), native.qmm(x, w, wtype, n, k, "portable"))
 
 
 @pytest.mark.parametrize("wtype", [t for t in TYPES if native.BLOCK_TYPES[t].elements == 32 and t != "BF16"])
@@ -129,8 +132,10 @@ def test_rows_whose_last_group_of_blocks_is_partial_equal_portable_bitwise(wtype
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(blocks))
         x[1, 0] = float("inf")  # row 0 reads row 1's scales past its end
         x[2] = -x[2].abs()
-        got, want = native.qmm(x, w, wtype, n, k, "avx2"), native.qmm(x, w, wtype, n, k, "portable")
-        assert torch.isfinite(got[[0, 2]]).all() and torch.equal(got[[0, 2]], want[[0, 2]]), blocks
+        want = native.qmm(x, w, wtype, n, k, "portable")
+        for path in ("avx2", "avx2-rows"):
+            got = native.qmm(x, w, wtype, n, k, path)
+            assert torch.isfinite(got[[0, 2]]).all() and torch.equal(got[[0, 2]], want[[0, 2]]), (blocks, path)
 
 
 def _tile_paths():

@@ -57,8 +57,10 @@ def row_bytes(wtype: str, k: int) -> int:
 
 # auto: the best this CPU runs (multi-row tiles from `tile_rows(wtype)` rows, AVX-512 VNNI's where the CPU has it, else
 # AVX2's; fewer rows as AVX2 rows; portable rows without AVX2); avx512 and avx2-tiles: those tiles at every row
-# count; portable and avx2: one row at a time. Every path gives the same bits (docs/kernels.md).
-PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx2-tiles": 4}
+# count; portable and avx2: one row at a time (avx2 with its AVX-512 VNNI variants where the CPU has them;
+# avx2-rows without them, AVX2's own body: what a CPU without AVX-512 runs). Every path gives the same bits
+# (docs/kernels.md).
+PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx2-tiles": 4, "avx2-rows": 5}
 
 _module = None
 _why_not: str | None = None
