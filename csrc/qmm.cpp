@@ -24,10 +24,9 @@
 // multiply-add.
 //
 // Determinism: every path (portable rows, AVX2 rows and their AVX-512 variants, tiles of 16 rows on AVX-512 VNNI or
-// on AVX2) computes the
-// same integers and then the same float chain per output (Chain), compiled with -ffp-contract=off so the compiler
-// fuses nothing on its own; each output element is computed by one thread. So the result does not depend on the
-// path, the thread count, the number of rows or the other rows of the batch.
+// on AVX2) computes the same integers and then the same float chain per output (Chain), compiled with
+// -ffp-contract=off so the compiler fuses nothing on its own; each output element is computed by one thread. So the
+// result does not depend on the path, the thread count, the number of rows or the other rows of the batch.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -372,7 +371,10 @@ struct Legacy32 {
   }
   WS_AVX2_INLINE static PartV part_avx2(const Block& x, const QAct& a, int64_t b) {
     const float d = fp16_hw(x.d);
-    return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, offset(x, d)};
+    float m;  // the min converted as d is (F16C: offset's value, in one instruction)
+    if constexpr (WithMin) m = fp16_hw(x.m);
+    else m = offset(x, d);
+    return {lanes_u8_s8(sub_avx2(x, 0), load256(a.q + b * 32)), a.s[b], d, m};
   }
   // With AVX-512 the fifth bits are a byte mask: 16 added where bit j of qh is set, one instruction.
   WS_AVX512_INLINE static __m256i isum_vnni(const Block& x, const int8_t* xq) {
