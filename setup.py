@@ -29,7 +29,7 @@ else:
     ext_modules = [
         CppExtension(
             "weightstream._native",
-            ["csrc/qmm.cpp", "csrc/layers.cpp", "csrc/latent.cpp"],
+            ["csrc/qmm.cpp", "csrc/layers.cpp", "csrc/latent.cpp", "csrc/decode.cpp"],
             depends=["csrc/tiles.inc"],  # included by qmm.cpp (twice: once per instruction set)
             # -ffp-contract=off: the compiler fuses no multiply-add on its own, so every path rounds the same way;
             # -fopenmp: at::parallel_for is a header template that runs on torch's OpenMP pool only when the

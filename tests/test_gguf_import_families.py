@@ -213,17 +213,21 @@ def _metadata(arch: str, cfg: dict, split_kv_b=False, mla_keys=True, nextn=0, **
     return meta
 
 
-def _tensors(src: str, arch: str, cfg: dict, expert_type, split_kv_b=False, nextn=0, halves="BF16", **_):
+def _tensors(
+    src: str, arch: str, cfg: dict, expert_type, split_kv_b=False, nextn=0, halves="BF16", dense_kind="BF16", **_
+):
     """(name, GGML type, data) as llama.cpp writes them: experts stacked per layer and projection, routing biases
     as `exp_probs_b.bias`, kv_b split into k_b (per head, transposed) and v_b where the current converter splits it,
-    and for GLM its next-token-prediction layer after the model's own (`blk.{layers}`: a full layer plus nextn.*)."""
+    and for GLM its next-token-prediction layer after the model's own (`blk.{layers}`: a full layer plus nextn.*).
+    `dense_kind`: the 2-d dense weights' type (llama-quantize's files quantize them too)."""
     layers = cfg["num_hidden_layers"]
     names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), layers + nextn)
     ckpt = open_checkpoint(src)
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     out = []
 
-    def dense(name: str, w: torch.Tensor, kind: str = "BF16") -> None:
+    def dense(name: str, w: torch.Tensor, kind: str | None = None) -> None:
+        kind = kind or dense_kind
         if w.dim() == 1 or "ffn_gate_inp" in name:  # llama.cpp keeps these F32
             out.append((name, "F32", w.float().numpy()))
         else:
@@ -495,6 +499,53 @@ def test_streamed_logits_equal_resident_bitwise(imported, recipe):
         got_tokens, got_logits, _ = greedy_logits_of(out, expert_cache="1x", io_threads=threads)
         assert got_tokens == tokens, (recipe, threads)
         assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True)), (recipe, threads)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, monkeypatch):
+    """In a file whose dense weights are quantized (as llama-quantize's are), DeepSeek's decoder layers take a decode
+    row's attention half in one native call (engine/lean_layer.py; V3's q_lora and interleaved rotary, V2's plain q
+    and complex rotary; k_b and v_b as the file's blocks) and give their own forwards' logits bitwise, step by step;
+    a hook on a module the call stands for sends the row to the layer's own forward."""
+    from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+
+    halves = {"split_kv_b": True, "mla_keys": True, "halves": ("Q5_0", "Q8_0"), "dense_kind": "Q8_0"}
+    path = family_gguf(source(arch), tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
+    import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
+    model = load_streaming_model(str(tmp_path / "out"), expert_cache="100x")
+    calls, mla_decode = [], native.mla_decode
+    monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(1) or mla_decode(*a))
+    prompt, steps = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]]), 5
+
+    def decode() -> list[torch.Tensor]:
+        cache, logits = engine_cache(model, prompt.shape[1] + steps), []
+        with torch.inference_mode(), quiet_cache_kwarg():
+            out = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+            for _ in range(steps):
+                out = model(out.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
+                logits.append(out)
+        return logits
+
+    try:
+        layers = [m for m in model.modules() if getattr(vars(m).get("forward"), "lean_layer", False)]
+        assert len(layers) == model.config.num_hidden_layers, model.weightstream.fused
+        lean = decode()
+        # V2 proves its native rotation at the first decode row, which its layers' own forwards compute
+        native_rows = steps - (arch == "deepseek_v2")
+        assert len(calls) == native_rows * len(layers), len(calls)
+        hooked = []
+        handle = layers[-1].self_attn.o_proj.register_forward_hook(lambda *a: hooked.append(1))
+        calls.clear()
+        with_hook = decode()
+        handle.remove()
+        assert len(hooked) == steps + 1 and len(calls) == steps * (len(layers) - 1)  # V2's proof is made
+        for layer in layers:
+            del layer.forward  # the class's forward again
+        own = decode()
+        for got in (lean, with_hook):
+            assert all(torch.equal(g, w) for g, w in zip(got, own, strict=True))
+    finally:
+        model.weightstream.close()
 
 
 def _reference(src: str, tensors: dict, dtype=torch.bfloat16):

@@ -7,7 +7,8 @@ with float32 activations (BF16, summed in float32 fused multiply-adds): an AVX2 
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
 count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.linear`, `.dequantize`, per MoE
 layer `.moe_layer`, `.moe_contribute`, `.moe_sum`, and the float32 steps between products, `.rms_norm` and `.rope`:
-engine/fused.py), run on torch's intra-op threads.
+engine/fused.py; DeepSeek's `.latent_attend` and a decode row's attention half, `.mla_decode`: engine/lean_layer.py),
+run on torch's intra-op threads.
 
 When the extension was not built (no compiler or no torch at install time) or is disabled with
 WEIGHTSTREAM_NATIVE=0, `available()` is False and callers run torch's own kernels; that is said once.
@@ -166,6 +167,16 @@ def rope_pairs(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> tuple[t
 def heads_product(x: torch.Tensor, w: torch.Tensor, wtype: str, n: int) -> torch.Tensor:
     """(H, M, N) float32: each head's rows x[h] (M, K) times its own N x K matrix, rows h N .. (h + 1) N of `w`."""
     return torch.ops.weightstream.heads_product(x, w, TYPE_IDS[wtype], n)
+
+
+def mla_decode(h: torch.Tensor, plan, rot_a, rot_b, rot_kind: int, c_buf, r_buf, used: int):
+    """One decode row of a DeepSeek layer's attention half (csrc/decode.cpp): (h + attention, its post-attention
+    norm); `plan` an engine/lean_layer.py `LeanLayer`'s weights and sizes; rot_a, rot_b, rot_kind: (cos, sin) and
+    whether interleaved, or V2's complex frequencies; the cache buffers' position `used` written."""
+    return torch.ops.weightstream.mla_decode(
+        h, plan.w, plan.types, plan.rows, plan.cols, plan.k_b, plan.k_type, plan.v_b, plan.v_type, plan.norms,
+        plan.eps, rot_a, rot_b, rot_kind, c_buf, r_buf, used, plan.dims, plan.scale,
+    )  # fmt: skip
 
 
 def latent_attend(

@@ -42,6 +42,22 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, : used + new]
         return self.keys, self.values
 
+    def reserve_row(self) -> int | None:
+        """For a writer that fills the next position of the buffers itself (a native decode row, engine/lean_layer.py):
+        room for one more position, and its index; None where the layer holds nothing yet (its first update sets the
+        shapes) or its keys are not 4-d. `filled` then makes the views include it."""
+        if not self.is_initialized or self.keys.dim() != 4 or not self.keys.numel():
+            return None
+        used = self.get_seq_length()
+        if not self._fits(used + 1, self.keys, self.values):
+            self._reallocate(used, used + 1, self.keys, self.values)
+        return used
+
+    def filled(self, total: int) -> None:
+        """The buffers' first `total` positions are written: the keys and values are those."""
+        self.keys = self._key_buffer[:, :, :total]
+        self.values = self._value_buffer[:, :, :total]
+
     def _fits(self, total: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the buffers hold `total` positions of these shapes and `keys` is still their view."""
         buffers = self._key_buffer, self._value_buffer

@@ -34,6 +34,7 @@ from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention, keep_kv_b_apart
+from weightstream.engine.lean_layer import install_lean_layers
 from weightstream.engine.lean_moe import install_lean_moe
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
@@ -150,6 +151,8 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     fused = fuse_dense_ops(model) + install_lean_moe(model) if config.fuse and computes_float32 else []
     latent = any(is_latent_attention(m) for m in model.modules())
     absorb_latent_attention(model, config.latent_attention)
+    if config.fuse and computes_float32:  # after absorbing: its one-row call is the absorbed attention's
+        fused += install_lean_layers(model)
     install_sink_attention(model)  # gpt-oss: long prompts without eager's score matrices
     install_grouped_attention(model)  # fewer key heads than query heads: no repeated keys over a long cache
     modules = experts_modules(model)
