@@ -1,10 +1,12 @@
-// One decode row of a DeepSeek decoder layer's attention half in one call: the input norm, the query (q_lora's two
-// products and their norm, or one), the latent and rotary key, their norm and rotation, the cache's next position
-// written, the absorbed attention (k_b, the latents' softmax-weighted sum, v_b), the output projection, the residual
-// sum, and the post-attention norm the MLP takes. Each step is the op that engine/latent_attention.py's
-// `LatentAttention.decode` and the layer's modules call (looked up in the dispatcher, so the same kernels on the same
-// values: the same bits), in the same order; at one row those steps are some 40 Python and torch calls a layer, a
-// share of a token that the arithmetic does not explain (engine/lean_layer.py has the figures).
+// One decode row of a DeepSeek decoder layer in a few calls: `mla_decode`, its attention half (the input norm, the
+// query (q_lora's two products and their norm, or one), the latent and rotary key, their norm and rotation, the
+// cache's next position written, the absorbed attention (k_b, the latents' softmax-weighted sum, v_b), the output
+// projection, the residual sum, and the post-attention norm the MLP takes); `route_decode`, a MoE block's router;
+// `mlp_decode`, a dense MLP or the shared experts and the sums. Each step is the op that engine/latent_attention.py's
+// `LatentAttention.decode`, engine/lean_moe.py and the layer's modules call (looked up in the dispatcher, or the same
+// ATen call: the same kernels on the same values, the same bits), in the same order; at one row those steps are some
+// 60 Python and torch calls a layer, a share of a token that the arithmetic does not explain (engine/lean_layer.py
+// has the figures).
 
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -98,13 +100,57 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
   return {attended, norm_op.call(attended, norms[norm + 1], eps[norm + 1])};
 }
 
+// The MLP half of a decode row: residual + (routed + down(silu(gate(x)) * up(x))), or residual + down(...) without
+// routed experts (a dense layer): a DeepSeek MoE block's shared experts and its sum with the routed experts' output
+// (engine/lean_moe.py), and the layer's residual sum, in the modules' order. w: [gate, up, down], GGML blocks of
+// `types`, rows x cols each.
+at::Tensor mlp_decode(const at::Tensor& x, const at::Tensor& residual, at::TensorList w, at::IntArrayRef types,
+                      at::IntArrayRef rows, at::IntArrayRef cols, const std::optional<at::Tensor>& routed) {
+  static const auto linear_op = op<LinearFn>("weightstream::linear");
+  TORCH_CHECK(w.size() == 3 && types.size() == 3 && rows.size() == 3 && cols.size() == 3,
+              "weightstream mlp_decode: gate, up and down needed");
+  const std::optional<at::Tensor> none;
+  auto lin = [&](const at::Tensor& in, size_t i) { return linear_op.call(in, w[i], types[i], rows[i], cols[i], none); };
+  const at::Tensor mlp = lin(at::silu(lin(x, 0)) * lin(x, 1), 2);
+  return residual + (routed.has_value() ? routed->view(x.sizes()) + mlp : mlp);
+}
+
+// A DeepSeek router's (top-k weights, top-k indices) of one float32 row (1, hidden), as engine/lean_moe.py's
+// `_router` (kind 0: V3's sigmoid scores, the correction bias for the choice, normalized if `norm`) and
+// `_softmax_router` (kind 1: V2's greedy softmax) compute them: the same ATen calls in the same order.
+std::tuple<at::Tensor, at::Tensor> route_decode(const at::Tensor& row, const at::Tensor& weight,
+                                                const std::optional<at::Tensor>& bias, int64_t kind, int64_t top_k,
+                                                bool norm, double scaling) {
+  if (kind == 1) {
+    const at::Tensor scores = at::linear(row, weight).softmax(-1, at::kFloat);
+    auto [weights, indices] = at::topk(scores, top_k, -1, true, false);
+    return {weights * scaling, indices};
+  }
+  TORCH_CHECK(kind == 0 && bias.has_value(), "weightstream route_decode: kind 0 (sigmoid, with its bias) or 1");
+  const at::Tensor scores = at::linear(row, weight).sigmoid();
+  const at::Tensor indices = std::get<1>(at::topk(scores + *bias, top_k, -1, true, false));
+  at::Tensor weights = scores.gather(1, indices);
+  if (norm) weights.div_(weights.sum(-1, true) + 1e-20);
+  return {weights * scaling, indices};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(weightstream, m) {
+  m.def(
+      "mlp_decode(Tensor x, Tensor residual, Tensor[] w, int[] types, int[] rows, int[] cols, Tensor? routed=None) "
+      "-> Tensor");
+  m.def(
+      "route_decode(Tensor row, Tensor weight, Tensor? bias, int kind, int top_k, bool norm, float scaling) -> "
+      "(Tensor, Tensor)");
   m.def(
       "mla_decode(Tensor h, Tensor[] w, int[] types, int[] rows, int[] cols, Tensor k_b, int k_type, Tensor v_b, "
       "int v_type, Tensor[] norms, float[] eps, Tensor rot_a, Tensor? rot_b, int rot_kind, Tensor(a!) c_buf, "
       "Tensor(b!) r_buf, int used, int[] dims, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(weightstream, CPU, m) { m.impl("mla_decode", &mla_decode); }
+TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
+  m.impl("mla_decode", &mla_decode);
+  m.impl("mlp_decode", &mlp_decode);
+  m.impl("route_decode", &route_decode);
+}

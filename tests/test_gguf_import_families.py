@@ -501,20 +501,37 @@ def test_streamed_logits_equal_resident_bitwise(imported, recipe):
         assert all(torch.equal(g, w) for g, w in zip(got_logits, logits, strict=True)), (recipe, threads)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, monkeypatch):
+# routers engine/lean_moe.py computes at one row: V3's with every group chosen (V2-Lite's and Kimi-K2's shape), V2's
+# greedy softmax (V2-Lite's)
+LEAN_ROUTERS = {
+    "deepseek_v3": {"n_group": 1, "topk_group": 1},
+    "deepseek_v2": {"n_group": 1, "topk_group": 1, "topk_method": "greedy"},
+}
+
+
+@pytest.mark.parametrize("arch,routers", [(a, r) for a in ("deepseek_v2", "deepseek_v3") for r in ("lean", "grouped")])
+def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, routers, monkeypatch):
     """In a file whose dense weights are quantized (as llama-quantize's are), DeepSeek's decoder layers take a decode
     row's attention half in one native call (engine/lean_layer.py; V3's q_lora and interleaved rotary, V2's plain q
-    and complex rotary; k_b and v_b as the file's blocks) and give their own forwards' logits bitwise, step by step;
-    a hook on a module the call stands for sends the row to the layer's own forward."""
+    and complex rotary; k_b and v_b as the file's blocks) and its MLP half in one more (the dense layer's MLP; a MoE
+    block's router in one call, its experts, then its shared experts and sums in one), and give their own forwards'
+    logits bitwise, step by step; a router with groups that hide experts keeps the MoE block's own forward; a hook on
+    a module the call stands for sends the row to the layer's own forward."""
     from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 
+    src = source(arch)
+    if routers == "lean":
+        src = str(tmp_path / "src")
+        synthesize(src, {**preset_config("tiny", arch), **SOURCES[arch], **LEAN_ROUTERS[arch]}, dtype="bf16", seed=1)
     halves = {"split_kv_b": True, "mla_keys": True, "halves": ("Q5_0", "Q8_0"), "dense_kind": "Q8_0"}
-    path = family_gguf(source(arch), tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
+    path = family_gguf(src, tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
     import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
     model = load_streaming_model(str(tmp_path / "out"), expert_cache="100x")
-    calls, mla_decode = [], native.mla_decode
-    monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(1) or mla_decode(*a))
+    calls, counted = [], {}
+    for name in ("mla_decode", "mlp_decode", "route_decode"):
+        op, counted[name] = getattr(native, name), []
+        monkeypatch.setattr(native, name, lambda *a, _op=op, _n=counted[name]: _n.append(1) or _op(*a))
+    calls = counted["mla_decode"]
     prompt, steps = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]]), 5
 
     def decode() -> list[torch.Tensor]:
@@ -533,6 +550,9 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
         # V2 proves its native rotation at the first decode row, which its layers' own forwards compute
         native_rows = steps - (arch == "deepseek_v2")
         assert len(calls) == native_rows * len(layers), len(calls)
+        moe_layers = (len(layers) - 1) if routers == "lean" else 0  # the first layer is dense
+        assert len(counted["route_decode"]) == native_rows * moe_layers
+        assert len(counted["mlp_decode"]) == native_rows * (1 + moe_layers)
         hooked = []
         handle = layers[-1].self_attn.o_proj.register_forward_hook(lambda *a: hooked.append(1))
         calls.clear()

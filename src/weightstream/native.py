@@ -179,6 +179,18 @@ def mla_decode(h: torch.Tensor, plan, rot_a, rot_b, rot_kind: int, c_buf, r_buf,
     )  # fmt: skip
 
 
+def mlp_decode(x, residual, w, types, rows, cols, routed: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + (routed + down(silu(gate(x)) * up(x))), or without routed (a dense MLP): the MLP half of a DeepSeek
+    layer's decode row (csrc/decode.cpp); w: [gate, up, down] blocks of `types` (ids), rows x cols each."""
+    return torch.ops.weightstream.mlp_decode(x, residual, w, types, rows, cols, routed)
+
+
+def route_decode(row, weight, bias, kind: int, top_k: int, norm: bool, scaling: float):
+    """A DeepSeek router's (top-k weights, top-k indices) of one float32 row: kind 0 V3's sigmoid scores chosen with
+    `bias`, normalized if `norm`; kind 1 V2's softmax; times `scaling` (engine/lean_moe.py's routers)."""
+    return torch.ops.weightstream.route_decode(row, weight, bias, kind, top_k, norm, scaling)
+
+
 def latent_attend(
     q_lat: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, r: torch.Tensor, scale: float
 ) -> torch.Tensor:

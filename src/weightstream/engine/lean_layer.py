@@ -1,4 +1,4 @@
-"""A DeepSeek decoder layer's decode row with its attention half in one native call (csrc/decode.cpp).
+"""A DeepSeek decoder layer's decode row in three native calls (csrc/decode.cpp) and its experts' own.
 
 At one row a token of a DeepSeek model whose dense weights are GGML blocks is a chain of native products, and the
 Python and torch calls between them are a share of it that the arithmetic does not explain: replaying one token's
@@ -6,17 +6,22 @@ recorded ops back to back (2026-12-07, 2 vCPUs of an AMD EPYC Zen 4, depth 256) 
 4-layer V3-lite shape and 61.7 of 70.7 on the 27-layer V2-Lite shape. A layer's attention half (its input norm,
 `LatentAttention.decode`'s projections, norms, rotation, cache write, absorbed attention and output projection, the
 residual sum and the post-attention norm) is some 40 such calls; `mla_decode` makes them in C++, calling the same
-ops through the dispatcher in the same order on the same values, so the layer gives the bits its modules give
-(tests/test_gguf_import_families.py compares them). The MLP or MoE block stays a module call (engine/lean_moe.py).
-Measured 2026-12-07 at depth 256, the two forms alternating two tokens at a time in one process (200 and 120 tokens):
-14.49 against 15.00 ms a token on the 4-layer shape, 68.86 against 70.76 on the 27-layer one (the same logits).
+ops through the dispatcher in the same order on the same values. The MLP half likewise: a dense MLP, or a MoE
+block's shared experts, the sum with its routed experts and the residual sum, in `mlp_decode`; a MoE block's router
+(engine/lean_moe.py's one-row form) in `route_decode`, the same ATen calls; between them the experts module runs as
+it always does (the expert cache, streamed or resident). So the layer gives the bits its modules give
+(tests/test_gguf_import_families.py compares them step by step). Measured 2026-12-07 at depth 256, the layers' own
+forwards and these alternating two tokens at a time in one process (200 and 120 tokens): 13.49 against 14.42 ms a
+token on the 4-layer shape, 67.08 against 69.87 on the 27-layer one (the attention half alone: 14.49 against 15.00
+and 68.86 against 70.76).
 
-`install_lean_layers` gives each DeepSeek-V2/V3 decoder layer whose parts the call covers (absorbed attention with
-k_b and v_b as native blocks, NativeLinear projections without biases, native RMSNorms, a native rotary function)
-a forward that takes it for one float32 row of one sequence on the engine's cache (a `GrowingLayer` already
-holding the prompt), with a mask that hides nothing, no hooks on the modules it skips and the native ops still in
-place (`use_native_ops(model, False)` puts transformers' back: the layer then runs its own forward). Any other call
-runs the layer's own forward.
+`install_lean_layers` gives each DeepSeek-V2/V3 decoder layer whose attention the call covers (absorbed, k_b and v_b
+as native blocks, NativeLinear projections without biases, native RMSNorms, a native rotary function) a forward that
+takes it for one float32 row of one sequence on the engine's cache (a `GrowingLayer` already holding the prompt),
+with a mask that hides nothing, no hooks on the modules it skips and the native ops still in place
+(`use_native_ops(model, False)` puts transformers' back: the layer then runs its own forward); the MLP half goes
+native where `LeanMlp.of` covers it and the MoE block still runs its one-row form, else as the module's call. Any
+other call runs the layer's own forward.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from weightstream.engine.fused import NativeRMSNorm, NativeRotary
 from weightstream.engine.kernels.dense import NativeLinear
 from weightstream.engine.kv_cache import GrowingLayer
 from weightstream.engine.latent_attention import LEAN_CLASSES, _sees_everything
+from weightstream.engine.lean_moe import _lean_router, _router
 
 LEAN_LAYERS = ("DeepseekV3DecoderLayer", "DeepseekV2DecoderLayer")
+DENSE_MLPS = ("DeepseekV3MLP", "DeepseekV2MLP")
+SILU = ("SiLU", "SiLUActivation")
 ROPE, ROPE_INTERLEAVED, PAIRS = 0, 1, 2  # csrc/decode.cpp's RotKind
 _KNOWN = frozenset(
     {"hidden_states", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache"}
@@ -98,6 +106,60 @@ class LeanLayer:
         return all(getattr(parent, name) is norm for parent, name, norm in self.slots)
 
 
+class LeanMlp:
+    """What `mlp_decode` (and `route_decode`, for a MoE block) takes of a layer's MLP half: a dense MLP's or the
+    shared experts' gate, up and down blocks; a MoE block's router. `of` makes one where the calls cover the
+    module (a dense DeepSeek MLP, or a MoE block running engine/lean_moe.py's one-row form), else None."""
+
+    def __init__(self, mlp: torch.nn.Module, dense: torch.nn.Module, router=None):
+        projections = [dense.gate_proj, dense.up_proj, dense.down_proj]
+        self.w = [p.blocks for p in projections]
+        self.types = [native.TYPE_IDS[p.wtype] for p in projections]
+        self.rows = [p.out_features for p in projections]
+        self.cols = [p.in_features for p in projections]
+        self.mlp, self.moe = mlp, router is not None
+        self.skipped = [mlp, dense, *projections, dense.act_fn]
+        if self.moe:
+            gate = mlp.gate
+            self.skipped.append(gate)
+            self.router = (gate.weight, gate.e_score_correction_bias if router is _router else None)
+            self.route = (0 if router is _router else 1, gate.top_k, bool(getattr(gate, "norm_topk_prob", False)))
+            self.route += (float(gate.routed_scaling_factor),)
+
+    @classmethod
+    def of(cls, mlp: torch.nn.Module) -> LeanMlp | None:
+        if type(mlp).__name__ in DENSE_MLPS:
+            return cls(mlp, mlp) if _dense_covered(mlp) else None
+        if not getattr(vars(mlp).get("forward"), "lean_moe", False):  # not the one-row form (or taken out)
+            return None
+        router, shared = _lean_router(mlp), getattr(mlp, "shared_experts", None)
+        if router is None or type(shared).__name__ not in DENSE_MLPS or not _dense_covered(shared):
+            return None
+        return cls(mlp, shared, router)
+
+    def applies(self) -> bool:
+        """Whether the MoE block still runs its one-row form and no module the calls stand for has hooks."""
+        if self.moe and not getattr(vars(self.mlp).get("forward"), "lean_moe", False):
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.skipped)
+
+    def __call__(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the MLP half of `normed` (1, 1, hidden)."""
+        if not self.moe:
+            return native.mlp_decode(normed, residual, self.w, self.types, self.rows, self.cols)
+        row = normed.view(1, -1)
+        weights, indices = native.route_decode(row, *self.router, *self.route)
+        routed = self.mlp.experts(row, indices, weights)
+        return native.mlp_decode(normed, residual, self.w, self.types, self.rows, self.cols, routed)
+
+
+def _dense_covered(mlp: torch.nn.Module) -> bool:
+    """Whether a DeepSeek MLP is NativeLinear gate, up and down without biases around a SiLU."""
+    projections = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    linear = all(isinstance(p, NativeLinear) and p.bias is None and p.dequant_rows > 1 for p in projections)
+    return linear and type(getattr(mlp, "act_fn", None)).__name__ in SILU
+
+
 def _covered(layer: torch.nn.Module) -> bool:
     """Whether `mla_decode` computes this decoder layer's attention half as its modules do."""
     attention = getattr(layer, "self_attn", None)
@@ -124,12 +186,15 @@ def install_lean_layers(model: torch.nn.Module) -> list[str]:
     changed: set[str] = set()
     for module in list(model.modules()):
         if _covered(module):
-            module.forward = _lean_forward(module, LeanLayer(module))
+            mlp = LeanMlp.of(module.mlp)
+            module.forward = _lean_forward(module, LeanLayer(module), mlp)
             changed.add(f"{type(module).__name__}: one-call attention row")
+            if mlp is not None:
+                changed.add(f"{type(module).__name__}: one-call {'MoE' if mlp.moe else 'MLP'} row")
     return sorted(changed)
 
 
-def _lean_forward(layer: torch.nn.Module, plan: LeanLayer):
+def _lean_forward(layer: torch.nn.Module, plan: LeanLayer, mlp: LeanMlp | None):
     original = layer.forward
     attention = layer.self_attn
 
@@ -145,6 +210,8 @@ def _lean_forward(layer: torch.nn.Module, plan: LeanLayer):
             return original(*args, **kwargs)
         attended, normed = native.mla_decode(hidden, plan, *rotation, held._key_buffer, held._value_buffer, used)
         held.filled(used + 1)
+        if mlp is not None and mlp.applies():
+            return mlp(normed, attended)
         return attended + layer.mlp(normed)
 
     forward.lean_layer = True  # what install_lean_layers put (tests take it out again)
