@@ -523,6 +523,7 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
     if routers == "lean":
         src = str(tmp_path / "src")
         synthesize(src, {**preset_config("tiny", arch), **SOURCES[arch], **LEAN_ROUTERS[arch]}, dtype="bf16", seed=1)
+        _randomize_biases(src)  # V3's correction bias chooses the experts: not zeros
     halves = {"split_kv_b": True, "mla_keys": True, "halves": ("Q5_0", "Q8_0"), "dense_kind": "Q8_0"}
     path = family_gguf(src, tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
     import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
@@ -534,8 +535,8 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
     calls = counted["mla_decode"]
     prompt, steps = torch.tensor([[3, 17, 101, 250, 7, 42, 311, 5]]), 5
 
-    def decode() -> list[torch.Tensor]:
-        cache, logits = engine_cache(model, prompt.shape[1] + steps), []
+    def decode() -> list[torch.Tensor]:  # a cache sized for the prompt: the rows' buffers grow past it
+        cache, logits = engine_cache(model, prompt.shape[1]), []
         with torch.inference_mode(), quiet_cache_kwarg():
             out = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
             for _ in range(steps):
@@ -553,12 +554,21 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
         moe_layers = (len(layers) - 1) if routers == "lean" else 0  # the first layer is dense
         assert len(counted["route_decode"]) == native_rows * moe_layers
         assert len(counted["mlp_decode"]) == native_rows * (1 + moe_layers)
+        # a hook on the last layer's o_proj sends its rows to the layer's own forward; one on the first MoE block's
+        # router sends that block's MLP half to its module (the layer's attention half stays one call)
         hooked = []
-        handle = layers[-1].self_attn.o_proj.register_forward_hook(lambda *a: hooked.append(1))
-        calls.clear()
+        handles = [layers[-1].self_attn.o_proj.register_forward_hook(lambda *a: hooked.append("o_proj"))]
+        handles.append(layers[1].mlp.gate.register_forward_hook(lambda *a: hooked.append("gate")))
+        for counts in counted.values():
+            counts.clear()
         with_hook = decode()
-        handle.remove()
-        assert len(hooked) == steps + 1 and len(calls) == steps * (len(layers) - 1)  # V2's proof is made
+        for handle in handles:
+            handle.remove()
+        assert hooked.count("o_proj") == steps + 1 and hooked.count("gate") == steps + 1
+        assert len(calls) == steps * (len(layers) - 1)  # V2's proof is made
+        free_moe = max(0, moe_layers - 2)  # MoE layers neither hooked nor last
+        assert len(counted["route_decode"]) == steps * free_moe
+        assert len(counted["mlp_decode"]) == steps * (1 + free_moe)
         for layer in layers:
             del layer.forward  # the class's forward again
         own = decode()

@@ -7,8 +7,8 @@ with float32 activations (BF16, summed in float32 fused multiply-adds): an AVX2 
 its reference, chosen at run time by a CPU check, bitwise equal to each other and independent of the thread
 count (docs/kernels.md). Registered as torch ops (`torch.ops.weightstream.qmm`, `.linear`, `.dequantize`, per MoE
 layer `.moe_layer`, `.moe_contribute`, `.moe_sum`, and the float32 steps between products, `.rms_norm` and `.rope`:
-engine/fused.py; DeepSeek's `.latent_attend` and a decode row's attention half, `.mla_decode`: engine/lean_layer.py),
-run on torch's intra-op threads.
+engine/fused.py; DeepSeek's `.latent_attend`, and a decode row's attention half, router and MLP half, `.mla_decode`,
+`.route_decode`, `.mlp_decode`: engine/lean_layer.py), run on torch's intra-op threads.
 
 When the extension was not built (no compiler or no torch at install time) or is disabled with
 WEIGHTSTREAM_NATIVE=0, `available()` is False and callers run torch's own kernels; that is said once.

@@ -91,13 +91,16 @@ class LeanLayer:
         """(rot_a, rot_b, kind) for `mla_decode` from the model's position embeddings of one row, or None where the
         native op is not what the layer's own rotary function would run."""
         if isinstance(rotary, torch.Tensor):  # V2's complex frequencies
-            if self.latent.native_pairs and rotary.shape == (1, 1, self.rope // 2):
+            native_pairs = self.latent.native_pairs and rotary.dtype is torch.complex64
+            if native_pairs and rotary.device.type == "cpu" and rotary.shape == (1, 1, self.rope // 2):
                 return rotary, None, PAIRS
             return None
         cos, sin = rotary
         if not isinstance(getattr(self.modeling, self.rotary_name, None), NativeRotary):
             return None
-        if cos.dtype is not torch.float32 or cos.shape != (1, 1, self.rope) or sin.shape != cos.shape:
+        if not all(t.dtype is torch.float32 and t.device.type == "cpu" for t in (cos, sin)):
+            return None
+        if cos.shape != (1, 1, self.rope) or sin.shape != cos.shape or self.rope % 2:
             return None
         return cos, sin, self.rot_kind
 
