@@ -30,6 +30,14 @@ using PairsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
 using HeadsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using AttendFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 
+// One row times the i-th of the blocks `w` (types, rows x cols each), by weightstream::linear: a NativeLinear's
+// one-row forward.
+at::Tensor product(const at::Tensor& x, at::TensorList w, at::IntArrayRef types, at::IntArrayRef rows,
+                   at::IntArrayRef cols, size_t i) {
+  static const auto linear_op = op<LinearFn>("weightstream::linear");
+  return linear_op.call(x, w[i], types[i], rows[i], cols[i], std::nullopt);
+}
+
 // Rotations the layer's rotary function may be: transformers' rotate-half form or DeepSeek-V3's interleaved one on
 // (cos, sin), or DeepSeek-V2's complex pairs.
 enum RotKind : int64_t { kRope = 0, kRopeInterleaved = 1, kPairs = 2 };
@@ -47,7 +55,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
                                               const std::optional<at::Tensor>& rot_b, int64_t rot_kind,
                                               const at::Tensor& c_buf, const at::Tensor& r_buf, int64_t used,
                                               at::IntArrayRef dims, double scale) {
-  static const auto linear_op = op<LinearFn>("weightstream::linear");
   static const auto norm_op = op<NormFn>("weightstream::rms_norm");
   static const auto rope_op = op<RopeFn>("weightstream::rope");
   static const auto pairs_op = op<PairsFn>("weightstream::rope_pairs");
@@ -65,8 +72,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
                   r_buf.size(3) == rope,
               "weightstream mla_decode: the cache buffers hold ", c_buf.sizes(), " and ", r_buf.sizes(),
               "; position ", used, " does not fit");
-  const std::optional<at::Tensor> none;
-  auto lin = [&](const at::Tensor& x, size_t i) { return linear_op.call(x, w[i], types[i], rows[i], cols[i], none); };
+  auto lin = [&](const at::Tensor& x, size_t i) { return product(x, w, types, rows, cols, i); };
 
   const at::Tensor x = norm_op.call(h, norms[0], eps[0]);
   size_t next = 0, norm = 1;
@@ -106,11 +112,9 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
 // `types`, rows x cols each.
 at::Tensor mlp_decode(const at::Tensor& x, const at::Tensor& residual, at::TensorList w, at::IntArrayRef types,
                       at::IntArrayRef rows, at::IntArrayRef cols, const std::optional<at::Tensor>& routed) {
-  static const auto linear_op = op<LinearFn>("weightstream::linear");
   TORCH_CHECK(w.size() == 3 && types.size() == 3 && rows.size() == 3 && cols.size() == 3,
               "weightstream mlp_decode: gate, up and down needed");
-  const std::optional<at::Tensor> none;
-  auto lin = [&](const at::Tensor& in, size_t i) { return linear_op.call(in, w[i], types[i], rows[i], cols[i], none); };
+  auto lin = [&](const at::Tensor& in, size_t i) { return product(in, w, types, rows, cols, i); };
   const at::Tensor mlp = lin(at::silu(lin(x, 0)) * lin(x, 1), 2);
   return residual + (routed.has_value() ? routed->view(x.sizes()) + mlp : mlp);
 }

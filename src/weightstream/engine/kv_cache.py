@@ -38,8 +38,7 @@ class GrowingLayer(DynamicLayer):
             self._reallocate(used, used + new, key_states, value_states)
         self._key_buffer[:, :, used : used + new].copy_(key_states)
         self._value_buffer[:, :, used : used + new].copy_(value_states)
-        self.keys = self._key_buffer[:, :, : used + new]
-        self.values = self._value_buffer[:, :, : used + new]
+        self.filled(used + new)
         return self.keys, self.values
 
     def reserve_row(self) -> int | None:

@@ -54,19 +54,12 @@ class LeanLayer:
     def __init__(self, layer: torch.nn.Module):
         attention = layer.self_attn
         latent = attention._ws_latent
-        q_lora = attention.q_lora_rank is not None
-        queries = [attention.q_a_proj, attention.q_b_proj] if q_lora else [attention.q_proj]
-        self.projections = [*queries, attention.kv_a_proj_with_mqa, attention.o_proj]
-        self.norm_modules = [
-            layer.input_layernorm,
-            *([attention.q_a_layernorm] if q_lora else []),
-            attention.kv_a_layernorm,
-            layer.post_attention_layernorm,
-        ]
-        self.w = [p.blocks for p in self.projections]
-        self.types = [native.TYPE_IDS[p.wtype] for p in self.projections]
-        self.rows = [p.out_features for p in self.projections]
-        self.cols = [p.in_features for p in self.projections]
+        self.projections, norm_slots = _attention_parts(layer)
+        # where the norms sit, in the order `mla_decode` takes them: `use_native_ops(model, False)` puts
+        # transformers' modules back there
+        self.slots = [(parent, name, getattr(parent, name)) for parent, name in norm_slots]
+        self.norm_modules = [norm for _, _, norm in self.slots]
+        self.w, self.types, self.rows, self.cols = _block_args(self.projections)
         self.norms = [n.weight for n in self.norm_modules]
         self.eps = [float(n.eps) for n in self.norm_modules]
         self.k_b, self.k_type = latent.k_rows, native.TYPE_IDS[latent.k_type]
@@ -82,10 +75,6 @@ class LeanLayer:
         self.modeling, self.rot_kind = modeling, ROPE_INTERLEAVED if interleaved else ROPE
         # modules whose forward the call stands for: hooks on any of them send the row to the layer's own forward
         self.skipped = [attention, *self.projections, *self.norm_modules]
-        # where the norms sit: `use_native_ops(model, False)` puts transformers' modules back there
-        self.slots = [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (attention, "kv_a_layernorm")]
-        self.slots += [(attention, "q_a_layernorm")] if q_lora else []
-        self.slots = [(parent, name, getattr(parent, name)) for parent, name in self.slots]
 
     def rotation(self, rotary) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
         """(rot_a, rot_b, kind) for `mla_decode` from the model's position embeddings of one row, or None where the
@@ -116,10 +105,7 @@ class LeanMlp:
 
     def __init__(self, mlp: torch.nn.Module, dense: torch.nn.Module, router=None):
         projections = [dense.gate_proj, dense.up_proj, dense.down_proj]
-        self.w = [p.blocks for p in projections]
-        self.types = [native.TYPE_IDS[p.wtype] for p in projections]
-        self.rows = [p.out_features for p in projections]
-        self.cols = [p.in_features for p in projections]
+        self.w, self.types, self.rows, self.cols = _block_args(projections)
         self.mlp, self.moe = mlp, router is not None
         self.skipped = [mlp, dense, *projections, dense.act_fn]
         if self.moe:
@@ -144,7 +130,7 @@ class LeanMlp:
         """Whether the MoE block still runs its one-row form and no module the calls stand for has hooks."""
         if self.moe and not getattr(vars(self.mlp).get("forward"), "lean_moe", False):
             return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.skipped)
+        return not _hooked(self.skipped)
 
     def __call__(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + the MLP half of `normed` (1, 1, hidden)."""
@@ -156,11 +142,42 @@ class LeanMlp:
         return native.mlp_decode(normed, residual, self.w, self.types, self.rows, self.cols, routed)
 
 
+def _attention_parts(layer: torch.nn.Module) -> tuple[list, list[tuple[torch.nn.Module, str]]]:
+    """A DeepSeek decoder layer's attention projections in the order `mla_decode` takes them ([q_a, q_b, kv_a, o]
+    with q_lora, else [q, kv_a, o]; None where one is missing), and where its norms sit, (module, attribute), in the
+    order it takes those ([input, q_a with q_lora, kv_a, post-attention])."""
+    attention = layer.self_attn
+    q_lora = attention.q_lora_rank is not None
+    queries = ["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"]
+    projections = [getattr(attention, name, None) for name in [*queries, "kv_a_proj_with_mqa", "o_proj"]]
+    norms = [(layer, "input_layernorm"), *([(attention, "q_a_layernorm")] if q_lora else [])]
+    return projections, [*norms, (attention, "kv_a_layernorm"), (layer, "post_attention_layernorm")]
+
+
+def _one_call_products(projections) -> bool:
+    """Whether each module is a NativeLinear without bias whose one-row forward is `native.linear` (the op the
+    calls make in its place)."""
+    return all(isinstance(p, NativeLinear) and p.bias is None and p.dequant_rows > 1 for p in projections)
+
+
+def _block_args(projections) -> tuple[list, list[int], list[int], list[int]]:
+    """The NativeLinear modules' blocks, type ids, rows and inputs, as the native calls take them."""
+    return (
+        [p.blocks for p in projections],
+        [native.TYPE_IDS[p.wtype] for p in projections],
+        [p.out_features for p in projections],
+        [p.in_features for p in projections],
+    )
+
+
+def _hooked(modules) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def _dense_covered(mlp: torch.nn.Module) -> bool:
     """Whether a DeepSeek MLP is NativeLinear gate, up and down without biases around a SiLU."""
     projections = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    linear = all(isinstance(p, NativeLinear) and p.bias is None and p.dequant_rows > 1 for p in projections)
-    return linear and type(getattr(mlp, "act_fn", None)).__name__ in SILU
+    return _one_call_products(projections) and type(getattr(mlp, "act_fn", None)).__name__ in SILU
 
 
 def _covered(layer: torch.nn.Module) -> bool:
@@ -171,14 +188,10 @@ def _covered(layer: torch.nn.Module) -> bool:
     latent = getattr(attention, "_ws_latent", None)
     if latent is None or latent.k_rows is None:
         return False
-    q_lora = attention.q_lora_rank is not None
-    names = ["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"]
-    projections = [getattr(attention, n, None) for n in [*names, "kv_a_proj_with_mqa", "o_proj"]]
-    if not all(isinstance(p, NativeLinear) and p.bias is None and p.dequant_rows > 1 for p in projections):
-        return False
-    norms = [layer.input_layernorm, layer.post_attention_layernorm, attention.kv_a_layernorm]
-    norms += [attention.q_a_layernorm] if q_lora else []
-    return all(isinstance(n, NativeRMSNorm) and n.weight.dtype is torch.float32 for n in norms)
+    projections, norm_slots = _attention_parts(layer)
+    norms = [getattr(parent, name) for parent, name in norm_slots]
+    native_norms = all(isinstance(n, NativeRMSNorm) and n.weight.dtype is torch.float32 for n in norms)
+    return _one_call_products(projections) and native_norms
 
 
 def install_lean_layers(model: torch.nn.Module) -> list[str]:
@@ -236,6 +249,6 @@ def _one_row(layer, hidden, cache, kwargs: dict, plan: LeanLayer) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in plan.skipped):
+    if _hooked(plan.skipped):
         return False
     return plan.in_place()
