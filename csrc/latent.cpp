@@ -10,6 +10,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -167,6 +169,55 @@ WS_CLONES void attend_block(const Sizes& s, const float* q_lat, const float* q_r
   }
 }
 
+// A 16-bit cache (float16 or bfloat16: half a float32 cache's bytes, as llama.cpp keeps its KV cache in f16) is
+// widened a block at a time into float32 rows, then attended exactly as a float32 cache of those values: the
+// widening is exact, so the result is the float32 kernel's on the 16-bit values, bit for bit.
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx512f"))) void half_rows_avx512(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  }
+  for (; i < n; i++) out[i] = c10::detail::fp16_ieee_to_fp32_value(in[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void half_rows_f16c(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  }
+  for (; i < n; i++) out[i] = c10::detail::fp16_ieee_to_fp32_value(in[i]);
+}
+#endif
+
+void half_rows(const uint16_t* in, float* out, int64_t n) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const int level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("f16c") ? 1 : 0;
+  if (level == 2) return half_rows_avx512(in, out, n);
+  if (level == 1) return half_rows_f16c(in, out, n);
+#endif
+  for (int64_t i = 0; i < n; i++) out[i] = c10::detail::fp16_ieee_to_fp32_value(in[i]);
+}
+
+WS_CLONES void bf16_rows(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t bits = (uint32_t)in[i] << 16;
+    __builtin_memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+// Rows [p0, p1) of a 16-bit (T, width) cache with `stride` elements a row, as float32 rows of `width` in `out`.
+void widen(const at::Tensor& t, int64_t b, int64_t p0, int64_t p1, float* out) {
+  const int64_t width = t.size(2), stride = t.stride(1);
+  const auto* base = reinterpret_cast<const uint16_t*>(t.data_ptr()) + b * t.stride(0);
+  const bool half = t.scalar_type() == at::kHalf;
+  for (int64_t p = p0; p < p1; p++) {
+    const uint16_t* row = base + p * stride;
+    float* to = out + (p - p0) * width;
+    half ? half_rows(row, to, width) : bf16_rows(row, to, width);
+  }
+}
+
 // The blocks' partial softmaxes of one head merged in block order: out = sum_b e_b acc_b / sum_b e_b l_b, with
 // e_b = exp(m_b - max_b m_b).
 void merge_head(const Sizes& s, int64_t blocks, const float* m, const float* l, const float* acc, float* out) {
@@ -185,12 +236,21 @@ void merge_head(const Sizes& s, int64_t blocks, const float* m, const float* l, 
 }
 
 // q_lat (B, H, L), q_rot (B, H, R): one query row a sequence, every cached position visible; c (B, T, L) and
-// r (B, T, R) the cached latents and rotary keys (rows may be strided). Returns (B, H, L): the weighted latents.
+// r (B, T, R) the cached latents and rotary keys (rows may be strided), float32, or both float16 or both bfloat16.
+// Returns (B, H, L): the weighted latents, float32.
 at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in, const at::Tensor& c,
                          const at::Tensor& r, double scale) {
   for (const at::Tensor* t : {&q_lat_in, &q_rot_in, &c, &r}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3, "weightstream latent_attend: float32 (B, ., .) only");
+    TORCH_CHECK(t->dim() == 3, "weightstream latent_attend: (B, ., .) tensors only");
   }
+  TORCH_CHECK(q_lat_in.scalar_type() == at::kFloat && q_rot_in.scalar_type() == at::kFloat,
+              "weightstream latent_attend: float32 queries only");
+  const at::ScalarType cache_type = c.scalar_type();
+  TORCH_CHECK(r.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16),
+              "weightstream latent_attend: the latents and rotary keys both float32, float16 or bfloat16, not ",
+              c.scalar_type(), " and ", r.scalar_type());
+  const bool wide = cache_type == at::kFloat;
   TORCH_CHECK(c.stride(2) == 1 && r.stride(2) == 1, "weightstream latent_attend: cache rows must be dense");
   const at::Tensor q_lat = q_lat_in.contiguous(), q_rot = q_rot_in.contiguous();
   const int64_t batch = q_lat.size(0), positions = c.size(1);
@@ -208,14 +268,25 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
   const int64_t groups = (s.heads + kGroup - 1) / kGroup;
   at::parallel_for(0, batch * blocks * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(kGroup * kBlock, 0.f);
+    std::vector<float> rows(wide ? 0 : kBlock * (s.lora + s.rope));  // a 16-bit cache's block, widened
     for (int64_t i = begin; i < end; i++) {
       const int64_t task = i / groups, group = i % groups, b = task / blocks, block = task % blocks;
       const int64_t p0 = block * kBlock, p1 = std::min(positions, p0 + kBlock);
       const int64_t h0 = group * kGroup, h1 = std::min(s.heads, h0 + kGroup);
+      const float *cp, *rp;
+      int64_t c_row, r_row, first;
+      if (wide) {
+        cp = c.data_ptr<float>() + b * c.stride(0), rp = r.data_ptr<float>() + b * r.stride(0);
+        c_row = c.stride(1), r_row = r.stride(1), first = p0;
+      } else {
+        widen(c, b, p0, p1, rows.data());
+        widen(r, b, p0, p1, rows.data() + kBlock * s.lora);
+        cp = rows.data(), rp = rows.data() + kBlock * s.lora;
+        c_row = s.lora, r_row = s.rope, first = 0;
+      }
       attend_block(s, q_lat.data_ptr<float>() + b * s.heads * s.lora, q_rot.data_ptr<float>() + b * s.heads * s.rope,
-                   c.data_ptr<float>() + b * c.stride(0), c.stride(1), r.data_ptr<float>() + b * r.stride(0),
-                   r.stride(1), p0, p1, h0, h1, (float)scale, weights.data(), mp + task * s.heads,
-                   lp + task * s.heads, accp + task * s.heads * s.lora);
+                   cp, c_row, rp, r_row, first, first + (p1 - p0), h0, h1, (float)scale, weights.data(),
+                   mp + task * s.heads, lp + task * s.heads, accp + task * s.heads * s.lora);
     }
   });
   at::Tensor out = at::empty({batch, s.heads, s.lora}, q_lat.options());

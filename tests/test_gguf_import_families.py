@@ -509,14 +509,19 @@ LEAN_ROUTERS = {
 }
 
 
-@pytest.mark.parametrize("arch,routers", [(a, r) for a in ("deepseek_v2", "deepseek_v3") for r in ("lean", "grouped")])
-def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, routers, monkeypatch):
+@pytest.mark.parametrize(
+    "arch,routers,kv",
+    [(a, r, "auto") for a in ("deepseek_v2", "deepseek_v3") for r in ("lean", "grouped")]
+    + [("deepseek_v3", "lean", "float16"), ("deepseek_v2", "lean", "bfloat16")],
+)
+def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, routers, kv, monkeypatch):
     """In a file whose dense weights are quantized (as llama-quantize's are), DeepSeek's decoder layers take a decode
     row's attention half in one native call (engine/lean_layer.py; V3's q_lora and interleaved rotary, V2's plain q
     and complex rotary; k_b and v_b as the file's blocks) and its MLP half in one more (the dense layer's MLP; a MoE
     block's router in one call, its experts, then its shared experts and sums in one), and give their own forwards'
     logits bitwise, step by step; a router with groups that hide experts keeps the MoE block's own forward; a hook on
-    a module the call stands for sends the row to the layer's own forward."""
+    a module the call stands for sends the row to the layer's own forward. With a 16-bit latent cache (--kv-dtype)
+    the row writes and reads the cache in that dtype as the layers' own forwards do."""
     from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 
     src = source(arch)
@@ -527,7 +532,7 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
     halves = {"split_kv_b": True, "mla_keys": True, "halves": ("Q5_0", "Q8_0"), "dense_kind": "Q8_0"}
     path = family_gguf(src, tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
     import_gguf(path, str(tmp_path / "out"), log=lambda line: None)
-    model = load_streaming_model(str(tmp_path / "out"), expert_cache="100x")
+    model = load_streaming_model(str(tmp_path / "out"), expert_cache="100x", kv_dtype=kv)
     calls, counted = [], {}
     for name in ("mla_decode", "mlp_decode", "route_decode"):
         op, counted[name] = getattr(native, name), []
@@ -542,6 +547,8 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
             for _ in range(steps):
                 out = model(out.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
                 logits.append(out)
+        stored = {layer.keys.dtype for layer in cache.layers}
+        assert stored == {torch.float32 if kv == "auto" else getattr(torch, kv)}, stored
         return logits
 
     try:

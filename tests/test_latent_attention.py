@@ -294,3 +294,116 @@ def test_the_native_complex_pairs_rotation_rounds_each_product_then_the_sum():
             a, b, c, d = t[..., 0::2], t[..., 1::2], freqs[..., 0].unsqueeze(1), freqs[..., 1].unsqueeze(1)
             want = torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3)
             assert got.shape == t.shape and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built on this machine")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch, heads, kv_lora, rope, positions", [(1, 16, 512, 64, 300), (2, 3, 40, 8, 1), (1, 5, 33, 7, 129)]
+)
+def test_a_16bit_cache_is_attended_as_its_float32_values(dtype, batch, heads, kv_lora, rope, positions):
+    """csrc/latent.cpp widens a float16 or bfloat16 cache (strided rows, widths off the vectors) a block at a time:
+    the result is the float32 kernel's on the same values, bitwise."""
+    gen = torch.Generator().manual_seed(positions)
+    q_lat, q_rot = torch.randn(batch, heads, kv_lora, generator=gen), torch.randn(batch, heads, rope, generator=gen)
+    rows = (torch.randn(batch, positions + 9, kv_lora + rope + 3, generator=gen) * 3).to(dtype)[:, :positions]
+    c, r = rows[..., :kv_lora], rows[..., kv_lora + 1 : kv_lora + rope + 1]
+    got = native.latent_attend(q_lat, q_rot, c, r, 0.11)
+    assert got.dtype is torch.float32
+    assert torch.equal(got, native.latent_attend(q_lat, q_rot, c.float(), r.float(), 0.11))
+    with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
+        native.latent_attend(q_lat, q_rot, c, r.float(), 0.11)
+
+
+def _decode_steps(model, prompt: torch.Tensor, steps: int, cache=None) -> tuple[list[int], list[torch.Tensor], object]:
+    """Greedy tokens and each step's logits through the engine's cache (`engine_cache`, as `generate` runs)."""
+    from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+
+    cache = cache if cache is not None else engine_cache(model, prompt.shape[1] + steps)
+    tokens, logits = [], []
+    with torch.inference_mode(), quiet_cache_kwarg():
+        chunk = prompt
+        for _ in range(steps):
+            out = model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
+            chunk = out.argmax(-1, keepdim=True)
+            tokens.append(int(chunk))
+            logits.append(out)
+    return tokens, logits, cache
+
+
+# a tiny random model's logits with its latent cache rounded to 16 bits, against the float32 cache's, relative to
+# their largest magnitude (measured 2026-12-07 over 8 steps of V2 and V3: float16 at most 2.2e-4, bfloat16 1.6e-3;
+# a trained model's perplexity in docs/benchmarks.md)
+KV_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}
+
+
+@pytest.mark.parametrize("kv", sorted(KV_TOLERANCE))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_16bit_latent_cache(tiny_model, arch, kv):
+    """--kv-dtype float16/bfloat16: the cache holds half float32's bytes a token (as stated to --memory and --json),
+    streamed equals resident bitwise at every cache size and thread count, and the logits stay within KV_TOLERANCE
+    of the float32 cache's, fed the same tokens."""
+    model_dir = tiny_model(arch)
+    model = load_streaming_model(model_dir, expert_cache="100x")
+    try:
+        want_tokens, want_logits, _ = _decode_steps(model, PROMPT, 8)
+    finally:
+        model.weightstream.close()
+    runs = []
+    for size, threads in (("100x", 2), ("1x", 1), ("1.5x", 8)):
+        model = load_streaming_model(model_dir, expert_cache=size, io_threads=threads, kv_dtype=kv)
+        try:
+            tokens, logits, cache = _decode_steps(model, PROMPT, 8)
+            runs.append((tokens, logits))
+            text = model.config.get_text_config()
+            assert {layer.keys.dtype for layer in cache.layers} == {getattr(torch, kv)}
+            per_token = text.num_hidden_layers * (32 + 8) * 2
+            assert model.weightstream.kv_cache_bytes_per_token == per_token
+            held = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in cache.layers)
+            assert held == per_token * (PROMPT.shape[1] + 8)
+            if size != "100x":
+                assert model.weightstream.cache.stats.misses > 0
+        finally:
+            model.weightstream.close()
+    for tokens, logits in runs[1:]:
+        assert tokens == runs[0][0]
+        assert all(torch.equal(g, w) for g, w in zip(logits, runs[0][1], strict=True))
+    # fed the float32 cache's tokens, step by step: no divergence compounds
+    model = load_streaming_model(model_dir, expert_cache="100x", kv_dtype=kv)
+    try:
+        from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
+
+        ids, cache = torch.tensor([PROMPT[0].tolist() + want_tokens]), engine_cache(model, 20)
+        with torch.inference_mode(), quiet_cache_kwarg():
+            for step, want in enumerate(want_logits):
+                upto = PROMPT.shape[1] + step
+                chunk = ids[:, :upto] if step == 0 else ids[:, upto - 1 : upto]
+                out = model(chunk, past_key_values=cache, use_cache=True).logits[:, -1]
+                assert 0 < _relative(out, want) <= KV_TOLERANCE[kv], (arch, kv, step, _relative(out, want))
+    finally:
+        model.weightstream.close()
+
+
+def test_serve_cache_keeps_the_16bit_latent_and_the_engine_s_bits(tiny_model):
+    """serve's batched caches (transformers' DynamicLayer rows) store the latent in the chosen dtype too, and a
+    sequence decoded on one gives the engine cache's logits bitwise."""
+    from weightstream.engine.kv_cache import stored_cache
+
+    model = load_streaming_model(tiny_model("deepseek_v3"), expert_cache="100x", kv_dtype="float16")
+    try:
+        want_tokens, want, _ = _decode_steps(model, PROMPT, 5)
+        tokens, got, cache = _decode_steps(model, PROMPT, 5, cache=stored_cache(model))
+        assert {layer.keys.dtype for layer in cache.layers} == {torch.float16}
+        assert tokens == want_tokens
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        model.weightstream.close()
+
+
+def test_a_16bit_cache_is_refused_where_it_cannot_apply(tiny_model):
+    with pytest.raises(WeightstreamError, match="--kv-dtype 'int8': choose one of auto, float32, float16, bfloat16"):
+        load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="int8")
+    with pytest.raises(WeightstreamError, match="--latent-attention expanded runs transformers' form"):
+        load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="float16", latent_attention="expanded")
+    with pytest.raises(WeightstreamError, match=r"qwen3_moe\) has no latent attention.*drop --kv-dtype"):
+        load_streaming_model(tiny_model("qwen3_moe"), kv_dtype="float16")

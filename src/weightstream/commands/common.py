@@ -87,6 +87,16 @@ def add_engine_options(p) -> None:
         "float32 rounding of transformers'. expanded: transformers' own form (re-expands every cached position a "
         "token), bitwise its logits. Other models have no latent attention and ignore it",
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="the dtype DeepSeek's latent KV cache is kept in: auto (default: the model's, float32 for an imported "
+        "GGUF; tokens exact), or float16 / bfloat16: half the bytes a token (so --memory holds twice the context) "
+        "and, at long contexts, faster decode; each cached value rounded once (float16's error in docs/benchmarks.md, "
+        "'DeepSeek at any context'; llama.cpp keeps f16 by default). Models without latent attention refuse a 16-bit "
+        "one",
+    )
 
 
 def add_miss_copy_option(p) -> None:
@@ -185,6 +195,7 @@ def engine_config(args, **more) -> EngineConfig:
         miss_copy=args.miss_copy,
         upgrade_after=upgrade_after_of(args),
         latent_attention=args.latent_attention,
+        kv_dtype=args.kv_dtype,
         **more,
     )
     if config.memory_bytes is not None:

@@ -15,6 +15,7 @@ from weightstream.cache.policies import POLICY_NAMES
 from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
 from weightstream.engine.kernels.choice import check_kernel_name
+from weightstream.engine.kv_cache import KV_DTYPES
 from weightstream.engine.latent_attention import check_form as check_latent_form
 from weightstream.errors import WeightstreamError
 from weightstream.units import parse_size
@@ -37,6 +38,8 @@ class EngineConfig:
     warm_restart: read back the experts the cache held when this model last ran with it.
     miss_copy, upgrade_after: a miss computes with the expert's small copy; upgraded at its N-th hit (None: never).
     latent_attention: DeepSeek's attention "absorbed" (over the cached latent) or "expanded" (transformers' form).
+    kv_dtype: the dtype DeepSeek's latent cache is stored in: "auto" (the model's), "float32", or "float16" /
+        "bfloat16" (half float32's bytes; the absorbed form only; engine/kv_cache.py).
     """
 
     expert_cache: str | int | None = None
@@ -57,6 +60,7 @@ class EngineConfig:
     miss_copy: bool = False
     upgrade_after: int | None = DEFAULT_UPGRADE_AFTER
     latent_attention: str = "absorbed"
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         source = SOURCE_ALIASES.get(self.expert_source, self.expert_source)  # the names before 0.2, kept
@@ -67,6 +71,7 @@ class EngineConfig:
         object.__setattr__(self, "expert_source", source)
         check_kernel_name(self.expert_kernel)
         check_latent_form(self.latent_attention)
+        self._check_kv_dtype()
         if self.policy not in POLICY_NAMES:
             raise WeightstreamError(f"--policy {self.policy!r}: choose one of {', '.join(POLICY_NAMES)}")
         if self.io_threads < 1:
@@ -79,6 +84,15 @@ class EngineConfig:
             check_cache_size(str(self.expert_cache))  # a typo refused before anything loads
         self._check_source()
         self._check_memory()
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise WeightstreamError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        if KV_DTYPES[self.kv_dtype] is not None and self.latent_attention != "absorbed":
+            raise WeightstreamError(
+                f"--kv-dtype {self.kv_dtype} stores DeepSeek's latent cache for the absorbed attention; "
+                "--latent-attention expanded runs transformers' form on the model's own dtype: drop one of the two"
+            )
 
     def _check_source(self) -> None:
         if self.expert_source == "expert-cache":

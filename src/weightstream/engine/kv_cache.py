@@ -10,6 +10,10 @@ on these views as on contiguous copies: tests/test_engine_exact.py compares the 
 in-memory model token for token and logit for logit). Past the hint, or after transformers reassigns `keys`
 (crop, beam reordering), the layer re-allocates from what it holds. Sliding-window layers stay transformers'.
 A model whose transformers class builds a cache of its own (MiniMax) raises on any other, so it gets none from here.
+
+A layer may store in a dtype of its own (`kv_dtype`): DeepSeek's latent cache in float16 or bfloat16 (EngineConfig
+`kv_dtype`, `--kv-dtype`), half a float32 cache's bytes as llama.cpp's default f16 cache; each update is rounded
+to it as it is written, and the views handed back are of that dtype (engine/latent_attention.py reads them).
 """
 
 from __future__ import annotations
@@ -22,13 +26,20 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of buffers for `capacity` positions."""
+    """A DynamicLayer whose keys and values are views of buffers for `capacity` positions, of `storage` dtype (None:
+    the states' own)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, storage: torch.dtype | None = None):
         super().__init__()
         self.capacity = max(1, capacity)
+        self.storage = storage
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.storage is not None:
+            self.keys, self.values = self.keys.to(self.storage), self.values.to(self.storage)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -64,7 +75,7 @@ class GrowingLayer(DynamicLayer):
             return False
         for buffer, held, states in zip(buffers, (self.keys, self.values), (key_states, value_states), strict=True):
             same_shape = (*buffer.shape[:2], buffer.shape[3]) == (*states.shape[:2], states.shape[3])
-            if buffer.dtype != states.dtype or not same_shape:
+            if buffer.dtype != (self.storage or states.dtype) or not same_shape:
                 return False
             if held.numel() and held.data_ptr() != buffer.data_ptr():  # transformers replaced it (crop, reorder)
                 return False
@@ -75,7 +86,7 @@ class GrowingLayer(DynamicLayer):
         made = []
         for held, states in ((self.keys, key_states), (self.values, value_states)):
             batch, heads, _, dim = states.shape
-            buffer = states.new_empty(batch, heads, positions, dim)
+            buffer = states.new_empty(batch, heads, positions, dim, dtype=self.storage or states.dtype)
             if used:
                 buffer[:, :, :used].copy_(held)
             made.append(buffer)
@@ -94,13 +105,47 @@ def takes_dynamic_cache(model) -> bool:
 
 def engine_cache(model, tokens: int) -> DynamicCache | None:
     """A DynamicCache for one generation of `tokens` positions in all (prompt and new tokens), its full-attention
-    layers GrowingLayer; None for a model that builds a cache of its own (`takes_dynamic_cache`), which `generate`
-    then lets it build."""
+    layers GrowingLayer (storing in the dtype the loader chose, `kv_storage`); None for a model that builds a cache
+    of its own (`takes_dynamic_cache`), which `generate` then lets it build."""
     if not takes_dynamic_cache(model):
         return None
     cache = DynamicCache(config=model.config)
-    cache.layers = [GrowingLayer(tokens) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    storage = kv_storage(model)
+    cache.layers = [GrowingLayer(tokens, storage) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+class StoredLayer(DynamicLayer):
+    """transformers' DynamicLayer (serve's batched caches pad, join and drop its rows) keeping its keys and values
+    in `storage`: each update rounded to it as it is written."""
+
+    def __init__(self, storage: torch.dtype):
+        super().__init__()
+        self.storage = storage
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states.to(self.storage), value_states.to(self.storage))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return super().update(key_states.to(self.storage), value_states.to(self.storage), *args, **kwargs)
+
+
+def stored_cache(model) -> DynamicCache:
+    """A DynamicCache as transformers makes it for `model` (serve's scheduler), its full-attention layers keeping
+    keys and values in `kv_storage` where the loader chose one."""
+    cache = DynamicCache(config=model.config)
+    storage = kv_storage(model)
+    if storage is not None:
+        cache.layers = [StoredLayer(storage) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_storage(model) -> torch.dtype | None:
+    """The dtype the engine's cache stores a model's keys and values in (None: as its layers compute them)."""
+    return getattr(model, "_ws_kv_storage", None)
 
 
 @contextlib.contextmanager

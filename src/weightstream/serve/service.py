@@ -12,7 +12,6 @@ import threading
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from weightstream.engine.batching.batch import batchable
 from weightstream.engine.batching.sampling import SamplingParams
@@ -21,7 +20,7 @@ from weightstream.engine.batching.sequence import Sequence
 from weightstream.engine.batching.steps import StepRecorder
 from weightstream.engine.config import EngineConfig
 from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK
-from weightstream.engine.kv_cache import quiet_cache_kwarg, takes_dynamic_cache
+from weightstream.engine.kv_cache import quiet_cache_kwarg, stored_cache, takes_dynamic_cache
 from weightstream.errors import WeightstreamError
 from weightstream.serve.affinity import ExpertAffinity
 from weightstream.serve.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
@@ -232,7 +231,7 @@ class ModelService:
 
     def _warm_up(self) -> int:
         """Run one position through the model (it proves the model runs); KV bytes that position took."""
-        cache = DynamicCache(config=self.model.config)
+        cache = stored_cache(self.model)
         token = self.tokenizer.bos_token_id or 0
         with torch.inference_mode(), quiet_cache_kwarg():
             self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache
 from weightstream.engine.batching.batch import DecodeBatch
 from weightstream.engine.batching.logprobs import TokenLogprob, score
 from weightstream.engine.batching.sequence import Sequence
-from weightstream.engine.kv_cache import quiet_cache_kwarg
+from weightstream.engine.kv_cache import quiet_cache_kwarg, stored_cache
 
 KV_HEADROOM = 64  # positions past its current length that admission reserves for each sequence
 PROMPT_CHUNK = 512  # positions per forward when a prompt is scored: its logits are held one chunk at a time
@@ -242,7 +242,7 @@ class Scheduler:
         the same chunk); the sequence then joins the batch. A preempted sequence comes back with its prompt and the
         tokens it has so far (a routing replay's cursor moves on). A prompt to score (echo with logprobs) runs in
         chunks of at most `prompt_chunk` whose every position's logits are kept."""
-        cache = DynamicCache(config=self.model.config)
+        cache = stored_cache(self.model)
         ids = seq.prompt_ids + seq.generated
         n = len(ids)
         scoring = seq.params.score_prompt and not seq.prompt_scored
