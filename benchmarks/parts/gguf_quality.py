@@ -228,9 +228,9 @@ class LlamaServer:
             self.proc.wait(timeout=30)
 
 
-def engine_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
+def engine_greedy(model_dir: str, ids: list[int], n: int, kv_dtype: str = "auto") -> list[int]:
     argv = [*WEIGHTSTREAM, "generate", model_dir, "--prompt-ids", ",".join(map(str, ids))]
-    argv += ["--max-new-tokens", str(n), "--expert-cache", "100x", "--json"]
+    argv += ["--max-new-tokens", str(n), "--expert-cache", "100x", "--json", "--kv-dtype", kv_dtype]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"weightstream generate {model_dir} failed: {done.stderr[-2000:]}")
@@ -277,6 +277,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         f"llama-server). Default on, off for {', '.join(sorted(NO_REPACK))} (NO_REPACK says why)",
     )
     ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=("auto", "float16", "bfloat16"),
+        help="the dtype our side keeps DeepSeek's latent cache in (generate --kv-dtype; default auto: the model's, "
+        "float32 for an import). llama.cpp's side keeps its default, an f16 KV cache",
+    )
+    ap.add_argument(
         "--out",
         help="result file (default: benchmarks/results/gguf-quality-small-moe.json for qwen3_moe, "
         "gguf-quality-small-ARCH.json otherwise)",
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "training": json.loads((cache / "training.json").read_text()),
         "llama_cpp": llamacpp.source_tree().parents[1].name,
         "llama_cpp_repack": repack,
+        "kv_dtype": {"weightstream": args.kv_dtype, "llama.cpp": "f16 (its default)"},
         "protocol": f"llama-perplexity -c {N_CTX} -b {N_CTX} --chunks {args.chunks}{flags}: windows of {N_CTX} tokens, "
         f"positions {N_CTX // 2}..{N_CTX - 2} scored ({N_CTX - 1 - N_CTX // 2} per window), BOS first per window "
         "where the GGUF adds BOS; weightstream the same on llama-tokenize's ids",
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for name, path in ggufs.items():
         say(f"perplexity of {name}")
         llama = llama_perplexity(path, str(text_file), args.chunks, args.threads, extra=llama_extra)
-        ws = perplexity(dirs[name], wins, first=N_CTX // 2)
+        ws = perplexity(dirs[name], wins, first=N_CTX // 2, kv_dtype=args.kv_dtype)
         rows[name] = {
             "llama_perplexity": llama["perplexity"],
             "llama_plus_minus": llama["plus_minus"],
@@ -374,7 +382,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             "relative_difference": ws / llama["perplexity"] - 1,
             "within_1_percent": abs(ws / llama["perplexity"] - 1) <= 0.01,
         }
-    ckpt = perplexity(str(bf16), wins, first=N_CTX // 2)
+    ckpt = perplexity(str(bf16), wins, first=N_CTX // 2, kv_dtype=args.kv_dtype)
     rows["BF16"]["weightstream_our_bf16_checkpoint"] = ckpt
     rows["BF16"]["our_checkpoint_vs_llama_bf16"] = ckpt / rows["BF16"]["llama_perplexity"] - 1
     report["perplexity"] = rows
@@ -390,7 +398,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             theirs_g = [server.greedy(p, args.new_tokens) for p in prompts]
         finally:
             server.close()
-        per = [agreement(engine_greedy(dirs[name], p, args.new_tokens), t) for p, t in zip(prompts, theirs_g)]
+        per = [
+            agreement(engine_greedy(dirs[name], p, args.new_tokens, args.kv_dtype), t)
+            for p, t in zip(prompts, theirs_g)
+        ]
         greedy[name] = {
             "prompts_all_equal": sum(p["all_equal"] for p in per),
             "equal_prefix": [p["equal_prefix"] for p in per],

@@ -20,7 +20,8 @@ DEPTH), then one forward of a 256-token prompt (at depth DEPTH + 16). Each forwa
 last row only, as `generate` does and as llama-bench's pp test does (a batch without a logits array outputs its last
 token); before 2026-12-06 20:30 ours computed it for all 256 rows, which understated our prompts at depth.
 `--latent-attention absorbed,expanded` times each form of DeepSeek's latent attention as a side of its own
-(expanded: transformers', the form before issue 50).
+(expanded: transformers', the form before issue 50); `--kv-dtype auto,float16` each dtype of its latent cache
+(float16: as llama.cpp's default KV cache).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ torch.set_num_threads({threads})
 from weightstream.bench.child import warm_every_expert
 from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 from weightstream.engine.loader import load_streaming_model
-model = load_streaming_model({model!r}, expert_cache="100x", latent_attention={form!r})
+model = load_streaming_model({model!r}, expert_cache="100x", latent_attention={form!r}, kv_dtype={kv!r})
 warm_every_expert(model.weightstream.cache)
 vocab = model.config.get_text_config().vocab_size
 depths, prompt, new = {depths!r}, {prompt}, {new}
@@ -99,9 +100,9 @@ model.weightstream.close()
 """
 
 
-def ours_at_depths(model_dir: str, threads: int, depths: list[int], form: str) -> dict:
+def ours_at_depths(model_dir: str, threads: int, depths: list[int], form: str, kv: str = "auto") -> dict:
     code = _OURS_AT_DEPTHS.format(
-        model=model_dir, threads=threads, depths=depths, prompt=DEPTH_PROMPT, new=DEPTH_NEW, form=form
+        model=model_dir, threads=threads, depths=depths, prompt=DEPTH_PROMPT, new=DEPTH_NEW, form=form, kv=kv
     )
     return json_child(code, "weightstream run failed", timeout=3600)
 
@@ -202,6 +203,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         default="absorbed",
         help="with --depths: the forms of DeepSeek's latent attention to time, each a side (absorbed,expanded)",
     )
+    ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="with --depths, on a DeepSeek model: the dtypes of our latent cache to time, each a side of the absorbed "
+        "form (auto,float16; llama.cpp keeps its default f16 cache)",
+    )
     ap.add_argument("--out", default=default("gguf-speed.json"))
     args = ap.parse_args(argv)
     if args.depths:
@@ -253,8 +260,9 @@ def at_depths(args) -> None:
     with open(os.path.join(args.imported, "config.json")) as f:
         latent = "kv_lora_rank" in json.load(f)  # DeepSeek's latent attention: each form its own side, named
     for form in args.latent_attention.split(",") if latent else ["absorbed"]:
-        name = f"weightstream {form}" if latent else "weightstream"
-        sides[name] = lambda form=form: ours_at_depths(args.imported, args.threads, depths, form)
+        for kv in args.kv_dtype.split(",") if latent and form == "absorbed" else ["auto"]:
+            name = (f"weightstream {form}" if latent else "weightstream") + ("" if kv == "auto" else f" kv {kv}")
+            sides[name] = lambda form=form, kv=kv: ours_at_depths(args.imported, args.threads, depths, form, kv)
     runs, report = run_rounds(args, sides)
     report |= {
         "prompt_tokens": DEPTH_PROMPT,

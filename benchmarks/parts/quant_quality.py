@@ -266,17 +266,20 @@ class balance:
         self.counts = {}
 
 
-def perplexity(model_dir: str, windows: torch.Tensor, first: int = 0) -> float:
+def perplexity(model_dir: str, windows: torch.Tensor, first: int = 0, kv_dtype: str = "auto") -> float:
     """exp(mean next-token loss) over held-out windows (n, seq), each scored from position `first` on (0: every
-    prediction; llama-perplexity scores the second half), computed by weightstream's engine."""
+    prediction; llama-perplexity scores the second half), computed by weightstream's engine (on its own cache, as
+    `generate` runs it, its latent stored in `kv_dtype`)."""
+    from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
     from weightstream.engine.loader import load_streaming_model
 
-    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2)
+    model = load_streaming_model(model_dir, expert_cache="100x", io_threads=2, kv_dtype=kv_dtype)
     total, count = 0.0, 0
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), quiet_cache_kwarg():
             for w in windows:
-                logits = model(w.unsqueeze(0)).logits[0].double()
+                cache = engine_cache(model, len(w))
+                logits = model(w.unsqueeze(0), past_key_values=cache, use_cache=True).logits[0].double()
                 loss = torch.nn.functional.cross_entropy(logits[first:-1], w[first + 1 :], reduction="sum")
                 total, count = total + loss.item(), count + len(w) - 1 - first
     finally:
