@@ -75,6 +75,23 @@ def test_a_memory_too_small_is_refused_with_a_size_that_works(tiny_model):
         model.weightstream.close()
 
 
+def test_memory_reserves_a_16bit_latent_cache_at_half(tiny_model):
+    """--kv-dtype float16 halves the KV cache --memory reserves for a DeepSeek model's context; a refusal of a float32
+    latent cache names it."""
+    model_dir = tiny_model("deepseek_v3")
+    with pytest.raises(WeightstreamError, match=r"shorter context, or --kv-dtype float16: half the KV cache\)"):
+        load_streaming_model(model_dir, memory="300MiB", context=64, warmup_tokens=8)
+    reserved = {}
+    for kv in ("auto", "float16"):
+        model = load_streaming_model(model_dir, memory="4GiB", context=4096, warmup_tokens=8, kv_dtype=kv)
+        try:
+            reserved[kv] = model.weightstream.footprint.kv_cache
+        finally:
+            model.weightstream.close()
+    layers = model.config.get_text_config().num_hidden_layers
+    assert reserved["auto"] == layers * (32 + 8) * 4 * 4096 == 2 * reserved["float16"]
+
+
 def test_sizing_arithmetic_and_its_refusal():
     m = MIB
     common = dict(libraries=300 * m, steady=500 * m, peak=520 * m, cache_resident=50 * m, embedding=m)

@@ -201,3 +201,27 @@ def test_on_a_checkpoint_tune_budgets_what_the_config_alone_says(bf16_and_quanti
     assert tune.dense_bytes == config.dense_bytes - buffers
     assert (tune.kv_cache_bytes, tune.lazy_dense_bytes) == (config.kv_cache_bytes, config.lazy_dense_bytes)
     assert tune.working_set_bytes == session.layout.working_set_bytes > config.working_set_bytes
+
+
+def test_tune_prices_a_16bit_latent_cache_and_says_so(tiny_model):
+    """--kv-dtype float16 on a DeepSeek checkpoint: tune's KV bytes are half the float32 cache's, the refusal of a
+    budget too small suggests it, and a model without latent attention refuses it as the engine does."""
+    from weightstream.tune.report import generate_command
+    from weightstream.tune.session import TuneSession
+
+    model_dir = tiny_model("deepseek_v3")
+    wide, half = (TuneSession(model_dir, GIB, 512, 4, kv).budget for kv in ("auto", "float16"))
+    layers = preset_config("tiny", "deepseek_v3")["num_hidden_layers"]
+    assert wide.kv_cache_bytes == layers * (32 + 8) * 4 * 512
+    assert half.kv_cache_bytes == wide.kv_cache_bytes // 2
+    assert half.expert_bytes == wide.expert_bytes + wide.kv_cache_bytes // 2
+    with pytest.raises(WeightstreamError, match=r"shorter --context, or --kv-dtype float16: half the KV cache"):
+        TuneSession(model_dir, 64 * MIB, 512, 4).budget.check()
+    with pytest.raises(WeightstreamError, match=r"shorter --context\); below"):
+        TuneSession(model_dir, 64 * MIB, 512, 4, "float16").budget.check()
+    with pytest.raises(WeightstreamError, match=r"qwen3_moe\) has no latent attention.*drop --kv-dtype"):
+        TuneSession(tiny_model("qwen3_moe"), GIB, 512, 4, "float16")
+    rec = type("Rec", (), {"path": "expert-cache", "cache_bytes": 1 << 20, "policy": "lru", "extra": {}})()
+    argv = generate_command(model_dir, rec, 4, 8, None, kv_dtype="float16")
+    assert argv[argv.index("--kv-dtype") + 1] == "float16"
+    assert "--kv-dtype" not in generate_command(model_dir, rec, 4, 8, None)

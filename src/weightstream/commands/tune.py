@@ -58,6 +58,14 @@ def register(sub) -> None:
         "alone (after a change the saved key cannot see: another disk behind the same device, a BIOS setting)",
     )
     p.add_argument("--context", type=int, default=4096, metavar="TOKENS", help="KV cache to budget for (default 4096)")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=("auto", "float16", "bfloat16"),
+        help="DeepSeek-V2/V3, Kimi-K2 and kin: price the latent KV cache in this dtype, as `generate --kv-dtype` "
+        "keeps it (float16: half the bytes of an import's float32), and say it in the command (default auto: the "
+        "model's dtype)",
+    )
     p.add_argument("--io-threads", type=int, default=4, metavar="N", help="the engine's I/O threads (default 4)")
     p.add_argument(
         "--policies",
@@ -128,7 +136,7 @@ def run(args) -> int:
     from weightstream.tune.session import TuneSession
 
     started = time.perf_counter()
-    session = TuneSession(args.model, args.memory_bytes, args.context, args.io_threads)
+    session = TuneSession(args.model, args.memory_bytes, args.context, args.io_threads, args.kv_dtype)
     try:
         session.budget.check()
         trace, routing = session.routing(args.trace, args.prompts, args.max_new_tokens)

@@ -172,11 +172,12 @@ def size_cache(
     warmup_tokens: int,
     working_set: int,
     context_temporaries: int = 0,
+    smaller_kv: str = "",
 ) -> Footprint:
     """The footprint whose expert cache is what `memory` leaves, from the measured RSS figures (`steady` and
     `peak` after the warm-up, `cache_resident` of them the warm-up cache's pages) and the reserved `kv_cache` and
     `context_temporaries`; refuses a `memory` that leaves less than one token's experts (`working_set`), naming the
-    size that would do."""
+    size that would do (and `smaller_kv`, another way to a smaller KV cache, where there is one)."""
     dense = max(0, steady - cache_resident - libraries)
     temporaries = max(0, peak - steady)
     margin = margin_for(memory)
@@ -192,7 +193,7 @@ def size_cache(
             f"{context_tokens} tokens ({format_bytes(kv_cache)}), what a forward that late in it holds more "
             f"({format_bytes(context_temporaries)}) and a margin of {format_bytes(margin)}, which "
             f"leave {format_bytes(max(cache, 0))} where one token's experts need {format_bytes(working_set)}. "
-            f"Give --memory {-(-need // MIB)}MiB or more (or a shorter context)"
+            f"Give --memory {-(-need // MIB)}MiB or more (or a shorter context{smaller_kv})"
         )
     return Footprint(
         memory,

@@ -177,6 +177,13 @@ def _store_kv_in(model, kv_dtype: str, latent: bool, model_dir: str) -> None:
     model._ws_kv_storage = storage
 
 
+def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: int) -> str:
+    """--memory's refusal: a latent cache kept in float32 could be kept in half its bytes."""
+    if built.latent and config.latent_attention == "absorbed" and kv_bytes > 2:
+        return ", or --kv-dtype float16: half the KV cache"
+    return ""
+
+
 def kv_itemsize(model) -> int:
     """Bytes of one cached value: the cache's storage dtype, else the model's."""
     return (kv_storage(model) or model.dtype).itemsize
@@ -270,6 +277,7 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
             config.warmup_tokens,
             layout.working_set_bytes,
             late,
+            _smaller_kv(built, config, kv_bytes),
         )
     finally:
         cache.close()

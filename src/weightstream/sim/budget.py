@@ -6,6 +6,7 @@ kernel's page cache gets for expert pages on the page-cache path. Both count aga
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class Budget:
     context_tokens: int
     lazy_dense_bytes: int = 0  # of dense_bytes, mapped but hardly ever touched, so not counted (`lazy_dense_bytes`)
     overhead_share: float = 0.0  # of memory_bytes, the part of runtime_overhead_bytes that grows with it (the margin)
+    smaller_kv: str = ""  # how the KV cache could be kept smaller (DeepSeek's latent in float32: `--kv-dtype float16`)
 
     @property
     def resident_dense_bytes(self) -> int:
@@ -63,8 +65,8 @@ class Budget:
             f"{self.context_tokens} tokens ({format_bytes(self.kv_cache_bytes)}) and the runtime "
             f"({format_bytes(self.runtime_overhead_bytes)}); one token's working set is "
             f"{format_bytes(self.working_set_bytes)}, so no expert cache fits. Use --memory "
-            f"{self.min_memory_bytes / GIB:.2f}GiB or more (or a shorter --context); below that only the "
-            "page cache (mmap) can run this model, reading most of every token's experts from disk"
+            f"{self.min_memory_bytes / GIB:.2f}GiB or more (or a shorter --context{self.smaller_kv}); below that only "
+            "the page cache (mmap) can run this model, reading most of every token's experts from disk"
         )
 
     def to_dict(self) -> dict:
@@ -117,10 +119,15 @@ def budget_of(
     )
 
 
-def checkpoint_budget(mapped, memory_bytes: int, context: int) -> Budget:
+def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: int | None = None) -> Budget:
     """`budget_of` a checkpoint opened by `store.model.map_model`: dense tensors as stored, the working set from its
     layout, and the KV cache in the dtype the model is built and computes in (the checkpoint's; for a quantized
-    checkpoint the manifest's activation dtype, never the int8 / uint8 of its experts' weights)."""
+    checkpoint the manifest's activation dtype, never the int8 / uint8 of its experts' weights), or `kv_bytes` a
+    value (`--kv-dtype`)."""
     layout = mapped.layout
     dense = {name: t.nbytes for name, t in layout.dense.items()}
-    return budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, mapped.model.dtype.itemsize)
+    itemsize = kv_bytes or mapped.model.dtype.itemsize
+    budget = budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, itemsize)
+    if itemsize > 2 and getattr(mapped.config.get_text_config(), "kv_lora_rank", None):
+        budget = dataclasses.replace(budget, smaller_kv=", or --kv-dtype float16: half the KV cache")
+    return budget

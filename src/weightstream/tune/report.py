@@ -40,6 +40,7 @@ def generate_command(
     pinned: str | None,
     memory: str | None = None,
     largest_cache: int | None = None,
+    kv_dtype: str = "auto",
 ):
     """argv of the `weightstream generate` run that uses the recommended configuration. Where that is an expert
     cache as large as the budget allows (`largest_cache`, the largest size priced) and not a pinned set, the command
@@ -57,6 +58,8 @@ def generate_command(
             argv += ["--pinned-experts", pinned]
         if rec.extra.get("miss_copy"):
             argv += ["--miss-copy", "--upgrade-after", str(rec.extra["upgrade_after"])]
+    if kv_dtype != "auto":
+        argv += ["--kv-dtype", kv_dtype]
     return argv + ["--max-new-tokens", str(max_new_tokens), "--prompt", EXAMPLE_PROMPT]
 
 
@@ -85,7 +88,9 @@ def build_report(
     page = next(c for c in configs if c.path == "page-cache")
     largest = max((c.cache_bytes for c in configs if c.path != "page-cache"), default=None)
     memory = f"{session.budget.memory_bytes // MIB}MiB"
-    command = generate_command(session.model_dir, rec, session.io_threads, max_new_tokens, pinned, memory, largest)
+    command = generate_command(
+        session.model_dir, rec, session.io_threads, max_new_tokens, pinned, memory, largest, session.kv_dtype
+    )
     if miss_copy is not None:
         small = _miss_copy_answer(session, search, rec, max_new_tokens, memory, largest)
     else:
@@ -121,7 +126,9 @@ def _miss_copy_answer(session, search: Search, exact: Config, max_new_tokens: in
     pinned = None
     if rec.policy == "pinned":
         pinned = session.write_pinned(pinned_set(search.w, rec.slots, search.options), rec.slots)
-    command = generate_command(session.model_dir, rec, session.io_threads, max_new_tokens, pinned, memory, largest)
+    command = generate_command(
+        session.model_dir, rec, session.io_threads, max_new_tokens, pinned, memory, largest, session.kv_dtype
+    )
     tok_s, exact_tok_s = rec.predicted_decode_tokens_per_s, exact.predicted_decode_tokens_per_s
     quant = session.quant
     return {

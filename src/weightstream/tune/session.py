@@ -32,10 +32,27 @@ def say(msg: str) -> None:
     print(f"[tune] {msg}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout to one object
 
 
+def kv_value_bytes(mapped, kv_dtype: str, model_dir: str) -> int | None:
+    """Bytes a cached value takes under `--kv-dtype` (None: the model's dtype), refused as the engine refuses it."""
+    from weightstream.engine.kv_cache import KV_DTYPES
+
+    if kv_dtype not in KV_DTYPES:
+        raise WeightstreamError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+    storage = KV_DTYPES[kv_dtype]
+    if storage is None:
+        return None
+    if not getattr(mapped.config.get_text_config(), "kv_lora_rank", None):
+        raise WeightstreamError(
+            f"--kv-dtype {kv_dtype}: {model_dir} ({mapped.config.model_type}) has no latent attention; the engine "
+            "keeps other models' keys and values in the model's dtype: drop --kv-dtype"
+        )
+    return storage.itemsize
+
+
 class TuneSession:
     """One model, one memory limit; loads the engine only when routing must be recorded or the machine measured."""
 
-    def __init__(self, model_dir: str, memory_bytes: int, context: int, io_threads: int):
+    def __init__(self, model_dir: str, memory_bytes: int, context: int, io_threads: int, kv_dtype: str = "auto"):
         if not os.path.isdir(model_dir):
             raise WeightstreamError(f"{model_dir}: not a model directory (config.json + *.safetensors)")
         self.model_dir, self.io_threads = model_dir, io_threads
@@ -44,7 +61,8 @@ class TuneSession:
         self.quant = mapped.quant  # small copies (`quantize --miss-bits`): tune prices `--miss-copy` too
         first_file = next(iter(self.layout.experts.values())).pieces[0].path
         self.facts = model_facts(self.layout, ties_embeddings(self.config), read_ahead_bytes(first_file))
-        self.budget = checkpoint_budget(mapped, memory_bytes, context)
+        self.kv_dtype = kv_dtype
+        self.budget = checkpoint_budget(mapped, memory_bytes, context, kv_value_bytes(mapped, kv_dtype, model_dir))
         self.store = store_path(model_dir)
         self.model = None
         self.timings: dict[str, float] = {}
@@ -56,7 +74,9 @@ class TuneSession:
 
             say("loading the engine")
             cache = cache_bytes or min(self.budget.expert_bytes, len(self.layout.experts) * self.layout.slot_bytes)
-            self.model = load_streaming_model(self.model_dir, expert_cache=cache, io_threads=self.io_threads)
+            self.model = load_streaming_model(
+                self.model_dir, expert_cache=cache, io_threads=self.io_threads, kv_dtype=self.kv_dtype
+            )
         return self.model
 
     def routing(self, trace_path: str | None, prompts_path: str | None, max_new_tokens: int):
