@@ -11,12 +11,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -173,6 +173,8 @@ WS_CLONES void attend_block(const Sizes& s, const float* q_lat, const float* q_r
 // widened a block at a time into float32 rows, then attended exactly as a float32 cache of those values: the
 // widening is exact, so the result is the float32 kernel's on the 16-bit values, bit for bit.
 #if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+
 __attribute__((target("avx512f"))) void half_rows_avx512(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -181,7 +183,7 @@ __attribute__((target("avx512f"))) void half_rows_avx512(const uint16_t* in, flo
   for (; i < n; i++) out[i] = c10::detail::fp16_ieee_to_fp32_value(in[i]);
 }
 
-__attribute__((target("avx2,f16c"))) void half_rows_f16c(const uint16_t* in, float* out, int64_t n) {
+__attribute__((target("avx,f16c"))) void half_rows_f16c(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
@@ -192,7 +194,9 @@ __attribute__((target("avx2,f16c"))) void half_rows_f16c(const uint16_t* in, flo
 
 void half_rows(const uint16_t* in, float* out, int64_t n) {
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const int level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("f16c") ? 1 : 0;
+  static const int level = __builtin_cpu_supports("avx512f")                                  ? 2
+                           : __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") ? 1
+                                                                                             : 0;
   if (level == 2) return half_rows_avx512(in, out, n);
   if (level == 1) return half_rows_f16c(in, out, n);
 #endif
@@ -266,10 +270,12 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
   float* mp = ml.data_ptr<float>();
   float* lp = mp + batch * blocks * s.heads;
   const int64_t groups = (s.heads + kGroup - 1) / kGroup;
-  at::parallel_for(0, batch * blocks * groups, 1, [&](int64_t begin, int64_t end) {
+  // a float32 cache: a task is a block and a group of heads; a 16-bit one: a block, widened once for all its groups
+  const int64_t per_task = wide ? 1 : groups;
+  at::parallel_for(0, batch * blocks * groups / per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(kGroup * kBlock, 0.f);
-    std::vector<float> rows(wide ? 0 : kBlock * (s.lora + s.rope));  // a 16-bit cache's block, widened
-    for (int64_t i = begin; i < end; i++) {
+    std::unique_ptr<float[]> rows(wide ? nullptr : new float[kBlock * (s.lora + s.rope)]);  // a 16-bit block, widened
+    for (int64_t i = begin * per_task; i < end * per_task; i++) {
       const int64_t task = i / groups, group = i % groups, b = task / blocks, block = task % blocks;
       const int64_t p0 = block * kBlock, p1 = std::min(positions, p0 + kBlock);
       const int64_t h0 = group * kGroup, h1 = std::min(s.heads, h0 + kGroup);
@@ -279,9 +285,11 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
         cp = c.data_ptr<float>() + b * c.stride(0), rp = r.data_ptr<float>() + b * r.stride(0);
         c_row = c.stride(1), r_row = r.stride(1), first = p0;
       } else {
-        widen(c, b, p0, p1, rows.data());
-        widen(r, b, p0, p1, rows.data() + kBlock * s.lora);
-        cp = rows.data(), rp = rows.data() + kBlock * s.lora;
+        if (group == 0) {
+          widen(c, b, p0, p1, rows.get());
+          widen(r, b, p0, p1, rows.get() + kBlock * s.lora);
+        }
+        cp = rows.get(), rp = rows.get() + kBlock * s.lora;
         c_row = s.lora, r_row = s.rope, first = 0;
       }
       attend_block(s, q_lat.data_ptr<float>() + b * s.heads * s.lora, q_rot.data_ptr<float>() + b * s.heads * s.rope,
@@ -302,8 +310,12 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
 
 }  // namespace
 
+// The cache dtypes latent_attend reads (an extension built before 16-bit caches lacks this op: native.has).
+std::vector<std::string> latent_cache_dtypes() { return {"float32", "float16", "bfloat16"}; }
+
 TORCH_LIBRARY_FRAGMENT(weightstream, m) {
   m.def("latent_attend(Tensor q_lat, Tensor q_rot, Tensor c, Tensor r, float scale) -> Tensor");
+  m.def("latent_cache_dtypes() -> str[]", &latent_cache_dtypes);
 }
 
 TORCH_LIBRARY_IMPL(weightstream, CPU, m) { m.impl("latent_attend", &latent_attend); }

@@ -99,3 +99,18 @@ def test_generate_from_a_filesystem_that_refuses_o_direct(tiny_model, tmp_path):
         assert direct["stats"]["o_direct"] is True and direct["token_ids"] == result["token_ids"]
     finally:
         subprocess.run(["umount", str(where)], check=True)
+
+
+def test_generate_keeps_a_deepseek_latent_cache_in_float16(tiny_model):
+    """`generate --kv-dtype float16 --json` as a user runs it: the stats name the cache's dtype and its bytes a token,
+    half the float32 cache's; a model without latent attention refuses it in one line."""
+    model_dir = tiny_model("deepseek_v3")
+    stats = {}
+    for kv in ("auto", "float16"):
+        r = ws("generate", model_dir, "--prompt-ids", "4,8,15,16", "--max-new-tokens", "3", "--json", "--kv-dtype", kv)
+        assert r.returncode == 0, r.stderr
+        stats[kv] = json.loads(r.stdout)["stats"]
+    assert (stats["auto"]["kv_dtype"], stats["float16"]["kv_dtype"]) == ("float32", "float16")
+    assert stats["auto"]["kv_cache_bytes_per_token"] == 2 * stats["float16"]["kv_cache_bytes_per_token"] > 0
+    r = ws("generate", tiny_model("qwen3_moe"), "--prompt-ids", "4,8", "--max-new-tokens", "2", "--kv-dtype", "float16")
+    assert r.returncode == 2 and "has no latent attention" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -407,3 +407,37 @@ def test_a_16bit_cache_is_refused_where_it_cannot_apply(tiny_model):
         load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="float16", latent_attention="expanded")
     with pytest.raises(WeightstreamError, match=r"qwen3_moe\) has no latent attention.*drop --kv-dtype"):
         load_streaming_model(tiny_model("qwen3_moe"), kv_dtype="float16")
+
+
+def test_a_16bit_cache_needs_plain_cache_layers(tiny_model):
+    """A model whose cache layers are not transformers' plain DynamicLayer (a sliding window here; DeepSeek-V3.2's
+    indexer in the field) refuses a 16-bit cache by name rather than keep some layers in float32 while --memory counts
+    them at half."""
+    from weightstream.engine.kv_cache import store_kv_in
+
+    model = load_streaming_model(tiny_model("gpt_oss", sliding_window=6), expert_cache="1x")
+    try:
+        with pytest.raises(WeightstreamError, match="DynamicSlidingWindowLayer.*drop --kv-dtype"):
+            store_kv_in(model, "float16", True, "absorbed", "m")
+    finally:
+        model.weightstream.close()
+
+
+def test_a_float16_cache_of_a_bf16_model_holds_its_values_exactly(tiny_model):
+    """A bf16 model computes its latent in bf16; float16 holds those values exactly (at these magnitudes), so the
+    float16 cache gives the bf16 cache's logits bitwise, through the expanded prompt (40 rows: past rows_to_expand,
+    the cache converted to the model's dtype) and the absorbed decode rows."""
+    model_dir = tiny_model("deepseek_v3", "bf16")
+    prompt = torch.arange(40).remainder(300).add(3).reshape(1, -1)
+    runs = {}
+    for kv in ("auto", "float16"):
+        model = load_streaming_model(model_dir, expert_cache="100x", kv_dtype=kv)
+        try:
+            assert prompt.shape[1] >= model.model.layers[0].self_attn._ws_latent.expand_from
+            tokens, logits, cache = _decode_steps(model, prompt, 5)
+            assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16 if kv == "auto" else torch.float16}
+            runs[kv] = tokens, logits
+        finally:
+            model.weightstream.close()
+    assert runs["auto"][0] == runs["float16"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["auto"][1], runs["float16"][1], strict=True))

@@ -61,7 +61,7 @@ def register(sub) -> None:
     p.add_argument(
         "--kv-dtype",
         default="auto",
-        choices=("auto", "float16", "bfloat16"),
+        choices=("auto", "float32", "float16", "bfloat16"),
         help="DeepSeek-V2/V3, Kimi-K2 and kin: price the latent KV cache in this dtype, as `generate --kv-dtype` "
         "keeps it (float16: half the bytes of an import's float32), and say it in the command (default auto: the "
         "model's dtype)",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from weightstream.cache.policies import POLICY_NAMES
 from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
@@ -88,7 +90,7 @@ class EngineConfig:
     def _check_kv_dtype(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise WeightstreamError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-        if KV_DTYPES[self.kv_dtype] is not None and self.latent_attention != "absorbed":
+        if KV_DTYPES[self.kv_dtype] in (torch.float16, torch.bfloat16) and self.latent_attention != "absorbed":
             raise WeightstreamError(
                 f"--kv-dtype {self.kv_dtype} stores DeepSeek's latent cache for the absorbed attention; "
                 "--latent-attention expanded runs transformers' form on the model's own dtype: drop one of the two"

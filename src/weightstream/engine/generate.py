@@ -58,6 +58,7 @@ class GenerationStats:
     # DeepSeek's latent attention: "absorbed" (over the cached latent) or "expanded" (transformers'); None: none
     latent_attention: str | None = None
     kv_cache_bytes_per_token: int = 0  # every layer's keys and values (or latent and rotary key) for one position
+    kv_dtype: str | None = None  # the dtype the KV cache keeps them in
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -213,6 +214,7 @@ def _stats(runtime, prompt_tokens: int, generated: int, start: _Snapshot, marks:
         else 0.0,
         latent_attention=runtime.latent_attention,
         kv_cache_bytes_per_token=runtime.kv_cache_bytes_per_token,
+        kv_dtype=runtime.kv_dtype,
         **_prediction_stats(runtime, start, first, last),
         **_miss_copy_stats(runtime, start, last),
     )

@@ -24,6 +24,9 @@ import warnings
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from weightstream import native
+from weightstream.errors import WeightstreamError
+
 
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of buffers for `capacity` positions, of `storage` dtype (None:
@@ -136,11 +139,65 @@ def stored_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     storage = kv_storage(model)
     if storage is not None:
-        cache.layers = [StoredLayer(storage) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        cache.layers = [_stored(layer, storage) for layer in cache.layers]
     return cache
 
 
 KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -> None:
+    """Keep the model's latent KV cache in `kv_dtype` (a name of KV_DTYPES; `latent`: whether the model has latent
+    attention, `form` its form) in every cache the engine makes (`engine_cache`, `stored_cache`) and in the cache
+    transformers' `generate` makes for it; refused where it cannot hold: no latent attention, the expanded form (its
+    kv_b_proj takes the model's dtype), cache layers other than DynamicLayer (DeepSeek-V3.2's indexer keeps its own),
+    or a native extension built before 16-bit caches. A bare forward without a cache (`model(ids)`) still gets
+    transformers' own cache, in the model's dtype."""
+    storage = KV_DTYPES[kv_dtype]
+    if storage is None:
+        return
+    what = f"--kv-dtype {kv_dtype}: {model_dir} ({model.config.model_type})"
+    if not latent:
+        raise WeightstreamError(
+            f"{what} has no latent attention; the engine keeps other models' keys and values in the model's dtype: "
+            "drop --kv-dtype"
+        )
+    if storage == model.dtype:
+        return
+    if form != "absorbed":
+        raise WeightstreamError(
+            f"{what}: --latent-attention {form} runs transformers' form on the model's own dtype ({model.dtype}); "
+            "drop one of the two"
+        )
+    layers = DynamicCache(config=model.config).layers if takes_dynamic_cache(model) else []
+    others = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if not layers or others:
+        raise WeightstreamError(
+            f"{what}: its cache layers ({', '.join(others) or 'a cache of its own'}) are not the plain ones the "
+            "engine stores in another dtype: drop --kv-dtype"
+        )
+    if native.available() and not native.has("latent_cache_dtypes"):
+        raise WeightstreamError(
+            f"{what}: the native extension was built from older sources, whose latent attention reads float32 caches "
+            "only: rebuild it (`pip install --no-build-isolation -e .`) or drop --kv-dtype"
+        )
+    model._ws_kv_storage = storage
+    prepare = model._prepare_cache_for_generation
+
+    def stored_for_generation(generation_config, model_kwargs, *args, **kwargs):
+        done = prepare(generation_config, model_kwargs, *args, **kwargs)
+        for key in ("cache", "past_key_values"):  # the name transformers 5.x gives it, and the earlier one
+            cache = model_kwargs.get(key)
+            if isinstance(cache, DynamicCache):
+                cache.layers = [_stored(layer, storage) for layer in cache.layers]
+        return done
+
+    model._prepare_cache_for_generation = stored_for_generation
+
+
+def _stored(layer, storage: torch.dtype):
+    """A fresh DynamicLayer as a StoredLayer; any other layer (or one already holding states) as it is."""
+    return StoredLayer(storage) if type(layer) is DynamicLayer and not layer.is_initialized else layer
 
 
 def kv_storage(model) -> torch.dtype | None:

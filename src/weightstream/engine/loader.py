@@ -33,7 +33,7 @@ from weightstream.engine.grouped_attention import install_grouped_attention
 from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
-from weightstream.engine.kv_cache import KV_DTYPES, kv_storage
+from weightstream.engine.kv_cache import kv_storage, store_kv_in
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention, keep_kv_b_apart
 from weightstream.engine.lean_layer import install_lean_layers
 from weightstream.engine.lean_moe import install_lean_moe
@@ -152,7 +152,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     fused = fuse_dense_ops(model) + install_lean_moe(model) if config.fuse and computes_float32 else []
     latent = any(is_latent_attention(m) for m in model.modules())
     absorb_latent_attention(model, config.latent_attention)
-    _store_kv_in(model, config.kv_dtype, latent, model_dir)
+    store_kv_in(model, config.kv_dtype, latent, config.latent_attention, model_dir)
     if config.fuse and computes_float32:  # after absorbing: its one-row call is the absorbed attention's
         fused += install_lean_layers(model)
     install_sink_attention(model)  # gpt-oss: long prompts without eager's score matrices
@@ -162,19 +162,6 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     tied = ties_embeddings(model.config)
     touched = sum(t.nbytes for n, t in layout.dense.items() if not is_lazy_dense(n, tied))
     return _Built(model, layout, quant, kernels, parts, fused, latent, touched)
-
-
-def _store_kv_in(model, kv_dtype: str, latent: bool, model_dir: str) -> None:
-    """The dtype the engine's cache stores the model's latent KV in (engine/kv_cache.py `kv_storage`)."""
-    storage = KV_DTYPES[kv_dtype]
-    if storage is None or storage == model.dtype:
-        return
-    if not latent:
-        raise WeightstreamError(
-            f"--kv-dtype {kv_dtype}: {model_dir} ({model.config.model_type}) has no latent attention; the engine keeps "
-            "other models' keys and values in the model's dtype: drop --kv-dtype"
-        )
-    model._ws_kv_storage = storage
 
 
 def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: int) -> str:
@@ -225,6 +212,7 @@ def _install(built: _Built, config: EngineConfig, cache, footprint=None, saver=N
         miss_copy_bits=built.quant.miss_copy.bits if config.miss_copy else 0,
         latent_attention=config.latent_attention if built.latent else None,
         kv_cache_bytes_per_token=kv_cache_for(model.config.get_text_config(), 1, kv_itemsize(model)),
+        kv_dtype=str(kv_storage(model) or model.dtype).removeprefix("torch."),
         config=config,
         file_guard=getattr(model, "_ws_file_guard", None),
     )
@@ -252,7 +240,9 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
     else:  # the longest context one sequence reaches in it (serve: --kv-cache, within --max-model-len)
         context = longest_context(text, kv, kv_bytes, min(context or positions, positions))
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
-    late = context_temporaries(text, context, config.warmup_tokens, itemsize, eager, config.latent_attention)
+    late = context_temporaries(
+        text, context, config.warmup_tokens, max(itemsize, kv_bytes), eager, config.latent_attention
+    )
     cache = _install(built, config, _cache(layout, config, layout.working_set_bytes)).cache
     vocab = text.vocab_size
     prompt = (torch.arange(config.warmup_tokens) * 7919 + 11).remainder(max(1, vocab - 10)).add(5)

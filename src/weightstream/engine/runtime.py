@@ -66,6 +66,7 @@ class StreamingRuntime:
         kv_cache_bytes_per_token: int = 0,
         config=None,
         file_guard=None,
+        kv_dtype: str | None = None,
     ):
         """`parts`: each experts module's layer and kernel; `kernels`: experts class name -> kernel name (for
         reports); `predictor`: read-aheads the next layer's guessed experts; `fused`: the norms and rotary functions
@@ -75,7 +76,8 @@ class StreamingRuntime:
         the small copies a miss reads (`--miss-copy`; 0: exact mode, every expert computed as the checkpoint stores
         it); `latent_attention`: the form DeepSeek's latent attention runs in ("absorbed", "expanded"; None: the
         model has none); `kv_cache_bytes_per_token`: what a position costs in the KV cache, every layer (for
-        DeepSeek's latent attention: (kv_lora_rank + qk_rope_head_dim) x the dtype a layer); `config`: the
+        DeepSeek's latent attention: (kv_lora_rank + qk_rope_head_dim) x the dtype a layer), `kv_dtype` that dtype's
+        name; `config`: the
         EngineConfig it was loaded with; `file_guard`: the leases on the weight files (engine/file_guard.py), given
         up at `close`."""
         self._cache, self.layout = cache, layout
@@ -89,6 +91,7 @@ class StreamingRuntime:
         self.miss_copy_bits = miss_copy_bits
         self.latent_attention = latent_attention
         self.kv_cache_bytes_per_token = kv_cache_bytes_per_token
+        self.kv_dtype = kv_dtype
         self.config = config
         self.file_guard = file_guard
         self.counters = EngineCounters()
