@@ -146,6 +146,20 @@ def stored_cache(model) -> DynamicCache:
 KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def kv_dtype_for(kv_dtype: str, latent: bool, model_dir: str, model_type: str) -> torch.dtype | None:
+    """The storage dtype `--kv-dtype` names (None: the model's), refused for a name not in KV_DTYPES and for a model
+    without latent attention (`latent`), the only cache the engine keeps in another dtype."""
+    if kv_dtype not in KV_DTYPES:
+        raise WeightstreamError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+    storage = KV_DTYPES[kv_dtype]
+    if storage is not None and not latent:
+        raise WeightstreamError(
+            f"--kv-dtype {kv_dtype}: {model_dir} ({model_type}) has no latent attention; the engine keeps other "
+            "models' keys and values in the model's dtype: drop --kv-dtype"
+        )
+    return storage
+
+
 def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -> None:
     """Keep the model's latent KV cache in `kv_dtype` (a name of KV_DTYPES; `latent`: whether the model has latent
     attention, `form` its form) in every cache the engine makes (`engine_cache`, `stored_cache`) and in the cache
@@ -153,15 +167,10 @@ def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -
     kv_b_proj takes the model's dtype), cache layers other than DynamicLayer (DeepSeek-V3.2's indexer keeps its own),
     or a native extension built before 16-bit caches. A bare forward without a cache (`model(ids)`) still gets
     transformers' own cache, in the model's dtype."""
-    storage = KV_DTYPES[kv_dtype]
+    storage = kv_dtype_for(kv_dtype, latent, model_dir, model.config.model_type)
     if storage is None:
         return
     what = f"--kv-dtype {kv_dtype}: {model_dir} ({model.config.model_type})"
-    if not latent:
-        raise WeightstreamError(
-            f"{what} has no latent attention; the engine keeps other models' keys and values in the model's dtype: "
-            "drop --kv-dtype"
-        )
     if storage == model.dtype:
         return
     if form != "absorbed":

@@ -34,19 +34,11 @@ def say(msg: str) -> None:
 
 def kv_value_bytes(mapped, kv_dtype: str, model_dir: str) -> int | None:
     """Bytes a cached value takes under `--kv-dtype` (None: the model's dtype), refused as the engine refuses it."""
-    from weightstream.engine.kv_cache import KV_DTYPES
+    from weightstream.engine.kv_cache import kv_dtype_for
 
-    if kv_dtype not in KV_DTYPES:
-        raise WeightstreamError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-    storage = KV_DTYPES[kv_dtype]
-    if storage is None:
-        return None
-    if not getattr(mapped.config.get_text_config(), "kv_lora_rank", None):
-        raise WeightstreamError(
-            f"--kv-dtype {kv_dtype}: {model_dir} ({mapped.config.model_type}) has no latent attention; the engine "
-            "keeps other models' keys and values in the model's dtype: drop --kv-dtype"
-        )
-    return storage.itemsize
+    latent = bool(getattr(mapped.config.get_text_config(), "kv_lora_rank", None))
+    storage = kv_dtype_for(kv_dtype, latent, model_dir, mapped.config.model_type)
+    return None if storage is None else storage.itemsize
 
 
 class TuneSession:
