@@ -44,7 +44,13 @@ from weightstream.engine.sink_attention import install_sink_attention
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
-from weightstream.store.facts import context_temporaries, is_lazy_dense, longest_context, ties_embeddings
+from weightstream.store.facts import (
+    HALF_LATENT_KV,
+    context_temporaries,
+    is_lazy_dense,
+    longest_context,
+    ties_embeddings,
+)
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
 from weightstream.store.layout import experts_modules
 from weightstream.store.model import map_model
@@ -167,7 +173,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
 def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: int) -> str:
     """--memory's refusal: a latent cache kept in float32 could be kept in half its bytes."""
     if built.latent and config.latent_attention == "absorbed" and kv_bytes > 2:
-        return ", or --kv-dtype float16: half the KV cache"
+        return HALF_LATENT_KV
     return ""
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weightstream.cgroup import MARGIN_SHARE, margin_for
 from weightstream.errors import WeightstreamError
-from weightstream.store.facts import is_lazy_dense, kv_cache_bytes, ties_embeddings
+from weightstream.store.facts import HALF_LATENT_KV, is_lazy_dense, kv_cache_bytes, ties_embeddings
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
@@ -129,5 +129,5 @@ def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: int | N
     itemsize = kv_bytes or mapped.model.dtype.itemsize
     budget = budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, itemsize)
     if itemsize > 2 and getattr(mapped.config.get_text_config(), "kv_lora_rank", None):
-        budget = dataclasses.replace(budget, smaller_kv=", or --kv-dtype float16: half the KV cache")
+        budget = dataclasses.replace(budget, smaller_kv=HALF_LATENT_KV)
     return budget

@@ -76,6 +76,10 @@ def longest_context(text_config, kv_bytes: int, dtype_bytes: int, positions: int
     return low
 
 
+# what a refusal of too small a budget adds where DeepSeek's latent cache is kept in float32 (--memory, tune)
+HALF_LATENT_KV = ", or --kv-dtype float16: half the KV cache"
+
+
 def latent_rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
     """Query rows from which DeepSeek's latent attention costs fewer multiply-adds expanded (keys and values
     re-made from the latent, then attention) than absorbed (attention over the latent itself): a head pays
