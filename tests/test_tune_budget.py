@@ -77,12 +77,14 @@ PUBLISHED_PARAMS = {
     "deepseek-v3-lite": 15.7e9,  # not a published model: V2-Lite's sizes with V3's q_lora, within 0.3% of V2-Lite
     "mixtral-8x7b": 46.7e9,
     "gpt-oss-20b": 20.9e9,
+    "glm-4.5-air": 106e9,  # without its MTP layer, which transformers does not build (110B with it)
 }
 KV_PER_TOKEN = {  # bytes per token, by hand from each config.json
     "olmoe-1b-7b": 16 * 2 * 16 * 128 * 2,  # layers x (k, v) x kv heads x head dim x bf16
     "qwen3-30b-a3b": 48 * 2 * 4 * 128 * 2,
     "deepseek-v2-lite": 27 * (512 + 64) * 2,  # MLA: the compressed latent and the rotary key, per layer
     "mixtral-8x7b": 32 * 2 * 8 * 128 * 2,
+    "glm-4.5-air": 46 * 2 * 8 * 128 * 2,
 }
 
 
