@@ -144,3 +144,40 @@ def test_small_matrices_stay_eager(tiny_model):
     tests/test_engine_exact.py), and a 4096-token prompt of gpt-oss-20b's 64 heads would not."""
     assert 64 * 4096 * 4096 >= sink_attention.EAGER_BELOW > 64 * 1 * 131072  # decode rows: no flash at any depth
     assert 64 * 4096 * 64 >= sink_attention.REPEAT_BELOW > 4 * 512 * 64  # the tiny model's keys: eager's copies
+
+
+def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
+    """--memory's reserve for a forward late in the context (store/facts.py `context_temporaries`): where every
+    attention is a sink attention whose late chunk takes the flash path, it holds the keys and values repeated for
+    every query head and the chunk's masks, not eager's scores (3.5 GiB at 16k positions on gpt-oss-20b's 2-layer
+    shape, refused at --memory 1 GiB asking for 5546 MiB; with this, 2287 MiB, under which the 16k prompt ran with a
+    cgroup peak of 1.70 GiB: docs/benchmarks.md)."""
+    from types import SimpleNamespace
+
+    from weightstream.store.facts import context_temporaries
+
+    oss = SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidden_size=2880)
+    layer = 16400 * 2 * 8 * 64 * 4  # one layer's keys and values, float32
+    eager = context_temporaries(oss, 16400, 256, 4, eager=True)
+    assert eager == 8 * layer + 64 * 256 * 16400 * (4 + 2 * 4)
+    flash = context_temporaries(oss, 16400, 256, 4, eager=False, flash_sinks=True)
+    assert flash == 8 * layer + 256 * 16400 * (4 + 3)
+    assert flash < eager / 5
+
+    model = load_streaming_model(_gpt_oss(tiny_model, "fp32"), expert_cache="100x")
+    try:
+        heads = model.config.num_attention_heads
+        rows = 256
+        below = (sink_attention.EAGER_BELOW - 1) // (heads * rows)  # keys at which a chunk still runs eager
+        assert not sink_attention.sinks_run_flash(model, rows, below)
+        assert sink_attention.sinks_run_flash(model, rows, below + 1)
+        attention = next(m for m in model.modules() if sink_attention.has_sinks(m))
+        del attention._ws_eager  # one attention left to transformers' eager: its scores are what a chunk holds
+        assert not sink_attention.sinks_run_flash(model, rows, 10**6)
+    finally:
+        model.weightstream.close()
+    qwen = load_streaming_model(tiny_model("qwen3_moe", "fp32"), expert_cache="100x")
+    try:
+        assert not sink_attention.sinks_run_flash(qwen, rows, 10**6)  # no sinks: not this path
+    finally:
+        qwen.weightstream.close()

@@ -40,7 +40,7 @@ from weightstream.engine.lean_moe import install_lean_moe
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
-from weightstream.engine.sink_attention import install_sink_attention
+from weightstream.engine.sink_attention import install_sink_attention, sinks_run_flash
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
@@ -246,8 +246,16 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
     else:  # the longest context one sequence reaches in it (serve: --kv-cache, within --max-model-len)
         context = longest_context(text, kv, kv_bytes, min(context or positions, positions))
     eager = getattr(model.config, "_attn_implementation", None) == "eager"
+    # gpt-oss's sink attention, a late chunk's matrix as large as EAGER_BELOW: flash, no score matrix
+    flash = eager and sinks_run_flash(model, config.warmup_tokens, context)
     late = context_temporaries(
-        text, context, config.warmup_tokens, max(itemsize, kv_bytes), eager, config.latent_attention
+        text,
+        context,
+        config.warmup_tokens,
+        max(itemsize, kv_bytes),
+        eager and not flash,
+        config.latent_attention,
+        flash,
     )
     cache = _install(built, config, _cache(layout, config, layout.working_set_bytes)).cache
     vocab = text.vocab_size

@@ -106,6 +106,16 @@ def has_sinks(module: torch.nn.Module) -> bool:
     return isinstance(sinks, torch.Tensor) and hasattr(module, "num_key_value_groups") and hasattr(module, "config")
 
 
+def sinks_run_flash(model: torch.nn.Module, rows: int, keys: int) -> bool:
+    """Whether every attention of `model` is a sink attention routed through `_forward` (none still eager) and a
+    forward of `rows` query rows over `keys` keys takes its flash path there (`EAGER_BELOW`): what --memory's
+    reserve for a late forward prices (store/facts.py `context_temporaries`)."""
+    attentions = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "config")]
+    if not attentions or not all(hasattr(m, "_ws_eager") for m in attentions):
+        return False
+    return all(m.config.num_attention_heads * rows * keys >= EAGER_BELOW for m in attentions)
+
+
 def install_sink_attention(model: torch.nn.Module) -> int:
     """Route the model's sink attentions through `_forward` (eager kept for small matrices); how many modules."""
     changed = 0

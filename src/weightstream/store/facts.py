@@ -90,7 +90,13 @@ def latent_rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
 
 
 def context_temporaries(
-    text_config, context: int, chunk: int, dtype_bytes: int, eager: bool, latent: str = "absorbed"
+    text_config,
+    context: int,
+    chunk: int,
+    dtype_bytes: int,
+    eager: bool,
+    latent: str = "absorbed",
+    flash_sinks: bool = False,
 ) -> int:
     """Bytes a forward of `chunk` positions after `context` cached ones holds that a first forward of `chunk`
     positions (--memory's warm-up) does not, since they grow with the context: a layer's keys and values copied
@@ -101,7 +107,12 @@ def context_temporaries(
     twice in the model's dtype. DeepSeek's latent attention (`latent` its form, engine/latent_attention.py) holds
     instead, absorbed: the float32 scores of every head over the context three times (scores, masked, softmax) and
     a decode row's partial sums (a block of 128 positions, kv_lora floats a head); expanded (the form, or a chunk
-    of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context."""
+    of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context.
+
+    `flash_sinks`: attention with sinks (gpt-oss) runs as flash attention over that chunk (engine/sink_attention.py:
+    no score matrix; `eager` then False): the keys and values repeated for every query head, and the mask as an
+    additive one in the compute dtype beside its boolean form and the model's two boolean masks (full and sliding
+    window), chunk x context each."""
     layer = _kv_elements_per_token(text_config) * dtype_bytes * context
     if getattr(text_config, "kv_lora_rank", None):
         return layer + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent)
@@ -110,6 +121,8 @@ def context_temporaries(
     total = max(layer, groups * layer)
     if eager:
         total += heads * chunk * context * (4 + 2 * dtype_bytes)
+    if flash_sinks:
+        total += chunk * context * (dtype_bytes + 3)
     return total
 
 
