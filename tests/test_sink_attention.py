@@ -6,6 +6,7 @@ the same streamed or resident; small shapes still run eager, bitwise transformer
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from weightstream.engine import sink_attention
 from weightstream.engine.loader import load_streaming_model
@@ -148,10 +149,9 @@ def test_small_matrices_stay_eager(tiny_model):
 
 def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
     """--memory's reserve for a forward late in the context (store/facts.py `context_temporaries`): where every
-    attention is a sink attention whose late chunk takes the flash path, it holds the keys and values repeated for
-    every query head and the chunk's masks, not eager's scores (3.5 GiB at 16k positions on gpt-oss-20b's 2-layer
-    shape, refused at --memory 1 GiB asking for 5546 MiB; with this, 2287 MiB, under which the 16k prompt ran with a
-    cgroup peak of 1.70 GiB: docs/benchmarks.md)."""
+    attention is a sink attention whose late chunk takes the flash path, it holds a layer's keys and values and the
+    chunk's masks, not eager's scores nor keys repeated for every query head (3.5 GiB at 16k positions on
+    gpt-oss-20b's 2-layer shape, refused at --memory 1 GiB asking for 5546 MiB: docs/benchmarks.md)."""
     from types import SimpleNamespace
 
     from weightstream.store.facts import context_temporaries
@@ -161,8 +161,8 @@ def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
     eager = context_temporaries(oss, 16400, 256, 4, eager=True)
     assert eager == 8 * layer + 64 * 256 * 16400 * (4 + 2 * 4)
     flash = context_temporaries(oss, 16400, 256, 4, eager=False, flash_sinks=True)
-    assert flash == 8 * layer + 256 * 16400 * (4 + 3)
-    assert flash < eager / 5
+    assert flash == layer + 256 * 16400 * (4 + 3)
+    assert flash < eager / 35
 
     model = load_streaming_model(_gpt_oss(tiny_model, "fp32"), expert_cache="100x")
     try:
@@ -181,3 +181,18 @@ def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
         assert not sink_attention.sinks_run_flash(qwen, rows, 10**6)  # no sinks: not this path
     finally:
         qwen.weightstream.close()
+
+
+@pytest.mark.parametrize("groups, rows, keys", [(8, 7, 300), (4, 1, 129), (1, 5, 64), (3, 16, 16)])
+def test_flash_by_offset_is_the_repeated_form_bitwise(groups, rows, keys):
+    """The flash path's one call per offset within the groups gives torch's flash attention over the keys repeated
+    for every query head (repeat_kv), bitwise: output and log-sum-exp, masked or not, on a strided query."""
+    gen = torch.Generator().manual_seed(groups * 100 + rows)
+    kv, dim = 2, 16
+    query = torch.randn(1, rows, kv * groups, dim, generator=gen).transpose(1, 2)  # the attention's layout
+    key, value = (torch.randn(1, kv, keys, dim, generator=gen) for _ in range(2))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    for mask in (None, sink_attention._additive(None, rows, keys, torch.float32)):
+        want = flash(query, repeat_kv(key, groups), repeat_kv(value, groups), 0.0, False, attn_mask=mask, scale=0.3)
+        got = sink_attention._flash_by_offset(query, key, value, mask, 0.3, groups)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

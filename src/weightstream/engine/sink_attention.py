@@ -30,7 +30,6 @@ import sys
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 
 IMPLEMENTATION = "weightstream_sinks"
 EAGER_BELOW = 2**24  # heads x query rows x keys: 64 MiB of float32 scores, of which eager holds four
@@ -50,15 +49,34 @@ def _forward(module, query, key, value, attention_mask, scaling=None, dropout=0.
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         return _grouped(module, query, key, value, attention_mask, scaling)
-    groups = module.num_key_value_groups
-    k, v = repeat_kv(key, groups), repeat_kv(value, groups)
     mask = _additive(attention_mask, rows, keys, query.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, k, v, 0.0, False, attn_mask=mask, scale=scaling
-    )
+    out, lse = _flash_by_offset(query, key, value, mask, scaling, module.num_key_value_groups)
     kept = torch.sigmoid(lse - module.sinks.float().view(1, -1, 1))  # the softmax's mass not on the sink
     out = out * kept.unsqueeze(-1).to(out.dtype)  # a row that sees no key: lse -inf, nothing kept, as eager gives
     return out.transpose(1, 2).contiguous(), None
+
+
+def _flash_by_offset(query, key, value, mask, scaling, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's flash attention for CPU, (output, log-sum-exp), without the keys and values repeated for every query
+    head. Query head h reads key head h // groups (repeat_kv's order), so the query heads at offset g of their groups
+    (g, g + groups, ...) read key heads 0, 1, ... in turn: one call per offset over the keys as they are. The
+    repeated copies were a layer's keys and values times the group (537 MB a chunk at 16k positions on gpt-oss-20b's
+    64 heads of 8 key heads); each row's sums are the same kernel's over the same keys in the same blocks, so the
+    result is the repeated form's bitwise (tested), and faster (a 256-row chunk over 4096 keys, 2 threads: 133 against
+    170 ms)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if groups == 1:
+        return flash(query, key, value, 0.0, False, attn_mask=mask, scale=scaling)
+    batch, heads, rows, dim = query.shape
+    by_offset = query.reshape(batch, heads // groups, groups, rows, dim)
+    out = lse = None
+    for g in range(groups):
+        part, part_lse = flash(by_offset[:, :, g], key, value, 0.0, False, attn_mask=mask, scale=scaling)
+        if out is None:
+            out = part.new_empty(batch, heads // groups, groups, rows, part.shape[-1])
+            lse = part_lse.new_empty(batch, heads // groups, groups, rows)
+        out[:, :, g], lse[:, :, g] = part, part_lse
+    return out.view(batch, heads, rows, -1), lse.view(batch, heads, rows)
 
 
 def _grouped(module, query, key, value, mask, scaling):

@@ -110,15 +110,15 @@ def context_temporaries(
     of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context.
 
     `flash_sinks`: attention with sinks (gpt-oss) runs as flash attention over that chunk (engine/sink_attention.py:
-    no score matrix; `eager` then False): the keys and values repeated for every query head, and the mask as an
-    additive one in the compute dtype beside its boolean form and the model's two boolean masks (full and sliding
-    window), chunk x context each."""
+    no score matrix, the keys not repeated for the query heads; `eager` then False): the layer's keys and values
+    once, and the mask as an additive one in the compute dtype beside its boolean form and the model's two boolean
+    masks (full and sliding window), chunk x context each."""
     layer = _kv_elements_per_token(text_config) * dtype_bytes * context
     if getattr(text_config, "kv_lora_rank", None):
         return layer + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent)
     heads = int(text_config.num_attention_heads)
     groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
-    total = max(layer, groups * layer)
+    total = layer if flash_sinks else max(layer, groups * layer)
     if eager:
         total += heads * chunk * context * (4 + 2 * dtype_bytes)
     if flash_sinks:
