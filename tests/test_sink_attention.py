@@ -150,7 +150,8 @@ def test_small_matrices_stay_eager(tiny_model):
 def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
     """--memory's reserve for a forward late in the context (store/facts.py `context_temporaries`): where every
     attention is a sink attention whose late chunk takes the flash path, it holds a layer's keys and values and the
-    chunk's masks, not eager's scores nor keys repeated for every query head (3.5 GiB at 16k positions on
+    chunk's masks, not eager's scores over the chunk nor keys repeated for every query head, and what the forwards
+    under the threshold make (eager's scores, at most EAGER_BELOW elements) (3.5 GiB at 16k positions on
     gpt-oss-20b's 2-layer shape, refused at --memory 1 GiB asking for 5546 MiB: docs/benchmarks.md)."""
     from types import SimpleNamespace
 
@@ -160,9 +161,14 @@ def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
     layer = 16400 * 2 * 8 * 64 * 4  # one layer's keys and values, float32
     eager = context_temporaries(oss, 16400, 256, 4, eager=True)
     assert eager == 8 * layer + 64 * 256 * 16400 * (4 + 2 * 4)
-    flash = context_temporaries(oss, 16400, 256, 4, eager=False, flash_sinks=True)
-    assert flash == layer + 256 * 16400 * (4 + 3)
-    assert flash < eager / 35
+    below = sink_attention.EAGER_BELOW
+    flash = context_temporaries(oss, 16400, 256, 4, eager=False, flash_below=below)
+    # the chunk's masks, and eager's scores and softmax of the forwards under the threshold (decode rows, a short
+    # last chunk, sliding-window layers), at most `below` elements each
+    assert flash == layer + 256 * 16400 * (4 + 3) + below * (4 + 2 * 4)
+    assert flash < eager / 10
+    small = context_temporaries(oss, 100, 2, 4, eager=False, flash_below=below)
+    assert small == 100 * 2 * 8 * 64 * 4 + 2 * 100 * 7 + 64 * 2 * 100 * 12  # under the threshold: its own size
 
     model = load_streaming_model(_gpt_oss(tiny_model, "fp32"), expert_cache="100x")
     try:
@@ -183,16 +189,17 @@ def test_memory_reserves_a_late_flash_chunk_without_eager_scores(tiny_model):
         qwen.weightstream.close()
 
 
-@pytest.mark.parametrize("groups, rows, keys", [(8, 7, 300), (4, 1, 129), (1, 5, 64), (3, 16, 16)])
-def test_flash_by_offset_is_the_repeated_form_bitwise(groups, rows, keys):
+@pytest.mark.parametrize("groups, rows, keys", [(8, 7, 300), (4, 1, 129), (2, 5, 64), (3, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_by_offset_is_the_repeated_form_bitwise(groups, rows, keys, dtype):
     """The flash path's one call per offset within the groups gives torch's flash attention over the keys repeated
     for every query head (repeat_kv), bitwise: output and log-sum-exp, masked or not, on a strided query."""
     gen = torch.Generator().manual_seed(groups * 100 + rows)
     kv, dim = 2, 16
-    query = torch.randn(1, rows, kv * groups, dim, generator=gen).transpose(1, 2)  # the attention's layout
-    key, value = (torch.randn(1, kv, keys, dim, generator=gen) for _ in range(2))
+    query = torch.randn(1, rows, kv * groups, dim, generator=gen).transpose(1, 2).to(dtype)  # the attention's layout
+    key, value = (torch.randn(1, kv, keys, dim, generator=gen).to(dtype) for _ in range(2))
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    for mask in (None, sink_attention._additive(None, rows, keys, torch.float32)):
+    for mask in (None, sink_attention._additive(None, rows, keys, dtype)):
         want = flash(query, repeat_kv(key, groups), repeat_kv(value, groups), 0.0, False, attn_mask=mask, scale=0.3)
         got = sink_attention._flash_by_offset(query, key, value, mask, 0.3, groups)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -40,7 +40,7 @@ from weightstream.engine.lean_moe import install_lean_moe
 from weightstream.engine.page_cache_source import PageCacheSource
 from weightstream.engine.predict import NextLayerPredictor
 from weightstream.engine.runtime import ExpertsPart, StreamingRuntime
-from weightstream.engine.sink_attention import install_sink_attention, sinks_run_flash
+from weightstream.engine.sink_attention import EAGER_BELOW, install_sink_attention, sinks_run_flash
 from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
@@ -255,7 +255,7 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
         max(itemsize, kv_bytes),
         eager and not flash,
         config.latent_attention,
-        flash,
+        EAGER_BELOW if flash else 0,
     )
     cache = _install(built, config, _cache(layout, config, layout.working_set_bytes)).cache
     vocab = text.vocab_size

@@ -68,6 +68,7 @@ def _flash_by_offset(query, key, value, mask, scaling, groups: int) -> tuple[tor
     if groups == 1:
         return flash(query, key, value, 0.0, False, attn_mask=mask, scale=scaling)
     batch, heads, rows, dim = query.shape
+    assert key.shape[1] * groups == heads, "query heads are not key heads x groups"
     by_offset = query.reshape(batch, heads // groups, groups, rows, dim)
     out = lse = None
     for g in range(groups):

@@ -96,7 +96,7 @@ def context_temporaries(
     dtype_bytes: int,
     eager: bool,
     latent: str = "absorbed",
-    flash_sinks: bool = False,
+    flash_below: int = 0,
 ) -> int:
     """Bytes a forward of `chunk` positions after `context` cached ones holds that a first forward of `chunk`
     positions (--memory's warm-up) does not, since they grow with the context: a layer's keys and values copied
@@ -109,20 +109,22 @@ def context_temporaries(
     a decode row's partial sums (a block of 128 positions, kv_lora floats a head); expanded (the form, or a chunk
     of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context.
 
-    `flash_sinks`: attention with sinks (gpt-oss) runs as flash attention over that chunk (engine/sink_attention.py:
-    no score matrix, the keys not repeated for the query heads; `eager` then False): the layer's keys and values
-    once, and the mask as an additive one in the compute dtype beside its boolean form and the model's two boolean
-    masks (full and sliding window), chunk x context each."""
+    `flash_below`: attention with sinks (gpt-oss) runs as flash attention from that many score elements (heads x rows
+    x keys; engine/sink_attention.py `EAGER_BELOW`; `eager` then False): a chunk of that size holds no score matrix
+    and no keys repeated for the query heads, only the layer's keys and values once and its mask (chunk x context in
+    the compute dtype, and a boolean form of it: counted as 3 bytes a position); the forwards under it late in the
+    context (a prompt's last, short chunk; decode rows; sliding-window layers) run eager's arithmetic, whose scores
+    and softmax are counted at that chunk's size up to `flash_below` elements."""
     layer = _kv_elements_per_token(text_config) * dtype_bytes * context
     if getattr(text_config, "kv_lora_rank", None):
         return layer + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent)
     heads = int(text_config.num_attention_heads)
     groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
-    total = layer if flash_sinks else max(layer, groups * layer)
+    total = layer if flash_below else max(layer, groups * layer)
     if eager:
         total += heads * chunk * context * (4 + 2 * dtype_bytes)
-    if flash_sinks:
-        total += chunk * context * (dtype_bytes + 3)
+    if flash_below:
+        total += chunk * context * (dtype_bytes + 3) + min(heads * chunk * context, flash_below) * (4 + 2 * dtype_bytes)
     return total
 
 
