@@ -118,20 +118,25 @@ def insert_read_ahead(policy: CachePolicy, key: Key) -> None:
     getattr(policy, "on_read_ahead", policy.on_insert)(key)
 
 
-def split_waves(experts: Sequence[int], capacity: int) -> list[list[int]]:
-    """Split one layer's lookups (in order) into waves of at most `capacity` distinct experts.
+def wave_positions(experts: Sequence[int], capacity: int) -> list[list[int]]:
+    """Cut one layer's lookups into waves of at most `capacity` distinct experts: the positions (into `experts`) each
+    wave looks up.
 
-    A decode step is one wave. A batched prefill step can route to more experts than the cache holds;
-    each wave is looked up, computed and unpinned before the next, so the runtime and the simulator
-    agree on what is pinned when.
+    A decode step is one wave. A batched prefill step can route to more experts than the cache holds; its experts
+    join waves in the order they first appear, `capacity` to a wave, and a wave holds every lookup of its experts
+    (in their order), so each expert is looked up, read and computed in one wave and never again in the step. Each
+    wave is looked up, computed and unpinned before the next, so the runtime and the simulator agree on what is
+    pinned when.
     """
-    waves: list[list[int]] = [[]]
-    distinct: set[int] = set()
+    rank: dict[int, int] = {}
     for e in experts:
-        e = int(e)
-        if e not in distinct and len(distinct) == capacity:
-            waves.append([])
-            distinct = set()
-        distinct.add(e)
-        waves[-1].append(e)
-    return [w for w in waves if w]
+        rank.setdefault(int(e), len(rank))
+    waves: list[list[int]] = [[] for _ in range(-(-len(rank) // capacity))]
+    for i, e in enumerate(experts):
+        waves[rank[int(e)] // capacity].append(i)
+    return waves
+
+
+def split_waves(experts: Sequence[int], capacity: int) -> list[list[int]]:
+    """The experts each wave of `wave_positions` looks up, in lookup order."""
+    return [[int(experts[i]) for i in wave] for wave in wave_positions(experts, capacity)]

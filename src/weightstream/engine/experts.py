@@ -110,12 +110,8 @@ def compute_layer(
 ) -> torch.Tensor:
     """The layer's combined expert output: each wave looked up, resident experts computed while misses load."""
     total = OrderedSum(torch.zeros_like(hidden_states), routing.span)
-    done: set[int] = set()
-    for group, _ in arrivals(source, layer, waves, io_wait, after_first_fetch):
+    for group, _ in arrivals(source, layer, waves, io_wait, after_first_fetch):  # each expert in one wave only
         for expert in group:
-            if expert in done:  # a later wave of a long prefill looked it up again: its rows are all computed
-                continue
-            done.add(expert)
             token_idx, weights = routing.rows(expert)
             compute = _kernel_of(kernel, source, layer, expert)
             total.add(expert, token_idx, compute(hidden_states[token_idx], weights, source.params(layer, expert)))
@@ -141,8 +137,7 @@ def compute_layer_native(
     contrib = None
     done: set[int] = set()
     for group, last in arrivals(source, layer, waves, io_wait, after_first_fetch):
-        experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
-        parts = _by_kernel(kernel, source, layer, experts)
+        parts = _by_kernel(kernel, source, layer, sorted(group))  # each expert in one wave only
         if contrib is None and last and len(parts) == 1:  # the whole layer, every routed expert resident
             compute, experts = parts[0]
             return compute.layer(hidden_states, top_k_index, top_k_weights, experts, _params(source, layer, experts))
@@ -170,11 +165,11 @@ def contribute_groups(
     groups,
 ) -> set[int]:
     """Fills `contrib` with the rows of each group's experts (groups of experts as they can be computed, e.g. from
-    `arrivals`), each expert once, each group split by the copy its experts hold; returns the experts computed."""
+    `arrivals`, which lists each expert in one group), each group split by the copy its experts hold; returns the
+    experts computed."""
     done: set[int] = set()
     for group in groups:
-        experts = sorted(e for e in group if e not in done)  # a later wave of a long prefill may look one up again
-        parts = _by_kernel(kernel, source, layer, experts)
+        parts = _by_kernel(kernel, source, layer, sorted(group))
         _contribute(contrib, parts, source, layer, hidden_states, top_k_index, top_k_weights, done)
     return done
 

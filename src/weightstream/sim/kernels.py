@@ -194,27 +194,40 @@ def largest_group(keys, gstart, n_keys):
 
 
 @njit(cache=True)
-def split_groups(keys, gstart, n_keys, capacity):
-    """Group offsets after cutting every group into waves of at most `capacity` distinct keys.
+def wave_order(keys, gstart, n_keys, capacity):
+    """Every group cut into waves of at most `capacity` distinct keys: (order, calls), the trace index of every access
+    in lookup order and the offsets (into that order) of each wave, each one access_layer call.
 
-    Same rule as cache.policy.split_waves, which the runtime applies to a batched step's layer: a wave ends
-    where one more distinct key would not fit; each wave is one access_layer call.
+    Same rule as cache.policy.wave_positions, which the runtime applies to a batched step's layer: a group's keys join
+    waves in the order they first appear, `capacity` to a wave, and a wave holds all its keys' accesses in trace
+    order (so within a wave the order is the trace's, and a group that fits is one wave in trace order).
     """
+    order = np.empty(len(keys), np.int64)
     out = np.empty(len(keys) + 1, np.int64)
-    wave_of = np.full(n_keys, -1, np.int64)
-    n_out, wave = 0, 0
+    seen = np.full(n_keys, -1, np.int64)  # the group that last ranked the key
+    rank = np.zeros(n_keys, np.int64)  # its first appearance among the group's distinct keys
+    n_out = 0
     for g in range(len(gstart) - 1):
-        if gstart[g] == gstart[g + 1]:
+        a, b = gstart[g], gstart[g + 1]
+        if a == b:
             continue
-        out[n_out] = gstart[g]
-        n_out, wave, distinct = n_out + 1, wave + 1, 0
-        for i in range(gstart[g], gstart[g + 1]):
+        distinct = 0
+        for i in range(a, b):
             k = keys[i]
-            if wave_of[k] != wave:
-                if distinct == capacity:
-                    out[n_out] = i
-                    n_out, wave, distinct = n_out + 1, wave + 1, 0
-                wave_of[k] = wave
+            if seen[k] != g:
+                seen[k], rank[k] = g, distinct
                 distinct += 1
+        n_waves = (distinct + capacity - 1) // capacity
+        fill = np.zeros(n_waves + 1, np.int64)  # accesses before each wave, then its next free place
+        for i in range(a, b):
+            fill[rank[keys[i]] // capacity + 1] += 1
+        for w in range(n_waves):
+            fill[w + 1] += fill[w]
+            out[n_out + w] = a + fill[w]
+        n_out += n_waves
+        for i in range(a, b):
+            w = rank[keys[i]] // capacity
+            order[a + fill[w]] = i
+            fill[w] += 1
     out[n_out] = len(keys)
-    return out[: n_out + 1].copy()
+    return order, out[: n_out + 1].copy()

@@ -10,11 +10,15 @@ bytes differ. This module walks the hit mask a replay already decided, one looku
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from weightstream.errors import WeightstreamError
 from weightstream.sim.kernels import njit
+
+if TYPE_CHECKING:
+    from weightstream.sim.workload import Calls
 
 SMALL_HIT, UPGRADE = 1, 2  # miss_copy_kinds: computed with the small copy, nothing read / read the full blob
 NEVER = 0  # upgrade_after as the kernel takes it: small copies stay until evicted
@@ -48,6 +52,15 @@ def miss_copy_kinds(keys, calls, hit, n_keys, upgrade_after):
             else:
                 out[i] = SMALL_HIT
     return out
+
+
+def calls_kinds(calls: Calls, hit: np.ndarray, n_keys: int, upgrade_after: int | None) -> np.ndarray:
+    """`miss_copy_kinds` over a cache's lookup calls (`Workload.calls`), from a hit mask in trace order to kinds in
+    trace order; `upgrade_after` None for never."""
+    kind = miss_copy_kinds(
+        calls.keys, calls.offsets, calls.looked_up(hit), n_keys, NEVER if upgrade_after is None else upgrade_after
+    )
+    return calls.in_trace_order(kind)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from weightstream.cache.policies import ByteBudget, make_policy
-from weightstream.cache.policy import access_layer, split_waves
+from weightstream.cache.policy import access_layer, wave_positions
 from weightstream.errors import WeightstreamError
 from weightstream.sim import kernels
 from weightstream.sim.belady import BeladyPolicy
 from weightstream.sim.kernels_heap import belady_hits, lfu_hits
-from weightstream.sim.miss_copy import NEVER, SMALL_HIT, UPGRADE, MissCopy, miss_copy_kinds, setting_name, small_bytes
-from weightstream.sim.workload import Workload
+from weightstream.sim.miss_copy import SMALL_HIT, UPGRADE, MissCopy, calls_kinds, setting_name, small_bytes
+from weightstream.sim.workload import Calls, Workload
 from weightstream.trace import Trace
 
 SIM_POLICIES = ("lru", "slru", "lfu", "pinned", "adaptive", "belady")
@@ -144,18 +144,20 @@ def _fast_hits(w: Workload, name: str, slots: int, cache_bytes: int, opts: Optio
         name = _adaptive_inner(w, cache_bytes, slots, opts)
     if name == "lru":
         return w.lru_hits(slots)
-    calls = w.waves(slots)
+    c = w.calls(slots)
     if name == "slru":
-        return kernels.slru_hits(w.keys, calls, w.n_keys, slots, int(slots * opts.protected_share))
-    if name == "lfu":
-        return lfu_hits(w.keys, calls, w.n_keys, slots)
-    if name == "belady":
-        return belady_hits(w.keys, calls, w.n_keys, slots, w.next_use)
-    static = np.zeros(w.n_keys, np.uint8)
-    layer_pos = {layer: i for i, layer in enumerate(w.trace.shape.layers)}
-    for layer, expert in pinned_set(w, slots, opts):
-        static[layer_pos[layer] * w.trace.shape.n_experts + expert] = 1
-    return kernels.pinned_hits(w.keys, calls, w.n_keys, slots, static)
+        hit = kernels.slru_hits(c.keys, c.offsets, w.n_keys, slots, int(slots * opts.protected_share))
+    elif name == "lfu":
+        hit = lfu_hits(c.keys, c.offsets, w.n_keys, slots)
+    elif name == "belady":
+        hit = belady_hits(c.keys, c.offsets, w.n_keys, slots, c.next_use)
+    else:
+        static = np.zeros(w.n_keys, np.uint8)
+        layer_pos = {layer: i for i, layer in enumerate(w.trace.shape.layers)}
+        for layer, expert in pinned_set(w, slots, opts):
+            static[layer_pos[layer] * w.trace.shape.n_experts + expert] = 1
+        hit = kernels.pinned_hits(c.keys, c.offsets, w.n_keys, slots, static)
+    return c.in_trace_order(hit)
 
 
 def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, opts: Options):
@@ -164,8 +166,9 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
     capacity = slots if slots is not None else cache_bytes // min(shape.expert_bytes)
     if name == "belady":
         n_exp, layers = shape.n_experts, shape.layers
-        access_keys = [(layers[k // n_exp], k % n_exp) for k in w.keys.tolist()]
-        policy = BeladyPolicy(capacity, access_keys, w.next_use.tolist())
+        c = w.group_calls if slots is None else w.calls(slots)  # the future in the order the lookups come
+        access_keys = [(layers[k // n_exp], k % n_exp) for k in c.keys.tolist()]
+        policy = BeladyPolicy(capacity, access_keys, c.next_use.tolist())
     elif name == "pinned":
         keys = opts.pinned_keys
         if keys is None:
@@ -191,21 +194,20 @@ def build_policy(w: Workload, name: str, slots: int | None, cache_bytes: int, op
 
 def _reference_hit_mask(w: Workload, policy) -> np.ndarray:
     """Every access's hit (True) or miss through access_layer, groups in order (in waves when a group outgrows the
-    cache, as the runtime does); within a wave an expert listed again after its miss is a hit."""
+    cache, as the runtime does: `wave_positions`); within a wave an expert listed again after its miss is a hit."""
     t = w.trace
     offsets, layers, experts = t.group_offsets.tolist(), t.group_layer.tolist(), t.experts.tolist()
     hit = np.ones(len(experts), bool)
     waves = not isinstance(policy, ByteBudget)  # byte budgets are refused below the largest group instead
     for g in range(len(layers)):
         a, b = offsets[g], offsets[g + 1]
-        pos = a
-        for wave in split_waves(experts[a:b], policy.capacity) if waves else [experts[a:b]]:
-            missed = {e for _, e in access_layer(policy, layers[g], wave).misses}
-            for i, e in enumerate(wave):
-                if e in missed:
-                    hit[pos + i] = False
-                    missed.discard(e)
-            pos += len(wave)
+        group = experts[a:b]
+        for wave in wave_positions(group, policy.capacity) if waves else [range(b - a)]:
+            missed = {e for _, e in access_layer(policy, layers[g], [group[i] for i in wave]).misses}
+            for i in wave:
+                if group[i] in missed:
+                    hit[a + i] = False
+                    missed.discard(group[i])
     return hit
 
 
@@ -223,16 +225,16 @@ def access_hits(w: Workload, name: str, cache_bytes: int, opts: Options | None =
     return _reference_hit_mask(w, build_policy(w, name, slots, int(cache_bytes), opts))
 
 
-def access_calls(w: Workload, cache_bytes: int) -> np.ndarray:
-    """Access offsets of the lookup calls (`access_layer`; the engine's `fetch_layer`) a cache of `cache_bytes` makes:
-    the layer groups, cut into waves where one outgrows the slots (a byte budget is refused below the largest group
-    instead, so its calls are the groups)."""
+def access_calls(w: Workload, cache_bytes: int) -> Calls:
+    """The lookup calls (`access_layer`; the engine's `fetch_layer`) a cache of `cache_bytes` makes: the layer groups,
+    cut into waves where one outgrows the slots (a byte budget is refused below the largest group instead, so its
+    calls are the groups)."""
     slots = _capacity(w, int(cache_bytes))
-    return w.gstart if slots is None else w.waves(slots)
+    return w.group_calls if slots is None else w.calls(slots)
 
 
 def miss_copy_results(
-    w: Workload, hit: np.ndarray, calls: np.ndarray, miss_copy: MissCopy, misses_per_layer: np.ndarray
+    w: Workload, hit: np.ndarray, calls: Calls, miss_copy: MissCopy, misses_per_layer: np.ndarray
 ) -> list[MissCopyResult]:
     """`--miss-copy` at each upgrade setting from one replay's hit mask (every access, warm-up part included: a small
     copy read there can be hit in the judged part) and its calls; counts the judged part."""
@@ -240,7 +242,7 @@ def miss_copy_results(
     blob = np.asarray(shape.expert_bytes, np.int64)
     small_read = int(np.dot(misses_per_layer, small_bytes(miss_copy.ratio, shape.expert_bytes)))
     for n in miss_copy.upgrade_after:
-        kind = miss_copy_kinds(w.keys, calls, hit, w.n_keys, NEVER if n is None else n)[w.count_from :]
+        kind = calls_kinds(calls, hit, w.n_keys, n)[w.count_from :]
         upgrades = np.bincount(w.layer_pos[kind == UPGRADE], minlength=len(shape.layers))
         out.append(
             MissCopyResult(

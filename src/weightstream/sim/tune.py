@@ -19,7 +19,7 @@ import numpy as np
 
 from weightstream.cache.policies import POLICY_NAMES
 from weightstream.sim.cost_model import CostModel
-from weightstream.sim.miss_copy import NEVER, SMALL_HIT, UPGRADE, MissCopy, miss_copy_kinds, setting_name
+from weightstream.sim.miss_copy import SMALL_HIT, UPGRADE, MissCopy, calls_kinds, setting_name
 from weightstream.sim.overlap_model import (
     CostParams,
     StepLoad,
@@ -245,7 +245,7 @@ class Search:
         small = np.bincount(steps.cell[~hit], minlength=cells[0] * cells[1]).reshape(cells)
         out = []
         for n in miss_copy.upgrade_after:
-            kind = miss_copy_kinds(self.w.keys, calls, hit, self.w.n_keys, NEVER if n is None else n)
+            kind = calls_kinds(calls, hit, self.w.n_keys, n)
             upgrade = kind == UPGRADE
             load = self.steps.load(hit & ~upgrade)  # an upgrade is read before its layer computes, as a miss is
             read = small * (miss_copy.ratio * full_mib) + (load.misses - small) * full_mib  # [S, L] MiB

@@ -13,6 +13,34 @@ from weightstream.sim.kernels_heap import next_use
 from weightstream.trace import Trace
 
 
+@dataclass(frozen=True, eq=False)
+class Calls:
+    """A cache's lookup calls over a trace: `keys` in the order they are looked up, `offsets` (int64 [C+1]) where each
+    call starts in them, and `order` the trace index of each (None where that is the trace's own order). Within a
+    layer group only: every per-group fact (layer, step) is the same in either order."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    order: np.ndarray | None
+
+    def looked_up(self, per_access: np.ndarray) -> np.ndarray:
+        """A per-access array in trace order, put in lookup order."""
+        return per_access if self.order is None else per_access[self.order]
+
+    def in_trace_order(self, per_access: np.ndarray) -> np.ndarray:
+        """A per-access array in lookup order, put back in trace order."""
+        if self.order is None:
+            return per_access
+        out = np.empty_like(per_access)
+        out[self.order] = per_access
+        return out
+
+    @cached_property
+    def next_use(self) -> np.ndarray:
+        """Position (in lookup order) of each lookup's next of the same key."""
+        return next_use(self.keys)
+
+
 @dataclass
 class Workload:
     """`trace` split into a warm-up part (first `train_share` of its requests) and a judged part."""
@@ -53,19 +81,22 @@ class Workload:
         """Access offset of every layer group (one access_layer call each when it fits the cache)."""
         return self.trace.group_offsets
 
-    def waves(self, slots: int) -> np.ndarray:
-        """Access offsets of the access_layer calls a cache of `slots` makes: groups, cut into waves if too big."""
+    def calls(self, slots: int) -> Calls:
+        """The access_layer calls a cache of `slots` makes: the groups, each cut into waves where it outgrows the
+        slots (`kernels.wave_order`, the runtime's rule), with the keys in the order they are looked up."""
         if slots >= self.min_slots:
-            return self.gstart
+            return self.group_calls
         if slots not in self._waves:
-            self._waves[slots] = kernels.split_groups(self.keys, self.gstart, self.n_keys, slots)
+            order, offsets = kernels.wave_order(self.keys, self.gstart, self.n_keys, slots)
+            self._waves[slots] = Calls(self.keys[order], offsets, order)
         return self._waves[slots]
 
     def lru_hits(self, slots: int) -> np.ndarray:
         """LRU's hit mask at `slots`: one shared stack-distance pass serves every size that needs no waves."""
         if slots >= self.min_slots:
             return self.lru_distances < slots
-        return kernels.lru_distances(self.keys, self.waves(slots), self.n_keys) < slots
+        calls = self.calls(slots)
+        return calls.in_trace_order(kernels.lru_distances(calls.keys, calls.offsets, self.n_keys) < slots)
 
     @cached_property
     def layer_pos(self) -> np.ndarray:
@@ -78,9 +109,14 @@ class Workload:
         return kernels.lru_distances(self.keys, self.gstart, self.n_keys)
 
     @cached_property
+    def group_calls(self) -> Calls:
+        """One access_layer call per layer group, in trace order (a cache that holds every group's experts)."""
+        return Calls(self.keys, self.gstart, None)
+
+    @property
     def next_use(self) -> np.ndarray:
         """Position of each access's next use of the same key."""
-        return next_use(self.keys)
+        return self.group_calls.next_use
 
     @cached_property
     def min_slots(self) -> int:
