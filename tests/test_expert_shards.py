@@ -15,7 +15,7 @@ import torch
 from weightstream.cgroup import margin_for
 from weightstream.engine.loader import load_streaming_model
 from weightstream.engine.shard_ray import ShardOptions, start_shards
-from weightstream.engine.shards import ExpertShard, LocalLink, ShardedExperts, heat_from_trace
+from weightstream.engine.shards import ExpertShard, LocalLink, ShardDown, ShardedExperts, heat_from_trace
 from weightstream.errors import WeightstreamError
 from weightstream.sim.placement import place
 from weightstream.store.model import map_model
@@ -114,6 +114,62 @@ def test_a_shard_short_of_memory_keeps_the_hottest_it_has_room_for_and_the_head_
     assert bool(asked) == (room < len(offered)), "the head reads when, and only when, the shard is short of room"
 
 
+class SwitchedLink(LocalLink):
+    """A shard in this process that can be switched off: sends then fail as a dead actor's do, and it answers again
+    (`alive`) only once switched back on (the head's own path for a shard that died and came back)."""
+
+    def __init__(self, shard: ExpertShard):
+        super().__init__(shard)
+        self.dead = False
+
+    def send(self, request):
+        if self.dead:
+            raise ShardDown("switched off")
+        return super().send(request)
+
+    def alive(self):
+        return None if self.dead else super().alive()
+
+
+def test_replicated_experts_are_computed_once_by_one_copy_and_a_dead_shards_copies_serve(native_model, one_process):
+    """Every expert on both shards: each (token, k) row is computed once, the rows spread over the two copies, the
+    tokens bitwise one process's; shard 0 switched off: shard 1 computes everything (the head's cache is asked for
+    nothing), the plan is re-made once when it goes down and once when it is back."""
+    keys = sorted(map_model(native_model).layout.experts)
+    plan = place(keys, 2, how="spread", replicas=len(keys))
+    assert all(sorted(shard) == keys for shard in plan)
+    single = [ExpertShard(native_model, keys) for keys in placements(native_model)["two shards hold every expert"]]
+    try:
+        once = ShardedExperts([LocalLink(s) for s in single])
+        sharded_run(native_model, once)
+    finally:
+        for s in single:
+            s.close()
+    rows = sum(t.rows for t in once.stats)
+    shards = [ExpertShard(native_model, keys) for keys in plan]
+    try:
+        links = [SwitchedLink(s) for s in shards]
+        changes = []
+        sharded = ShardedExperts(links, on_change=lambda: changes.append([t.up for t in sharded.stats]))
+        tokens, logits, asked = sharded_run(native_model, sharded)
+        assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+        assert not asked and sum(t.rows for t in sharded.stats) == rows, "a row computed twice, or by the head"
+        assert all(t.rows > 0 for t in sharded.stats), "a replicated expert's rows go to the copy with fewer so far"
+        links[0].dead = True
+        before = sharded.stats[1].rows
+        tokens, logits, asked = sharded_run(native_model, sharded)
+        assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+        assert not asked, "a dead shard's experts come from their live copies, not the head's reads"
+        assert sharded.stats[1].rows - before == rows and sharded.stats[0].failures == 1
+        assert changes == [[False, True]]
+        links[0].dead = False
+        sharded_run(native_model, sharded)
+        assert changes == [[False, True], [True, True]] and sharded.stats[0].readmitted == 1
+    finally:
+        for s in shards:
+            s.close()
+
+
 def psutil_rss() -> int:
     import psutil
 
@@ -183,6 +239,39 @@ def test_a_shard_killed_mid_run_costs_no_answer_and_comes_back(native_model, one
         sharded.close()
 
 
+def test_a_killed_shards_replicated_experts_are_served_by_their_copies(native_model, one_process, ray_cluster):
+    """Every expert on both shards, shard 0's process SIGKILLed before the fifth layer: the head computes what it had
+    asked shard 0 for in that layer only; every later layer's experts go to shard 1's copies; the same tokens."""
+    keys = sorted(map_model(native_model).layout.experts)
+    sharded = start_shards(native_model, place(keys, 2, how="spread", replicas=len(keys)), ShardOptions(2))
+    pid = sharded.links[0].report()["pid"]
+    model = load_streaming_model(native_model, expert_cache="2x", io_threads=2)
+    calls, asked_in = 0, set()
+    fetch = model.weightstream.cache.fetch_layer
+
+    def kill_on_the_fifth_layer(layer, index, weights):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            os.kill(pid, signal.SIGKILL)
+
+    def recorded(layer, experts):
+        asked_in.add(calls)
+        return fetch(layer, experts)
+
+    model.weightstream.cache.fetch_layer = recorded
+    model.weightstream.routing_observer = kill_on_the_fifth_layer
+    model.weightstream.shards = sharded
+    try:
+        tokens, logits = greedy_logits(model)
+        assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+        assert sharded.stats[0].failures == 1 and asked_in <= {5}, asked_in
+        assert calls > 5 and sharded.stats[1].rows > sharded.stats[0].rows
+    finally:
+        model.weightstream.close()
+        sharded.close()
+
+
 def test_a_shard_refuses_experts_it_cannot_compute_and_leaves_nothing_running(tiny_model, native_model):
     with pytest.raises(WeightstreamError, match=r"has no expert \(0, 999\)"):
         ExpertShard(native_model, [(0, 999)])
@@ -211,6 +300,11 @@ def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_mode
     assert saved["shards"][0]["held"] == plan["shards"][0]["held"] and saved["transport"] == "graph"
     assert all(t["round_trips"] > 0 and t["bytes_out"] > 0 and t["bytes_in"] > 0 for t in plan["traffic"])
     assert "shard 0:" in err and "head: reads 0 experts from disk" in err
+    code, copied_out, err = ran_in_process(*args, "--expert-shards", "2", "--shard-replicas", "5")
+    assert code == 0, err
+    copied = json.loads(copied_out)
+    assert copied["token_ids"] == plain["token_ids"] and copied["stats"]["expert_shards"]["replicated"] == 5
+    assert "5 held twice" in err
 
 
 def test_bad_shard_options_are_refused_before_loading(native_model, tmp_path):
@@ -222,6 +316,9 @@ def test_bad_shard_options_are_refused_before_loading(native_model, tmp_path):
         ("--shard-transport", "calls"): "--shard-transport places expert shards: give --expert-shards N",
         ("--shard-placement", "spread"): "--shard-placement places expert shards: give --expert-shards N",
         ("--shard-delay-us", "200"): "--shard-delay-us places expert shards: give --expert-shards N",
+        ("--shard-replicas", "4"): "--shard-replicas places expert shards: give --expert-shards N",
+        ("--expert-shards", "1", "--shard-replicas", "4"): "--shard-replicas 4: give 0 or more copies, and 2 or more",
+        ("--expert-shards", "2", "--shard-replicas", "-3"): "--shard-replicas -3: give 0 or more copies",
         ("--expert-shards", "2", "--shard-memory", "lots"): "--shard-memory 'lots': not a size",
         ("--expert-shards", "2", "--shard-heat", tmp_path / "none.npz"): "none.npz: no such file",
         ("--expert-shards", "2", "--shard-plan", tmp_path / "no" / "p.json"): "p.json: its directory does not exist",
@@ -279,6 +376,29 @@ def test_placement_spreads_each_layers_experts_and_their_heat():
         place(keys, 0)
     with pytest.raises(WeightstreamError, match="--shard-placement round-robin: one of layers, spread"):
         place(keys, 2, how="round-robin")
+
+
+def test_placement_copies_the_hottest_experts_onto_another_shard_after_its_own_share():
+    keys = [(layer, e) for layer in (1, 3) for e in range(8)]
+    heat = {k: float(10 * k[1] + k[0]) for k in keys}  # expert 7 of layer 3 hottest, then 7 of layer 1, ...
+    for how in ("layers", "spread"):
+        alone = place(keys, 3, heat, how)
+        plan = place(keys, 3, heat, how, replicas=4)
+        hottest = sorted(keys, key=lambda k: -heat[k])[:4]
+        counts = {k: sum(k in shard for shard in plan) for k in keys}
+        assert {k for k, n in counts.items() if n == 2} == set(hottest) and max(counts.values()) == 2
+        for own, shard in zip(alone, plan):
+            assert shard[: len(own)] == own, "a shard's own share first, as without copies"
+            copies = shard[len(own) :]
+            assert not set(copies) & set(own) and copies == sorted(copies, key=lambda k: -heat[k])
+    spread = place(keys, 2, heat, "spread", replicas=2)  # each copy to the shard with less of its layer's heat
+    for k in sorted(keys, key=lambda k: -heat[k])[:2]:
+        holders = [i for i, shard in enumerate(spread) if k in shard]
+        assert len(holders) == 2
+    with pytest.raises(WeightstreamError, match="--shard-replicas 2: .* 2 or more --expert-shards"):
+        place(keys, 1, replicas=2)
+    with pytest.raises(WeightstreamError, match="--shard-replicas -1: give 0 or more"):
+        place(keys, 2, replicas=-1)
 
 
 def test_placement_by_layers_gives_each_shard_consecutive_layers_hottest_first():

@@ -305,6 +305,15 @@ def add_shard_options(p, ray_address: bool = True) -> None:
         "compute in parallel (a shard per machine, a fast network)",
     )
     g.add_argument(
+        "--shard-replicas",
+        type=int,
+        metavar="N",
+        help="a second copy of the N hottest experts (by --shard-heat; without it the first layers' experts), each on "
+        "the shard holding the least heat of its layer, kept in the room its own share leaves: the head spreads a "
+        "replicated expert's rows over the live copies, and a shard's death leaves its copies served by the other "
+        "shard instead of the head's disk reads (default 0; needs 2 or more shards)",
+    )
+    g.add_argument(
         "--shard-delay-us",
         type=float,
         metavar="US",
@@ -334,13 +343,26 @@ def shard_options(args):
     from weightstream.units import parse_size
 
     n = args.expert_shards
-    shard_flags = ("shard_memory", "shard_heat", "shard_plan", "shard_transport", "shard_placement", "shard_delay_us")
+    shard_flags = (
+        "shard_memory",
+        "shard_heat",
+        "shard_plan",
+        "shard_transport",
+        "shard_placement",
+        "shard_delay_us",
+        "shard_replicas",
+    )
     given = [f for f in shard_flags if getattr(args, f) is not None]
     delay = args.shard_delay_us if args.shard_delay_us is not None else 0.0
     if n < 0:
         raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
     if not 0 <= delay < 1e7:  # nan and inf too
         raise WeightstreamError(f"--shard-delay-us {delay}: give 0 or more microseconds (below 10 s)")
+    replicas = args.shard_replicas or 0
+    if replicas < 0 or (replicas and n == 1):
+        raise WeightstreamError(
+            f"--shard-replicas {replicas}: give 0 or more copies, and 2 or more --expert-shards to hold a second copy"
+        )
     if not n:
         if given:
             raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
@@ -369,4 +391,5 @@ def shard_options(args):
         placement=args.shard_placement or "layers",
         io_threads=args.io_threads,
         delay_us=delay,
+        replicas=replicas,
     )

@@ -44,6 +44,7 @@ class ShardOptions:
     timeout_s: float = 60.0
     io_threads: int = 2
     delay_us: float = 0.0  # --shard-delay-us: added to each layer's round trip (a network's latency, benchmarks)
+    replicas: int = 0  # --shard-replicas: the hottest this many experts get a second copy on another shard
 
 
 def _ray():
@@ -183,25 +184,33 @@ def plan(model, options: ShardOptions) -> tuple[list[list[Key]], str]:
     layout = model.weightstream.layout
     heat = heat_from_trace(options.heat_trace, layout) if options.heat_trace else None
     source = f"routing trace {options.heat_trace}" if heat else "none (every expert alike)"
-    return place(sorted(layout.experts), options.shards, heat, options.placement), source
+    return place(sorted(layout.experts), options.shards, heat, options.placement, options.replicas), source
 
 
 def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions) -> dict:
-    """The plan as built: each shard's experts, bytes, memory, cgroup and pid; the experts the head reads from
-    disk."""
-    shards = []
+    """The plan as it stands: each shard's experts, whether it is up, and (from a live one) its bytes, memory, cgroup
+    and pid; the experts held twice; the experts the head reads from disk (no live shard holds them)."""
+    shards, copies = [], {}
     for i, link in enumerate(sharded.links):
         held = sorted(k for layer, es in sharded.owned[i].items() for k in ((layer, e) for e in es))
-        report = link.report()
-        shards.append({"shard": i, **report, "held": [list(k) for k in held]})
+        for k in held:
+            copies[k] = copies.get(k, 0) + 1
+        up = sharded.stats[i].up
+        report = {}
+        if up:
+            with contextlib.suppress(Exception):  # it may die while asked
+                report = link.report()
+        shards.append({"shard": i, "up": up, **report, "held": [list(k) for k in held]})
     head = sorted(set(layout.experts) - sharded.held())
     return {
         "shards": shards,
-        "head_reads": [list(k) for k in head],  # not held by any shard: the head's cache reads them from disk
+        "head_reads": [list(k) for k in head],  # not held by any live shard: the head's cache reads them from disk
+        "replicated": sum(1 for n in copies.values() if n > 1),
         "heat": heat_source,
         "transport": options.transport,
         "placement": options.placement,
         "shard_memory": options.memory,
+        "replicas": options.replicas,
     }
 
 
@@ -212,8 +221,11 @@ def summary(report: dict) -> str:
         lines.append(
             f"shard {s['shard']}: {len(s['held'])} experts ({s.get('expert_bytes', 0) / 2**20:.0f} MiB) in pid "
             f"{s.get('pid')}, {s.get('cgroup')}"
+            if s["up"]
+            else f"shard {s['shard']}: down (its experts from a live copy or the head's reads until Ray restarts it)"
         )
-    lines.append(f"head: reads {len(report['head_reads'])} experts from disk; heat: {report['heat']}")
+    copies = f"; {report['replicated']} held twice" if report.get("replicated") else ""
+    lines.append(f"head: reads {len(report['head_reads'])} experts from disk{copies}; heat: {report['heat']}")
     return "\n".join(lines)
 
 
@@ -268,6 +280,17 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
             save_plan(report, options.plan_out)
         if not quiet:
             print(summary(report), file=sys.stderr)
+
+        def changed(shards=runtime.shards):  # a shard went down or came back: the plan as it stands now
+            now = plan_report(shards, runtime.layout, heat_source, options)
+            report.update(now)  # the caller's copy (serve's /metrics) too
+            if options.plan_out:
+                with contextlib.suppress(WeightstreamError):  # a full disk must not stop the answers
+                    save_plan(now, options.plan_out)
+            if not quiet:
+                print(f"weightstream: expert shards changed\n{summary(now)}", file=sys.stderr)
+
+        runtime.shards.on_change = changed
         yield report
     finally:
         if runtime.shards is not None:

@@ -11,10 +11,12 @@ rows into the layer's contributions, and lets the native layer sum them in ascen
 bitwise those of one process holding every expert. Only for kernels that run a layer natively (the GGML-block
 kernels, `fused`); the head's cache is never asked for an expert a live shard holds.
 
+An expert may be held by two shards (`place(..., replicas=N)`: the hottest N get a second copy): the head gives each
+layer's replicated experts to the copy with the fewest rows so far and hides the other copy from the shard's request.
 A shard that fails or does not answer in time costs latency, not answers: the head computes its experts from its own
-reads for that layer and every later one until the link says the shard is back (Ray restarts it; the link re-reads
-what it holds). sim/placement.py's `place` makes the plan, by heat where given (`heat_from_trace`: a routing
-trace's counts); engine/shard_ray.py runs shards as Ray actors.
+reads for that layer, and for every later one those no live copy holds, until the link says the shard is back (Ray
+restarts it; the link re-reads what it holds). sim/placement.py's `place` makes the plan, by heat where given
+(`heat_from_trace`: a routing trace's counts); engine/shard_ray.py runs shards as Ray actors.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -247,10 +250,12 @@ class ShardedExperts:
     links: list[ShardLink]
     timeout_s: float = 60.0  # a shard that takes longer is taken as down for the layer
     delay_s: float = 0.0  # added once to each layer's round trip (benchmarks: a network's latency, injected)
+    on_change: Callable[[], None] | None = None  # called when a shard goes down or comes back (the plan re-made)
     stats: list[LinkStats] = field(init=False)
 
     def __post_init__(self):
         self.stats = [LinkStats() for _ in self.links]
+        self._change = False
         self.owned: list[dict[int, list[int]]] = [self._owned(link) for link in self.links]
 
     @staticmethod
@@ -274,34 +279,76 @@ class ShardedExperts:
             if keys is not None:  # a restarted shard may hold another share of what it was offered
                 self.owned[i] = self._owned(link, keys)
                 self.stats[i].up, self.stats[i].readmitted = True, self.stats[i].readmitted + 1
+                self._changed()
 
     def _down(self, i: int, rows: int) -> None:
-        """Shard `i` failed: the head computes its `rows` of this layer, and its experts until it is back."""
+        """Shard `i` failed: the head computes its `rows` of this layer, and its experts (those no live copy holds)
+        until it is back."""
         s = self.stats[i]
         s.up, s.failures, s.fallback_rows = False, s.failures + 1, s.fallback_rows + rows
+        self._changed()
+
+    def _changed(self) -> None:
+        self._change = True
+
+    def _settle(self) -> None:
+        """`on_change` once a change is seen, with no call in flight (it may ask the live shards for reports)."""
+        if self._change and self.on_change is not None:
+            self._change = False
+            self.on_change()
+
+    def assign(
+        self, layer: int, top_k_index: torch.Tensor, among: set[int] | None = None, to: set[int] | None = None
+    ) -> dict[int, list[int]]:
+        """Shard -> the chosen experts of `layer` (those `among`, if given) it computes: each expert a live shard
+        (one of `to`, if given) holds to one of them; an expert held once to its shard, then the replicated ones,
+        busiest first, each to the copy with the fewest rows so far (the layer's load balanced over the shards). The
+        rows of an expert no live copy holds count against its first copy (the head computes them)."""
+        rows = Counter(top_k_index.reshape(-1).tolist())
+        owners: dict[int, list[int]] = {}
+        for i, own in enumerate(self.owned):
+            for e in own.get(layer, ()):
+                if e in rows and (among is None or e in among):
+                    owners.setdefault(e, []).append(i)
+        load, out = [0] * len(self.links), {}
+        for e in sorted(owners, key=lambda e: (len(owners[e]) > 1, -rows[e], e)):
+            live = [i for i in owners[e] if self.stats[i].up and (to is None or i in to)]
+            if not live:
+                self.stats[owners[e][0]].fallback_rows += rows[e]
+                continue
+            i = min(live, key=lambda j: (load[j], j))
+            out.setdefault(i, []).append(e)
+            load[i] += rows[e]
+        return out
 
     def compute_layer(self, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait):
         """The layer's combined expert output: the shards' rows asked for first, the head's own computed meanwhile,
         a failed shard's computed by the head after."""
         self._readmit()
+        self._settle()
         chosen = set(top_k_index.reshape(-1).tolist())
         calls = []  # (shard, its experts here, its rows, how many, handle, start)
-        for i, link in enumerate(self.links):
-            members = [e for e in self.owned[i].get(layer, ()) if e in chosen]
-            if not members:
-                continue
+        pending = sorted(self.assign(layer, top_k_index).items())
+        while pending:
+            i, members = pending.pop(0)
+            link = self.links[i]
             rows = owned_rows(top_k_index, members)
             n = int(rows.sum())
-            if not self.stats[i].up:  # the head computes them below, with its own
-                self.stats[i].fallback_rows += n
-                continue
             tokens = rows.any(dim=1).nonzero().squeeze(1)  # only the tokens that chose one of them travel
-            request = (layer, hidden_states[tokens], top_k_index[tokens], top_k_weights[tokens])
+            index = top_k_index[tokens]
+            elsewhere = [e for e in self.owned[i].get(layer, ()) if e in chosen and e not in members]
+            if elsewhere:  # copies it holds that another shard computes this time: hidden from it
+                index = index.masked_fill(owned_rows(index, elsewhere), -1)
+            request = (layer, hidden_states[tokens], index, top_k_weights[tokens])
             start = time.perf_counter()
             try:
                 handle = link.send(request)
-            except ShardDown:
-                self._down(i, n)
+            except ShardDown:  # dead before it was asked: its experts to live copies not yet asked, else to the head
+                self._down(i, 0)
+                merged = dict(pending)
+                for j, more in self.assign(layer, top_k_index, set(members), set(merged)).items():
+                    merged[j] = sorted(merged[j] + more)
+                pending = sorted(merged.items())
                 continue
             self.stats[i].bytes_out += sum(t.nbytes for t in request[1:])
             calls.append((i, members, rows, n, handle, start))
@@ -327,6 +374,7 @@ class ShardedExperts:
             s.rows, s.bytes_in = s.rows + len(answer), s.bytes_in + answer.nbytes
             contrib[rows] = answer
         self._compute_here(contrib, late, kernel, source, layer, hidden_states, top_k_index, top_k_weights, io_wait)
+        self._settle()
         return native.moe_sum(contrib, top_k_index, hidden_states)
 
     @staticmethod
