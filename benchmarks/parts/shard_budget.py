@@ -20,7 +20,8 @@ token. Then:
   trip's shard compute as measured, the network's latency (`--lan-rtt-us`) and the bytes at its bandwidth;
 - `--kill`: one more sharded run a round in which shard 0's process is SIGKILLed `--kill-after` seconds into
   decode: its tokens (equal), the head's fallbacks, whether the shard was taken back, its tok/s against the
-  undisturbed run's.
+  undisturbed run's; with `--replicas N`, one more such run with `--shard-replicas N` (the N hottest experts held
+  twice, in the room the budget leaves): what the copies save while the shard restarts.
 
     sudo .venv/bin/python benchmarks/serve_bench.py shard-budget .work/olmoe16/q4 --budget 1.75GiB \\
         --trace .work/ds.npz --heat .work/ds-heat.npz --shards 3 --rounds 3 --delay-us 200 --kill \\
@@ -70,12 +71,13 @@ def _kill_when_decoding(plan_path: str, after_s: float, killed: dict) -> None:
     killed.update(pid=pid, at=time.time())
 
 
-def _run(args, shards: int, delay_us: float = 0.0, kill: bool = False) -> dict:
+def _run(args, shards: int, delay_us: float = 0.0, kill: bool = False, replicas: int = 0) -> dict:
     budget = parse_size(args.budget, "--budget")
     with tempfile.TemporaryDirectory() as tmp:
         plan = os.path.join(tmp, "plan.json")
         extra = ["--shard-plan", plan] if shards else []
         extra += ["--shard-delay-us", str(delay_us)] if delay_us else []
+        extra += ["--shard-replicas", str(replicas)] if replicas else []
         killed: dict = {}
         if kill:
             threading.Thread(target=_kill_when_decoding, args=(plan, args.kill_after, killed), daemon=True).start()
@@ -101,12 +103,16 @@ def _run(args, shards: int, delay_us: float = 0.0, kill: bool = False) -> dict:
         traffic = sharded["traffic"]
         trips = sum(t["round_trips"] for t in traffic)
         run["head_reads_experts"] = len(sharded["head_reads"])
+        run["replicated"] = sharded.get("replicated", 0)
         run["shards"] = [
             {
                 "experts": len(s["held"]),
                 # the shard's own memory cgroup by name (its path names this machine), or why it had none
-                "cgroup": os.path.basename(s["cgroup"]) if s["cgroup"].startswith("/") else s["cgroup"],
-                "rss_mib": round(s["rss_bytes"] / MIB, 1),
+                "up": s["up"],
+                "cgroup": os.path.basename(s.get("cgroup") or "")
+                if (s.get("cgroup") or "").startswith("/")
+                else s.get("cgroup"),
+                "rss_mib": round(s["rss_bytes"] / MIB, 1) if "rss_bytes" in s else None,
                 "round_trips": t["round_trips"],
                 "round_trip_mean_us": t["round_trip_mean_us"],
                 "shard_compute_mean_us": t.get("shard_compute_mean_us"),
@@ -172,6 +178,12 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
     ap.add_argument("--delay-us", type=float, default=0.0, help="also a run with this delay a round trip")
     ap.add_argument("--kill", action="store_true", help="also a run in which shard 0 is killed mid-decode")
     ap.add_argument("--kill-after", type=float, default=4.0, help="seconds after the plan is written (default 4)")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="with --kill: also a killed run with --shard-replicas N (copies of the N hottest experts)",
+    )
     ap.add_argument("--machines", type=int, default=4, help="the projection's machines: a head and N-1 shards")
     ap.add_argument("--gbps", type=float, default=25.0, help="the projection's network (default 25 Gb/s)")
     ap.add_argument("--lan-rtt-us", type=float, default=50.0, help="the projection's round trip latency (default 50)")
@@ -190,6 +202,8 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
                 runs["sharded, delayed"] = _run(args, args.shards, delay_us=args.delay_us)
             if args.kill:
                 runs["sharded, shard 0 killed"] = _run(args, args.shards, kill=True)
+            if args.kill and args.replicas:
+                runs["sharded with copies, shard 0 killed"] = _run(args, args.shards, kill=True, replicas=args.replicas)
             want = runs["one process"]["token_ids"]
             differ = [name for name, run in runs.items() if run["token_ids"] != want]
             if differ:
@@ -204,6 +218,10 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
             if args.kill:
                 entry["killed_over_sharded"] = round(
                     runs["sharded, shard 0 killed"]["decode_tok_s"] / sharded["decode_tok_s"], 3
+                )
+            if args.kill and args.replicas:
+                entry["killed_with_copies_over_sharded"] = round(
+                    runs["sharded with copies, shard 0 killed"]["decode_tok_s"] / sharded["decode_tok_s"], 3
                 )
             for run in runs.values():
                 run.pop("token_ids")
@@ -228,6 +246,7 @@ def main(argv=None, prog: str = "serve_bench.py shard-budget") -> None:
             "tokens_equal": True,
             "ratio_median": statistics.median(ratios),
             "ratios": ratios,
+            "replicas": args.replicas,
             "rounds": rounds,
         },
         args.out,

@@ -167,16 +167,19 @@ def _shard_error(exc: BaseException) -> str:
     return f"an expert shard failed to start: {text.splitlines()[0] if text else type(exc).__name__}"
 
 
-def remove_cgroups(report: dict) -> None:
+def shard_cgroups(report: dict) -> set[str]:
+    """The memory cgroups a plan's shards run in (paths; a shard without one says why instead)."""
+    return {p for shard in report.get("shards", []) if (p := shard.get("cgroup") or "").startswith("/")}
+
+
+def remove_cgroups(paths: set[str]) -> None:
     """The shards' memory cgroups removed, once their processes are gone (a few seconds at most)."""
     from pathlib import Path
 
     from weightstream.cgroup import MemoryCgroup
 
-    for shard in report.get("shards", []):
-        path = shard.get("cgroup") or ""
-        if path.startswith("/"):
-            MemoryCgroup(Path(path), True, 0).remove()
+    for path in sorted(paths):
+        MemoryCgroup(Path(path), True, 0).remove()
 
 
 def plan(model, options: ShardOptions) -> tuple[list[list[Key]], str]:
@@ -272,10 +275,11 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
     back after. Yields the plan (`plan_report`), printed on stderr unless `quiet` and saved to `options.plan_out` if
     given."""
     offered, heat_source = plan(model, options)
-    runtime, report = model.weightstream, {}
+    runtime, report, cgroups = model.weightstream, {}, set()
     try:
         runtime.shards = start_shards(model_dir, offered, options)
         report = plan_report(runtime.shards, runtime.layout, heat_source, options)
+        cgroups |= shard_cgroups(report)
         if options.plan_out:
             save_plan(report, options.plan_out)
         if not quiet:
@@ -283,6 +287,7 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
 
         def changed(shards=runtime.shards):  # a shard went down or came back: the plan as it stands now
             now = plan_report(shards, runtime.layout, heat_source, options)
+            cgroups.update(shard_cgroups(now))  # a restarted shard's, to remove after
             report.update(now)  # the caller's copy (serve's /metrics) too
             if options.plan_out:
                 with contextlib.suppress(WeightstreamError):  # a full disk must not stop the answers
@@ -296,7 +301,7 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
         if runtime.shards is not None:
             runtime.shards.close()
         runtime.shards = None
-        remove_cgroups(report)
+        remove_cgroups(cgroups)
 
 
 def save_plan(report: dict, path: str) -> None:
