@@ -17,7 +17,7 @@ from weightstream.engine.loader import load_streaming_model
 from weightstream.engine.shard_ray import ShardOptions, start_shards
 from weightstream.engine.shards import ExpertShard, LocalLink, ShardDown, ShardedExperts, heat_from_trace
 from weightstream.errors import WeightstreamError
-from weightstream.sim.placement import place
+from weightstream.sim.placement import copies, place
 from weightstream.store.model import map_model
 from weightstream.store.quant.pipeline import quantize_checkpoint
 
@@ -136,8 +136,10 @@ def test_replicated_experts_are_computed_once_by_one_copy_and_a_dead_shards_copi
     tokens bitwise one process's; shard 0 switched off: shard 1 computes everything (the head's cache is asked for
     nothing), the plan is re-made once when it goes down and once when it is back."""
     keys = sorted(map_model(native_model).layout.experts)
-    plan = place(keys, 2, how="spread", replicas=len(keys))
+    own = place(keys, 2, how="spread")
+    plan = [a + b for a, b in zip(own, copies(own, len(keys)))]
     assert all(sorted(shard) == keys for shard in plan)
+    home = {k: i for i, shard in enumerate(own) for k in shard}
     single = [ExpertShard(native_model, keys) for keys in placements(native_model)["two shards hold every expert"]]
     try:
         once = ShardedExperts([LocalLink(s) for s in single])
@@ -150,11 +152,11 @@ def test_replicated_experts_are_computed_once_by_one_copy_and_a_dead_shards_copi
     try:
         links = [SwitchedLink(s) for s in shards]
         changes = []
-        sharded = ShardedExperts(links, on_change=lambda: changes.append([t.up for t in sharded.stats]))
+        sharded = ShardedExperts(links, on_change=lambda: changes.append([t.up for t in sharded.stats]), home=home)
         tokens, logits, asked = sharded_run(native_model, sharded)
         assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
         assert not asked and sum(t.rows for t in sharded.stats) == rows, "a row computed twice, or by the head"
-        assert all(t.rows > 0 for t in sharded.stats), "a replicated expert's rows go to the copy with fewer so far"
+        assert all(t.rows > 0 for t in sharded.stats), "a replicated expert's rows go to its home shard"
         links[0].dead = True
         before = sharded.stats[1].rows
         tokens, logits, asked = sharded_run(native_model, sharded)
@@ -243,7 +245,10 @@ def test_a_killed_shards_replicated_experts_are_served_by_their_copies(native_mo
     """Every expert on both shards, shard 0's process SIGKILLed before the fifth layer: the head computes what it had
     asked shard 0 for in that layer only; every later layer's experts go to shard 1's copies; the same tokens."""
     keys = sorted(map_model(native_model).layout.experts)
-    sharded = start_shards(native_model, place(keys, 2, how="spread", replicas=len(keys)), ShardOptions(2))
+    own = place(keys, 2, how="spread")
+    home = {k: i for i, shard in enumerate(own) for k in shard}
+    offered = [a + b for a, b in zip(own, copies(own, len(keys)))]
+    sharded = start_shards(native_model, offered, ShardOptions(2), home)
     pid = sharded.links[0].report()["pid"]
     model = load_streaming_model(native_model, expert_cache="2x", io_threads=2)
     calls, asked_in = 0, set()
@@ -381,24 +386,20 @@ def test_placement_spreads_each_layers_experts_and_their_heat():
 def test_placement_copies_the_hottest_experts_onto_another_shard_after_its_own_share():
     keys = [(layer, e) for layer in (1, 3) for e in range(8)]
     heat = {k: float(10 * k[1] + k[0]) for k in keys}  # expert 7 of layer 3 hottest, then 7 of layer 1, ...
+    hottest = sorted(keys, key=lambda k: -heat[k])[:4]
     for how in ("layers", "spread"):
-        alone = place(keys, 3, heat, how)
-        plan = place(keys, 3, heat, how, replicas=4)
-        hottest = sorted(keys, key=lambda k: -heat[k])[:4]
-        counts = {k: sum(k in shard for shard in plan) for k in keys}
-        assert {k for k, n in counts.items() if n == 2} == set(hottest) and max(counts.values()) == 2
-        for own, shard in zip(alone, plan):
-            assert shard[: len(own)] == own, "a shard's own share first, as without copies"
-            copies = shard[len(own) :]
-            assert not set(copies) & set(own) and copies == sorted(copies, key=lambda k: -heat[k])
-    spread = place(keys, 2, heat, "spread", replicas=2)  # each copy to the shard with less of its layer's heat
-    for k in sorted(keys, key=lambda k: -heat[k])[:2]:
-        holders = [i for i, shard in enumerate(spread) if k in shard]
-        assert len(holders) == 2
+        own = place(keys, 3, heat, how)
+        extra = copies(own, 4, heat)
+        assert sorted(k for shard in extra for k in shard) == sorted(hottest)
+        for mine, more in zip(own, extra):
+            assert not set(more) & set(mine) and more == sorted(more, key=lambda k: -heat[k])
+    # layers: each layer's hottest copied onto the shard that holds none of that layer
+    own = place(keys, 2, heat, "layers")  # shard 0: layer 1, shard 1: layer 3
+    assert copies(own, 2, heat) == [[(3, 7)], [(1, 7)]]
     with pytest.raises(WeightstreamError, match="--shard-replicas 2: .* 2 or more --expert-shards"):
-        place(keys, 1, replicas=2)
+        copies(place(keys, 1), 2)
     with pytest.raises(WeightstreamError, match="--shard-replicas -1: give 0 or more"):
-        place(keys, 2, replicas=-1)
+        copies(own, -1)
 
 
 def test_placement_by_layers_gives_each_shard_consecutive_layers_hottest_first():

@@ -309,9 +309,9 @@ def add_shard_options(p, ray_address: bool = True) -> None:
         type=int,
         metavar="N",
         help="a second copy of the N hottest experts (by --shard-heat; without it the first layers' experts), each on "
-        "the shard holding the least heat of its layer, kept in the room its own share leaves: the head spreads a "
-        "replicated expert's rows over the live copies, and a shard's death leaves its copies served by the other "
-        "shard instead of the head's disk reads (default 0; needs 2 or more shards)",
+        "the shard holding the least heat of its layer, kept in the room its own share leaves: while a shard is down "
+        "its copied experts are computed by the other shard instead of read from disk by the head (default 0; needs "
+        "2 or more shards)",
     )
     g.add_argument(
         "--shard-delay-us",

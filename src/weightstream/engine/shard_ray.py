@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from weightstream.engine.shards import ExpertShard, Key, ShardDown, ShardedExperts, ShardLink, heat_from_trace
 from weightstream.errors import WeightstreamError
-from weightstream.sim.placement import place
+from weightstream.sim.placement import copies, place
 
 POLL_S = 1.0  # a down shard is asked again at most this often
 START_TIMEOUT_S = 900  # for the shards to load and read their experts
@@ -128,7 +128,9 @@ class RayLink(ShardLink):
             self.ray.kill(self.actor, no_restart=True)
 
 
-def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions) -> ShardedExperts:
+def start_shards(
+    model_dir: str, offered: list[list[Key]], options: ShardOptions, home: dict[Key, int] | None = None
+) -> ShardedExperts:
     """One actor per list of `offered` (Ray must be initialised), each built and holding its share before this
     returns; the head's ShardedExperts over them."""
     ray = _ray()
@@ -150,7 +152,7 @@ def start_shards(model_dir: str, offered: list[list[Key]], options: ShardOptions
                 "while loading, e.g. for memory, is restarted again and again); give them more --shard-memory"
             ) from None
         raise WeightstreamError(_shard_error(exc)) from None
-    return ShardedExperts(links, timeout_s=options.timeout_s, delay_s=options.delay_us / 1e6)
+    return ShardedExperts(links, timeout_s=options.timeout_s, delay_s=options.delay_us / 1e6, home=home)
 
 
 def _shard_error(exc: BaseException) -> str:
@@ -182,12 +184,16 @@ def remove_cgroups(paths: set[str]) -> None:
         MemoryCgroup(Path(path), True, 0).remove()
 
 
-def plan(model, options: ShardOptions) -> tuple[list[list[Key]], str]:
-    """Each shard's offered experts, hottest first, and where the heat came from."""
+def plan(model, options: ShardOptions) -> tuple[list[list[Key]], dict[Key, int], str]:
+    """Each shard's offered experts (its own share hottest first, then its copies of others'), the shard each expert's
+    own copy is on, and where the heat came from."""
     layout = model.weightstream.layout
     heat = heat_from_trace(options.heat_trace, layout) if options.heat_trace else None
     source = f"routing trace {options.heat_trace}" if heat else "none (every expert alike)"
-    return place(sorted(layout.experts), options.shards, heat, options.placement, options.replicas), source
+    own = place(sorted(layout.experts), options.shards, heat, options.placement)
+    extra = copies(own, options.replicas, heat)
+    home = {key: i for i, keys in enumerate(own) for key in keys}
+    return [a + b for a, b in zip(own, extra)], home, source
 
 
 def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions) -> dict:
@@ -274,10 +280,10 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
     """`model`'s experts computed by `options.shards` Ray actors for the block (Ray running: `ray_running`), taken
     back after. Yields the plan (`plan_report`), printed on stderr unless `quiet` and saved to `options.plan_out` if
     given."""
-    offered, heat_source = plan(model, options)
+    offered, home, heat_source = plan(model, options)
     runtime, report, cgroups = model.weightstream, {}, set()
     try:
-        runtime.shards = start_shards(model_dir, offered, options)
+        runtime.shards = start_shards(model_dir, offered, options, home)
         report = plan_report(runtime.shards, runtime.layout, heat_source, options)
         cgroups |= shard_cgroups(report)
         if options.plan_out:

@@ -11,8 +11,8 @@ rows into the layer's contributions, and lets the native layer sum them in ascen
 bitwise those of one process holding every expert. Only for kernels that run a layer natively (the GGML-block
 kernels, `fused`); the head's cache is never asked for an expert a live shard holds.
 
-An expert may be held by two shards (`place(..., replicas=N)`: the hottest N get a second copy): the head gives each
-layer's replicated experts to the copy with the fewest rows so far and hides the other copy from the shard's request.
+An expert may be held by two shards (sim/placement.py's `copies`: the hottest N get a second copy): the head computes
+it on its home shard while that is live, else on the copy, and hides the copy not asked from that shard's request.
 A shard that fails or does not answer in time costs latency, not answers: the head computes its experts from its own
 reads for that layer, and for every later one those no live copy holds, until the link says the shard is back (Ray
 restarts it; the link re-reads what it holds). sim/placement.py's `place` makes the plan, by heat where given
@@ -251,6 +251,7 @@ class ShardedExperts:
     timeout_s: float = 60.0  # a shard that takes longer is taken as down for the layer
     delay_s: float = 0.0  # added once to each layer's round trip (benchmarks: a network's latency, injected)
     on_change: Callable[[], None] | None = None  # called when a shard goes down or comes back (the plan re-made)
+    home: dict[Key, int] | None = None  # the shard each expert's own copy is on (copies elsewhere: `copies`)
     stats: list[LinkStats] = field(init=False)
 
     def __post_init__(self):
@@ -301,9 +302,10 @@ class ShardedExperts:
         self, layer: int, top_k_index: torch.Tensor, among: set[int] | None = None, to: set[int] | None = None
     ) -> dict[int, list[int]]:
         """Shard -> the chosen experts of `layer` (those `among`, if given) it computes: each expert a live shard
-        (one of `to`, if given) holds to one of them; an expert held once to its shard, then the replicated ones,
-        busiest first, each to the copy with the fewest rows so far (the layer's load balanced over the shards). The
-        rows of an expert no live copy holds count against its first copy (the head computes them)."""
+        (one of `to`, if given) holds to one of them. An expert held once goes to its shard; a replicated one to its
+        home shard (`home`, the plan's own share) while that is live, else (or without `home`), busiest first, to the
+        copy with the fewest rows so far. The rows of an expert no live copy holds count against its first copy (the
+        head computes them)."""
         rows = Counter(top_k_index.reshape(-1).tolist())
         owners: dict[int, list[int]] = {}
         for i, own in enumerate(self.owned):
@@ -316,7 +318,8 @@ class ShardedExperts:
             if not live:
                 self.stats[owners[e][0]].fallback_rows += rows[e]
                 continue
-            i = min(live, key=lambda j: (load[j], j))
+            home = (self.home or {}).get((layer, e))
+            i = home if home in live else min(live, key=lambda j: (load[j], j))
             out.setdefault(i, []).append(e)
             load[i] += rows[e]
         return out

@@ -15,11 +15,7 @@ Key = tuple[int, Hashable]  # (layer, expert)
 
 
 def place(
-    keys: Sequence[Key],
-    shards: int,
-    heat: Mapping[Key, float] | None = None,
-    how: str = "layers",
-    replicas: int = 0,
+    keys: Sequence[Key], shards: int, heat: Mapping[Key, float] | None = None, how: str = "layers"
 ) -> list[list[Key]]:
     """`keys` over `shards` lists, each in the order a shard keeps them: hottest by `heat` first (expected lookups;
     none: all alike), so that one short of memory drops the coldest.
@@ -30,22 +26,12 @@ def place(
     - spread: each layer's experts over every shard, hottest first, each to the shard with the least heat of that
       layer so far (ties: the fewest experts, then the first shard): a layer's compute in parallel on every shard,
       for shards on machines of their own.
-
-    `replicas`: the hottest that many keys get a second copy, each on the shard that holds the least heat of its layer
-    among those without it (ties: the fewest experts, then the first), after that shard's own share (hottest first),
-    so a shard keeps copies only in the room its share leaves; the head spreads a replicated expert's rows over the
-    live copies and a shard's death leaves the other copy serving.
     """
     if shards < 1:
         raise WeightstreamError(f"--expert-shards {shards}: give 1 or more shards")
     if how not in PLACEMENTS:
         raise WeightstreamError(f"--shard-placement {how}: one of {', '.join(PLACEMENTS)}")
-    if replicas < 0 or (replicas and shards < 2):
-        raise WeightstreamError(
-            f"--shard-replicas {replicas}: give 0 or more, and 2 or more --expert-shards for a second copy"
-        )
-    heat_of = lambda key: (heat or {}).get(key, 1.0 if heat is None else 0.0)
-    hottest = lambda k: (-heat_of(k), k)
+    heat_of = _heat_of(heat)
     placement: list[list[Key]] = [[] for _ in range(shards)]
     ordered = sorted(keys)
     if how == "layers":
@@ -54,26 +40,42 @@ def place(
     else:
         for layer in sorted({layer for layer, _ in ordered}):
             load = [(0.0, 0, i) for i in range(shards)]
-            for key in sorted((k for k in ordered if k[0] == layer), key=hottest):
+            for key in sorted((k for k in ordered if k[0] == layer), key=lambda k: (-heat_of(k), k)):
                 weight, count, i = min(load)
                 placement[i].append(key)
                 load[i] = (weight + heat_of(key), count + 1, i)
-    placement = [sorted(keys_, key=hottest) for keys_ in placement]
-    copies: list[list[Key]] = [[] for _ in range(shards)]
-    layer_heat: list[dict] = [{} for _ in range(shards)]  # shard -> layer -> heat it holds
+    return [sorted(keys_, key=lambda k: (-heat_of(k), k)) for keys_ in placement]
+
+
+def copies(placement: Sequence[Sequence[Key]], n: int, heat: Mapping[Key, float] | None = None) -> list[list[Key]]:
+    """Second copies of the `n` hottest keys of `placement` (by `heat`; none: all alike, the first keys): per shard,
+    the copies it is offered after its own share, hottest first, each on the shard that holds the least heat of its
+    layer among those without it (ties: the fewest experts, then the first), so a shard short of memory drops copies
+    before its own experts. The head computes a key on its own shard while that is up, on a copy while it is not."""
+    if n < 0 or (n and len(placement) < 2):
+        raise WeightstreamError(
+            f"--shard-replicas {n}: give 0 or more, and 2 or more --expert-shards for a second copy"
+        )
+    heat_of = _heat_of(heat)
+    out: list[list[Key]] = [[] for _ in placement]
+    layer_heat: list[dict] = [{} for _ in placement]  # shard -> layer -> heat it holds
     owner = {}
-    for i, keys_ in enumerate(placement):
-        for key in keys_:
+    for i, keys in enumerate(placement):
+        for key in keys:
             owner[key] = i
             layer_heat[i][key[0]] = layer_heat[i].get(key[0], 0.0) + heat_of(key)
-    for key in sorted(ordered, key=hottest)[:replicas]:
+    for key in sorted(owner, key=lambda k: (-heat_of(k), k))[:n]:
         i = min(
-            (j for j in range(shards) if j != owner[key]),
-            key=lambda j: (layer_heat[j].get(key[0], 0.0), len(placement[j]) + len(copies[j]), j),
+            (j for j in range(len(placement)) if j != owner[key]),
+            key=lambda j: (layer_heat[j].get(key[0], 0.0), len(placement[j]) + len(out[j]), j),
         )
-        copies[i].append(key)
+        out[i].append(key)
         layer_heat[i][key[0]] = layer_heat[i].get(key[0], 0.0) + heat_of(key)
-    return [own + extra for own, extra in zip(placement, copies)]
+    return out
+
+
+def _heat_of(heat: Mapping[Key, float] | None):
+    return lambda key: (heat or {}).get(key, 1.0 if heat is None else 0.0)
 
 
 def heat_counts(choices: np.ndarray, layers: Sequence[int], n_experts: int) -> dict[tuple[int, int], float]:
