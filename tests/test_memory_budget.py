@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from weightstream.cache.warm import read_state, state_path
-from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK, machine_memory, margin_for, size_cache
+from weightstream.engine.footprint import MEMORY_PREFILL_CHUNK, machine_memory, margin_for, size_cache, tensor_bytes
 from weightstream.engine.loader import load_streaming_model
 from weightstream.errors import WeightstreamError
+from weightstream.io.pagecache import evict_file
 from weightstream.units import MIB
 
 from cgroup_support import cgroup_or_skip
@@ -104,6 +105,9 @@ def test_sizing_arithmetic_and_its_refusal():
         size_cache(500 * m, **common)
     need = int(re.search(r"Give --memory (\d+)MiB", str(err.value)).group(1)) * m
     assert size_cache(need, **common).expert_cache >= 100 * m  # the size it names is enough
+    # pages reclaimed before the measurement: the dense weights count what their tensors span
+    held = size_cache(2000 * m, **common, dense_tensors=400 * m)
+    assert (held.dense, held.dense_tensors) == (400 * m, 400 * m) and held.expert_cache == f.expert_cache - 250 * m
 
 
 def test_memory_goes_with_nothing_that_contradicts_it(tiny_model):
@@ -150,6 +154,45 @@ def test_generate_with_memory_runs_inside_a_cgroup_of_that_size(tiny_model):
         assert report["token_ids"] == json.loads(want.stdout)["token_ids"]
     finally:
         group.remove()
+
+
+def test_the_size_a_refusal_names_runs_in_a_cgroup_of_that_size(tiny_model):
+    """The dense weights count at least what their tensors span: measured in a cgroup too small for them, their file
+    pages are reclaimed as the warm-up reads them, and the resident pages alone named a size that a cgroup of that
+    size refused again, asking for more (this model: 800 MiB refused asking 999, 999 refused asking 1164; gpt-oss at
+    16k positions: 1542 MiB asked, then 1715)."""
+    big_head = dict(vocab_size=160000, hidden_size=2048, moe_intermediate_size=512, num_experts=16, num_hidden_layers=2)
+    model_dir = tiny_model("qwen3_moe", "bf16", **big_head)  # a 625 MiB output head; 1.5 GB in all
+    cli = [sys.executable, "-m", "weightstream.cli", "generate", model_dir, "--prompt-ids", "3,17,101,250"]
+    cli += ["--max-new-tokens", "4", "--json"]
+    asked = None
+    for size in (800, "asked"):
+        limit = (asked if size == "asked" else size) * MIB
+        for name in os.listdir(model_dir):  # its pages charged to the cgroup that reads them, as a cold start's
+            evict_file(os.path.join(model_dir, name))
+        group = cgroup_or_skip(limit)
+        try:
+            run = group.popen([*cli, "--memory", f"{limit // MIB}MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = run.communicate(timeout=300)
+            assert group.oom_kills in (0, None)
+        finally:
+            group.remove()
+        if size == 800:
+            assert run.returncode == 2, err.decode()[-2000:]
+            asked = int(re.search(rb"Give --memory (\d+)MiB or more", err).group(1))
+        else:
+            assert run.returncode == 0, err.decode()[-2000:]
+            memory = json.loads(out)["stats"]["memory"]
+            assert memory["memory"] == limit and memory["dense"] >= memory["dense_tensors"] > 625 * MIB
+
+
+def test_tensor_bytes_counts_each_byte_once():
+    base = torch.zeros(1024, dtype=torch.float32)
+    views = [base, base[:256], base[512:], base.view(2, 512)[1]]  # all within base's 4 KiB
+    other = torch.zeros(100, dtype=torch.bfloat16)
+    assert tensor_bytes(views) == 4096 and tensor_bytes([*views, other]) == 4096 + 200
+    assert tensor_bytes([*views, other], leave_out=base) == 200  # what lies inside base left out
+    assert tensor_bytes([torch.empty(8, device="meta"), other]) == 200
 
 
 def test_a_warm_restart_reads_back_the_hottest_experts(tiny_model, tmp_path, capfd):

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+import torch
 
 from weightstream.cgroup import margin_for
 from weightstream.errors import WeightstreamError
@@ -120,11 +123,29 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor], leave_out: torch.Tensor | None = None) -> int:
+    """Bytes the tensors' data spans, each byte once (views and tied weights share theirs), less what lies within
+    `leave_out`'s span: what the dense weights hold once every one is touched, whatever a cgroup under pressure or the
+    page cache has reclaimed of their file pages when the process is measured."""
+    skip = (leave_out.data_ptr(), leave_out.data_ptr() + leave_out.nbytes) if leave_out is not None else (0, 0)
+    spans = sorted({(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if not t.is_meta and t.nbytes})
+    total = end = 0
+    for start, stop in spans:
+        if skip[0] <= start and stop <= skip[1]:
+            continue
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class Footprint:
     """Bytes by part of a process given `memory` bytes. `libraries`: RSS before the model (interpreter, torch,
     transformers); `dense`: the dense weights resident after load (mapped checkpoint pages and any copy), of which
-    `embedding` is the input embedding's rows touched so far; `temporaries`: the warm-up forward's peak above the
+    `embedding` is the input embedding's rows touched so far (at least what the dense tensors span, `dense_tensors`:
+    the pages resident after the warm-up depend on the page cache and on any cgroup the process is in, what the
+    tensors span does not); `temporaries`: the warm-up forward's peak above the
     steady state; `kv_cache`: reserved for `context_tokens`; `margin`: what RSS does not show; `expert_cache`: the
     rest, what the cache holds; `context_temporaries`: what a forward late in that context holds beyond the warm-up's
     (`store.facts.context_temporaries`: one layer's KV copied as it grows, repeated for shared KV heads)."""
@@ -140,6 +161,7 @@ class Footprint:
     context_tokens: int
     warmup_tokens: int
     context_temporaries: int = 0
+    dense_tensors: int = 0
 
     @property
     def runtime(self) -> int:
@@ -173,12 +195,15 @@ def size_cache(
     working_set: int,
     context_temporaries: int = 0,
     smaller_kv: str = "",
+    dense_tensors: int = 0,
 ) -> Footprint:
     """The footprint whose expert cache is what `memory` leaves, from the measured RSS figures (`steady` and
     `peak` after the warm-up, `cache_resident` of them the warm-up cache's pages) and the reserved `kv_cache` and
     `context_temporaries`; refuses a `memory` that leaves less than one token's experts (`working_set`), naming the
-    size that would do (and `smaller_kv`, another way to a smaller KV cache, where there is one)."""
-    dense = max(0, steady - cache_resident - libraries)
+    size that would do (and `smaller_kv`, another way to a smaller KV cache, where there is one). The dense weights
+    count at least `dense_tensors` (what their tensors span, the input embedding's touched rows included), so that a
+    measurement whose file pages were reclaimed (a tight cgroup) asks for the size a roomier run measures."""
+    dense = max(0, steady - cache_resident - libraries, dense_tensors)
     temporaries = max(0, peak - steady)
     margin = margin_for(memory)
     cache = memory - libraries - dense - temporaries - context_temporaries - kv_cache - margin
@@ -207,4 +232,5 @@ def size_cache(
         context_tokens,
         warmup_tokens,
         context_temporaries,
+        dense_tensors,
     )

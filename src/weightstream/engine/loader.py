@@ -26,6 +26,7 @@ from weightstream.engine.footprint import (
     rss,
     settle_file_pages,
     size_cache,
+    tensor_bytes,
 )
 from weightstream.engine.fused import fuse_dense_ops
 from weightstream.engine.generate import generate
@@ -269,6 +270,10 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
         cache_resident = mapped_resident_bytes(cache.arena.address, cache.arena.nbytes)
         table = model.get_input_embeddings().weight
         embedding = mapped_resident_bytes(table.data_ptr(), table.nbytes)
+        # what the dense tensors span, the input embedding as its touched rows (all of it where the head reads it)
+        tied = ties_embeddings(model.config)
+        tensors = [*model.parameters(), *model.buffers()]
+        held = tensor_bytes(tensors, None if tied else table) + (0 if tied else embedding)
         return size_cache(
             memory,
             libraries,
@@ -282,6 +287,7 @@ def _measure(built: _Built, config: EngineConfig, memory: int, libraries: int) -
             layout.working_set_bytes,
             late,
             _smaller_kv(built, config, kv_bytes),
+            held,
         )
     finally:
         cache.close()
