@@ -172,6 +172,28 @@ def test_replicated_experts_are_computed_once_by_one_copy_and_a_dead_shards_copi
             s.close()
 
 
+def test_a_shard_found_dead_when_asked_hands_its_experts_to_copies_on_a_shard_not_asked(native_model, one_process):
+    """The first layer on shard 0, the others on shard 1, every expert copied onto the other: shard 0 dies unseen
+    (still counted up), so its first request fails; its experts go to shard 1's copies in that very layer, though
+    shard 1 holds none of that layer's own share and was not asked there; the head's cache is asked for nothing."""
+    keys = sorted(map_model(native_model).layout.experts)
+    own = placements(native_model)["one shard holds the first layer, the head the rest"]
+    own.append(sorted(set(keys) - set(own[0])))  # shard 1: every other layer
+    home = {k: i for i, shard in enumerate(own) for k in shard}
+    shards = [ExpertShard(native_model, a + b) for a, b in zip(own, copies(own, len(keys)))]
+    try:
+        links = [SwitchedLink(s) for s in shards]
+        sharded = ShardedExperts(links, home=home)
+        links[0].dead = True
+        tokens, logits, asked = sharded_run(native_model, sharded)
+    finally:
+        for s in shards:
+            s.close()
+    assert tokens == one_process[0] and all(torch.equal(a, b) for a, b in zip(logits, one_process[1]))
+    assert not asked and sharded.stats[0].failures == 1
+    assert [t.fallback_rows for t in sharded.stats] == [0, 0] and sharded.stats[0].rows == 0
+
+
 def psutil_rss() -> int:
     import psutil
 

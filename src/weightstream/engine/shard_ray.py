@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -196,9 +197,10 @@ def plan(model, options: ShardOptions) -> tuple[list[list[Key]], dict[Key, int],
     return [a + b for a, b in zip(own, extra)], home, source
 
 
-def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions) -> dict:
+def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: ShardOptions, strict: bool = True) -> dict:
     """The plan as it stands: each shard's experts, whether it is up, and (from a live one) its bytes, memory, cgroup
-    and pid; the experts held twice; the experts the head reads from disk (no live shard holds them)."""
+    and pid; the experts held twice; the experts the head reads from disk (no live shard holds them). `strict`: a live
+    shard that does not report raises (at start); else it is listed without what it would have said."""
     shards, copies = [], {}
     for i, link in enumerate(sharded.links):
         held = sorted(k for layer, es in sharded.owned[i].items() for k in ((layer, e) for e in es))
@@ -206,7 +208,9 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
             copies[k] = copies.get(k, 0) + 1
         up = sharded.stats[i].up
         report = {}
-        if up:
+        if up and strict:
+            report = link.report()
+        elif up:
             with contextlib.suppress(Exception):  # it may die while asked
                 report = link.report()
         shards.append({"shard": i, "up": up, **report, "held": [list(k) for k in held]})
@@ -282,6 +286,7 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
     given."""
     offered, home, heat_source = plan(model, options)
     runtime, report, cgroups = model.weightstream, {}, set()
+    lock, remakes = threading.Lock(), []
     try:
         runtime.shards = start_shards(model_dir, offered, options, home)
         report = plan_report(runtime.shards, runtime.layout, heat_source, options)
@@ -291,15 +296,21 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
         if not quiet:
             print(summary(report), file=sys.stderr)
 
-        def changed(shards=runtime.shards):  # a shard went down or came back: the plan as it stands now
-            now = plan_report(shards, runtime.layout, heat_source, options)
-            cgroups.update(shard_cgroups(now))  # a restarted shard's, to remove after
-            report.update(now)  # the caller's copy (serve's /metrics) too
-            if options.plan_out:
-                with contextlib.suppress(WeightstreamError):  # a full disk must not stop the answers
-                    save_plan(now, options.plan_out)
-            if not quiet:
-                print(f"weightstream: expert shards changed\n{summary(now)}", file=sys.stderr)
+        def remake(shards=runtime.shards):  # a shard went down or came back: the plan as it stands now
+            now = plan_report(shards, runtime.layout, heat_source, options, strict=False)
+            with lock:
+                cgroups.update(shard_cgroups(now))  # a restarted shard's, to remove after
+                report.update(now)  # the caller's copy (serve's /metrics) too
+                if options.plan_out:
+                    with contextlib.suppress(WeightstreamError):  # a full disk must not stop the answers
+                        save_plan(now, options.plan_out)
+                if not quiet:
+                    print(f"weightstream: expert shards changed\n{summary(now)}", file=sys.stderr)
+
+        def changed():  # off the decode path: asking a shard that died unseen waits for its timeout
+            thread = threading.Thread(target=remake, name="weightstream-shard-plan", daemon=True)
+            thread.start()
+            remakes.append(thread)
 
         runtime.shards.on_change = changed
         yield report
@@ -307,7 +318,10 @@ def sharded(model, model_dir: str, options: ShardOptions, quiet: bool = False) -
         if runtime.shards is not None:
             runtime.shards.close()
         runtime.shards = None
-        remove_cgroups(cgroups)
+        for thread in remakes:
+            thread.join(timeout=15)
+        with lock:
+            remove_cgroups(cgroups)
 
 
 def save_plan(report: dict, path: str) -> None:

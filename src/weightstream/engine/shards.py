@@ -304,8 +304,8 @@ class ShardedExperts:
         """Shard -> the chosen experts of `layer` (those `among`, if given) it computes: each expert a live shard
         (one of `to`, if given) holds to one of them. An expert held once goes to its shard; a replicated one to its
         home shard (`home`, the plan's own share) while that is live, else (or without `home`), busiest first, to the
-        copy with the fewest rows so far. The rows of an expert no live copy holds count against its first copy (the
-        head computes them)."""
+        copy with the fewest rows so far. The rows of an expert no live copy holds count against its first copy that is
+        down (the head computes them)."""
         rows = Counter(top_k_index.reshape(-1).tolist())
         owners: dict[int, list[int]] = {}
         for i, own in enumerate(self.owned):
@@ -316,7 +316,8 @@ class ShardedExperts:
         for e in sorted(owners, key=lambda e: (len(owners[e]) > 1, -rows[e], e)):
             live = [i for i in owners[e] if self.stats[i].up and (to is None or i in to)]
             if not live:
-                self.stats[owners[e][0]].fallback_rows += rows[e]
+                down = [i for i in owners[e] if not self.stats[i].up]
+                self.stats[(down or owners[e])[0]].fallback_rows += rows[e]
                 continue
             home = (self.home or {}).get((layer, e))
             i = home if home in live else min(live, key=lambda j: (load[j], j))
@@ -348,9 +349,11 @@ class ShardedExperts:
                 handle = link.send(request)
             except ShardDown:  # dead before it was asked: its experts to live copies not yet asked, else to the head
                 self._down(i, 0)
+                asked = {c[0] for c in calls} | {i}
                 merged = dict(pending)
-                for j, more in self.assign(layer, top_k_index, set(members), set(merged)).items():
-                    merged[j] = sorted(merged[j] + more)
+                unasked = set(range(len(self.links))) - asked
+                for j, more in self.assign(layer, top_k_index, set(members), unasked).items():
+                    merged[j] = sorted(merged.get(j, []) + more)
                 pending = sorted(merged.items())
                 continue
             self.stats[i].bytes_out += sum(t.nbytes for t in request[1:])
