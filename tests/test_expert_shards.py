@@ -330,8 +330,9 @@ def test_generate_with_expert_shards_gives_the_tokens_of_one_process(native_mode
     code, copied_out, err = ran_in_process(*args, "--expert-shards", "2", "--shard-replicas", "5")
     assert code == 0, err
     copied = json.loads(copied_out)
-    assert copied["token_ids"] == plain["token_ids"] and copied["stats"]["expert_shards"]["replicated"] == 5
-    assert "5 held twice" in err
+    copied_plan = copied["stats"]["expert_shards"]
+    assert copied["token_ids"] == plain["token_ids"] and copied_plan["replicated"] == 5
+    assert sum(s["copies"] for s in copied_plan["shards"]) == 5 and "5 held twice" in err and "of them copies" in err
 
 
 def test_bad_shard_options_are_refused_before_loading(native_model, tmp_path):

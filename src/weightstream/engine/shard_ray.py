@@ -213,7 +213,9 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
         elif up:
             with contextlib.suppress(Exception):  # it may die while asked
                 report = link.report()
-        shards.append({"shard": i, "up": up, **report, "held": [list(k) for k in held]})
+        home = sharded.home or {}
+        guests = sum(1 for k in held if home.get(k, i) != i)  # copies of another shard's own experts
+        shards.append({"shard": i, "up": up, **report, "copies": guests, "held": [list(k) for k in held]})
     head = sorted(set(layout.experts) - sharded.held())
     return {
         "shards": shards,
@@ -232,8 +234,8 @@ def summary(report: dict) -> str:
     lines = []
     for s in report["shards"]:
         lines.append(
-            f"shard {s['shard']}: {len(s['held'])} experts ({s.get('expert_bytes', 0) / 2**20:.0f} MiB) in pid "
-            f"{s.get('pid')}, {s.get('cgroup')}"
+            f"shard {s['shard']}: {len(s['held'])} experts{f' ({n} of them copies)' if (n := s.get('copies')) else ''} "
+            f"({s.get('expert_bytes', 0) / 2**20:.0f} MiB) in pid {s.get('pid')}, {s.get('cgroup')}"
             if s["up"]
             else f"shard {s['shard']}: down (its experts from a live copy or the head's reads until Ray restarts it)"
         )
