@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from weightstream.cache.policy import wave_positions
 from weightstream.errors import WeightstreamError
-from weightstream.sim import Workload, replay
+from weightstream.sim import Workload, kernels, replay
 from weightstream.sim.replay import Options, run_one
 from weightstream.trace import ModelShape, TraceWriter, save
 
@@ -151,6 +152,24 @@ def test_batched_prefill_replays_identically_on_both_paths():
         assert sum(run_one(w, "lru", slots * t.shape.expert_bytes[0]).misses_per_layer) <= distinct, slots
     # a later token reusing an expert its step already loaded is a hit even with the smallest cache
     assert run_one(w, "lru", 64 * t.shape.expert_bytes[0]).hits >= t.n_accesses - 12 * 26 * 64
+
+
+def test_the_simulators_waves_are_the_runtimes():
+    """kernels.wave_order (the simulator's, over every group at once) cuts each group as cache.policy.wave_positions
+    (the runtime's) does: the same accesses in the same order, the same calls; empty groups make none."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        sizes = rng.integers(0, 30, size=rng.integers(1, 8))
+        keys = rng.integers(0, 12, size=int(sizes.sum())).astype(np.int32)
+        gstart = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+        capacity = int(rng.integers(1, 14))
+        order, calls = kernels.wave_order(keys, gstart, 12, capacity)
+        want_order, want_calls = [], []
+        for a, b in zip(gstart[:-1].tolist(), gstart[1:].tolist()):
+            for wave in wave_positions(keys[a:b].tolist(), capacity):
+                want_calls.append(len(want_order))
+                want_order += [a + i for i in wave]
+        assert order.tolist() == want_order and calls.tolist() == [*want_calls, len(keys)]
 
 
 def test_byte_budget_when_expert_sizes_differ():
