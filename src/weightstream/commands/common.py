@@ -358,15 +358,14 @@ def shard_options(args):
         raise WeightstreamError(f"--expert-shards {n}: give 1 or more shards (0: none)")
     if not 0 <= delay < 1e7:  # nan and inf too
         raise WeightstreamError(f"--shard-delay-us {delay}: give 0 or more microseconds (below 10 s)")
-    replicas = args.shard_replicas or 0
-    if replicas < 0 or (replicas and n == 1):
-        raise WeightstreamError(
-            f"--shard-replicas {replicas}: give 0 or more copies, and 2 or more --expert-shards to hold a second copy"
-        )
     if not n:
         if given:
             raise WeightstreamError(f"--{given[0].replace('_', '-')} places expert shards: give --expert-shards N")
         return None
+    from weightstream.sim.placement import check_replicas
+
+    replicas = args.shard_replicas or 0
+    check_replicas(replicas, n)
     if args.shard_heat is not None and not os.path.isfile(args.shard_heat):
         raise WeightstreamError(f"--shard-heat {args.shard_heat}: no such file; give a routing trace (.npz)")
     if args.shard_plan is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.shard_plan))):

@@ -201,7 +201,7 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
     """The plan as it stands: each shard's experts, whether it is up, and (from a live one) its bytes, memory, cgroup
     and pid; the experts held twice; the experts the head reads from disk (no live shard holds them). `strict`: a live
     shard that does not report raises (at start); else it is listed without what it would have said."""
-    shards, copies = [], {}
+    shards, copies, home = [], {}, sharded.home or {}
     for i, link in enumerate(sharded.links):
         held = sorted(k for layer, es in sharded.owned[i].items() for k in ((layer, e) for e in es))
         for k in held:
@@ -213,7 +213,6 @@ def plan_report(sharded: ShardedExperts, layout, heat_source: str, options: Shar
         elif up:
             with contextlib.suppress(Exception):  # it may die while asked
                 report = link.report()
-        home = sharded.home or {}
         guests = sum(1 for k in held if home.get(k, i) != i)  # copies of another shard's own experts
         shards.append({"shard": i, "up": up, **report, "copies": guests, "held": [list(k) for k in held]})
     head = sorted(set(layout.experts) - sharded.held())

@@ -280,16 +280,13 @@ class ShardedExperts:
             if keys is not None:  # a restarted shard may hold another share of what it was offered
                 self.owned[i] = self._owned(link, keys)
                 self.stats[i].up, self.stats[i].readmitted = True, self.stats[i].readmitted + 1
-                self._changed()
+                self._change = True
 
     def _down(self, i: int, rows: int) -> None:
         """Shard `i` failed: the head computes its `rows` of this layer, and its experts (those no live copy holds)
         until it is back."""
         s = self.stats[i]
         s.up, s.failures, s.fallback_rows = False, s.failures + 1, s.fallback_rows + rows
-        self._changed()
-
-    def _changed(self) -> None:
         self._change = True
 
     def _settle(self) -> None:

@@ -52,10 +52,7 @@ def copies(placement: Sequence[Sequence[Key]], n: int, heat: Mapping[Key, float]
     the copies it is offered after its own share, hottest first, each on the shard that holds the least heat of its
     layer among those without it (ties: the fewest experts, then the first), so a shard short of memory drops copies
     before its own experts. The head computes a key on its own shard while that is up, on a copy while it is not."""
-    if n < 0 or (n and len(placement) < 2):
-        raise WeightstreamError(
-            f"--shard-replicas {n}: give 0 or more, and 2 or more --expert-shards for a second copy"
-        )
+    check_replicas(n, len(placement))
     heat_of = _heat_of(heat)
     out: list[list[Key]] = [[] for _ in placement]
     layer_heat: list[dict] = [{} for _ in placement]  # shard -> layer -> heat it holds
@@ -72,6 +69,14 @@ def copies(placement: Sequence[Sequence[Key]], n: int, heat: Mapping[Key, float]
         out[i].append(key)
         layer_heat[i][key[0]] = layer_heat[i].get(key[0], 0.0) + heat_of(key)
     return out
+
+
+def check_replicas(n: int, shards: int) -> None:
+    """Refuses `--shard-replicas n` that is negative, or positive with fewer than 2 shards to hold a second copy."""
+    if n < 0 or (n and shards < 2):
+        raise WeightstreamError(
+            f"--shard-replicas {n}: give 0 or more copies, and 2 or more --expert-shards to hold a second copy"
+        )
 
 
 def _heat_of(heat: Mapping[Key, float] | None):
