@@ -72,3 +72,55 @@ def test_simulate_shards_prints_the_price_and_refuses_a_cluster_half_given(tmp_p
     assert code == 2 and "give --shards N, --shard-memory SIZE and --hidden N" in err
     code, err = refused_in_process(*args, "--network-gbps", "0")
     assert code == 2 and "--network-gbps must be positive" in err, err
+
+
+def test_a_dead_shards_experts_go_to_live_copies_else_to_the_head():
+    """`--shard-down` prices the cluster with a shard dead, as the runtime serves it (engine/shards.py's `assign`):
+    its experts computed on a live copy where `--shard-replicas` gave one, else read by the head."""
+    trace = deepseek(40)
+    healthy = price_cluster(trace, spec(), train_share=0.5)
+    copied = price_cluster(trace, spec(replicas=300), train_share=0.5)
+    assert copied["experts_held_twice"] == 300 and copied["experts_on_shards"] == 26 * 64
+    for key in ("share_of_lookups_on_shards", "round_trips_per_token", "network_bytes_per_token"):
+        assert copied[key] == healthy[key], key  # while every shard is up its home computes each expert
+    own = place(sorted(_heat(trace)), 3, _heat(trace))
+    dead = price_cluster(trace, spec(down=(0,)), train_share=0.5)
+    assert dead["experts_on_shards"] == 26 * 64 - len(own[0])
+    dead_copied = price_cluster(trace, spec(down=(0,), replicas=300), train_share=0.5)
+    assert dead_copied["share_of_lookups_on_shards"] > dead["share_of_lookups_on_shards"]
+    assert dead_copied["head_mib_read_per_token"] < dead["head_mib_read_per_token"]
+    # a copy of every expert: the cluster loses no lookup to one dead shard
+    everything = price_cluster(trace, spec(down=(1,), replicas=26 * 64), train_share=0.5)
+    assert everything["share_of_lookups_on_shards"] == 1.0 and everything["head_mib_read_per_token"] == 0
+    # the copies are dropped first where a shard's memory runs short: its own share is kept whole
+    expert = max(trace.shape.expert_bytes)
+    memory = int((512 * MIB + (max(map(len, own)) + 10) * expert + 48 * MIB) / 0.98) + 1
+    short = price_cluster(trace, spec(shard_memory=memory, replicas=300), train_share=0.5)
+    spare = sum(short["experts_per_shard"] - len(share) for share in own)
+    assert short["experts_on_shards"] == 26 * 64 and 0 < short["experts_held_twice"] == spare < 300
+
+
+def _heat(trace):
+    from weightstream.sim.placement import heat_counts
+
+    choices = token_rows(trace)[np.repeat(trace.step_request, trace.step_tokens) < 20]
+    return heat_counts(choices, list(range(choices.shape[1])), trace.shape.n_experts)
+
+
+def test_simulate_prices_a_dead_shard_and_refuses_bad_shard_numbers(tmp_path):
+    path = tmp_path / "ds.npz"
+    save(deepseek(20), path)
+    args = ("simulate", path, "--shards", "3", "--shard-memory", "64GiB", "--hidden", "2048")
+    code, out, err = ran_in_process(*args, "--shard-replicas", "100", "--shard-down", "0", "--json")
+    assert code == 0, err
+    report = json.loads(out)["cluster"]
+    assert report["down"] == [0] and report["replicas"] == 100 and report["experts_held_twice"] == 100
+    code, out, err = ran_in_process(*args, "--shard-down", "2")
+    assert code == 0 and "shards down: 2" in out, err
+    for bad, message in (("3", "from 0 to 2"), ("0,0", "distinct"), ("x", "separated by commas")):
+        code, err = refused_in_process(*args, "--shard-down", bad)
+        assert code == 2 and "--shard-down" in err and message in err, (bad, err)
+    code, err = refused_in_process(*args, "--shard-replicas", "-1")
+    assert code == 2 and "--shard-replicas -1" in err, err
+    code, err = refused_in_process("simulate", path, "--shard-down", "0")
+    assert code == 2 and "give --shards N" in err, err

@@ -102,6 +102,19 @@ def register(sub) -> None:
     c.add_argument("--network-gbps", type=float, default=25.0, metavar="G", help="bandwidth (default 25 Gb/s)")
     c.add_argument("--network-rtt-us", type=float, default=50.0, metavar="US", help="round trip (default 50 us)")
     c.add_argument("--shard-placement", choices=("layers", "spread"), default="layers", help="as --expert-shards")
+    c.add_argument(
+        "--shard-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="as generate's: the N hottest experts get a second copy, after each shard's own share (default 0)",
+    )
+    c.add_argument(
+        "--shard-down",
+        metavar="I[,J...]",
+        help="price the cluster with these shards dead (numbered from 0): their experts served by live copies, "
+        "else read by the head; e.g. --shards 3 --shard-replicas 300 --shard-down 0",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--plot", metavar="OUT.png", help="also draw MiB read per token against cache size")
     p.set_defaults(func=run)
@@ -220,7 +233,7 @@ def run(args) -> int:
         raise WeightstreamError(
             f"{args.trace}: the trace has no steps, so there is no routing to replay; import or record one with tokens"
         )
-    if args.shards is not None or args.shard_memory is not None:
+    if args.shards is not None or args.shard_memory is not None or args.shard_down or args.shard_replicas:
         return _cluster(args, trace)
     policies, sizes = _policies(args.policies), parse_sizes(args.sizes, trace.shape.working_set_bytes)
     w = Workload(trace, args.train_share)
@@ -248,6 +261,13 @@ def run(args) -> int:
     return 0
 
 
+def _shard_list(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",")) if text else ()
+    except ValueError:
+        raise WeightstreamError(f"--shard-down {text!r}: give shard numbers separated by commas, e.g. 0 or 0,2")
+
+
 def _cluster(args, trace) -> int:
     """`--shards`: the cluster priced (sim/cluster.py), as a table or --json."""
     from weightstream.sim.cluster import ClusterSpec, price_cluster
@@ -267,6 +287,8 @@ def _cluster(args, trace) -> int:
         gbps=args.network_gbps,
         rtt_us=args.network_rtt_us,
         placement=args.shard_placement,
+        replicas=args.shard_replicas,
+        down=_shard_list(args.shard_down),
     )
     report = price_cluster(trace, spec, args.train_share)
     if args.json:
@@ -277,6 +299,9 @@ def _cluster(args, trace) -> int:
         f"{trace.shape.name}: {report['judged_tokens']} judged tokens; {args.shards} shards of "
         f"{args.shard_memory} hold {on} of {report['experts']} experts ({report['experts_per_shard']} each)"
     )
+    if report["replicas"] or report["down"]:
+        down = ", ".join(map(str, report["down"])) or "none"
+        print(f"  held twice                 {report['experts_held_twice']} experts; shards down: {down}")
     print(f"  lookups served by shards   {100 * report['share_of_lookups_on_shards']:.1f}%")
     print(
         f"  round trips a token        {report['round_trips_per_token']} "

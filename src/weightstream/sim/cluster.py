@@ -7,6 +7,11 @@ its misses from disk. The judged requests are replayed token by token: a layer w
 costs one network round trip (the shards of a layer answer in parallel), the bytes of the rows that travel (hidden
 rows out in bf16, each shard-computed (token, k) row back in float32) at the network's bandwidth, and the head reads
 its misses. What the shards' compute costs is not priced here: it is the same compute one process does.
+
+With `replicas`, the hottest experts get a second copy after each shard's own share (sim/placement.py's `copies`, as
+`--shard-replicas`), dropped first where a shard's memory runs short; with `down`, those shards are priced dead: an
+expert goes to its home shard while that is up and holds it, else to a live copy, else to the head (as the runtime's
+`ShardedExperts.assign`), so the degraded cluster's reads are priced before a shard is lost.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 from weightstream.cgroup import margin_for
 from weightstream.errors import WeightstreamError
-from weightstream.sim.placement import heat_counts, place
+from weightstream.sim.placement import check_replicas, copies, heat_counts, place
 from weightstream.trace import Trace
 from weightstream.trace.remap import token_rows
 
@@ -35,6 +40,8 @@ class ClusterSpec:
     gbps: float = 25.0  # the network's bandwidth, gigabits a second
     rtt_us: float = 50.0  # a round trip's latency on it
     placement: str = "layers"
+    replicas: int = 0  # the hottest experts given a second copy (`--shard-replicas`)
+    down: tuple[int, ...] = ()  # shards priced as dead
 
 
 def _token_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +55,12 @@ def price_cluster(trace: Trace, spec: ClusterSpec, train_share: float = 0.5) -> 
     """What `spec`'s cluster holds and what a judged token costs it: round trips, network bytes and time, head reads."""
     if spec.shards < 1:
         raise WeightstreamError(f"--shards {spec.shards}: give 1 or more")
+    check_replicas(spec.replicas, spec.shards)
+    bad = [i for i in spec.down if not 0 <= i < spec.shards]
+    if bad or len(set(spec.down)) != len(spec.down):
+        raise WeightstreamError(
+            f"--shard-down {','.join(map(str, spec.down))}: give distinct shard numbers from 0 to {spec.shards - 1}"
+        )
     if not 0 <= train_share < 1:
         raise WeightstreamError(f"--train-share {train_share}: must be in [0, 1)")
     shape = trace.shape
@@ -60,8 +73,16 @@ def price_cluster(trace: Trace, spec: ClusterSpec, train_share: float = 0.5) -> 
     heat = heat_counts(train, list(layers), shape.n_experts)
     expert_bytes = max(shape.expert_bytes)
     room = max(0, (spec.shard_memory - margin_for(spec.shard_memory) - spec.shard_base) // expert_bytes)
-    offered = place(sorted(heat), spec.shards, heat if train_share else None, spec.placement)
-    owner = {key: s for s, keys in enumerate(offered) for key in keys[:room]}
+    own = place(sorted(heat), spec.shards, heat if train_share else None, spec.placement)
+    extra = copies(own, spec.replicas, heat if train_share else None)
+    held = [set((a + b)[:room]) for a, b in zip(own, extra)]
+    home = {key: s for s, keys in enumerate(own) for key in keys}
+    live = [s for s in range(spec.shards) if s not in spec.down]
+    owner = {}  # the shard that computes each expert: its home while up and holding it, else a live copy
+    for key in heat:
+        serving = [s for s in [home[key], *live] if s in live and key in held[s]]
+        if serving:
+            owner[key] = serving[0]
     head_slots = max(0, spec.head_cache // expert_bytes)
     cache: OrderedDict = OrderedDict()
     trips = layer_trips = misses = shard_rows = head_rows = 0
@@ -101,6 +122,9 @@ def price_cluster(trace: Trace, spec: ClusterSpec, train_share: float = 0.5) -> 
         "shard_base_mib": round(spec.shard_base / MIB, 1),
         "experts_per_shard": room,
         "experts_on_shards": len(owner),
+        "replicas": spec.replicas,
+        "experts_held_twice": sum(sum(key in h for h in held) > 1 for key in heat),
+        "down": list(spec.down),
         "experts": len(heat),
         "head_cache_experts": head_slots,
         "judged_tokens": n,
