@@ -29,6 +29,19 @@ using RopeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
 using PairsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using HeadsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using AttendFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using QuantizeFn = at::Tensor(const at::Tensor&);
+
+// Position `used` of a cache buffer written with `row`: as it is (rounded to a 16-bit buffer's dtype by copy_), or as
+// q8_0 blocks into a uint8 buffer (weightstream::quantize_q8_0, as engine/kv_cache.py writes a prompt's rows).
+void write_row(const at::Tensor& buffer, int64_t used, const at::Tensor& row) {
+  static const auto quantize_op = op<QuantizeFn>("weightstream::quantize_q8_0");
+  buffer.narrow(2, used, 1).copy_(buffer.scalar_type() == at::kByte ? quantize_op.call(row) : row);
+}
+
+// The values a cache buffer's row holds (q8_0: 32 a 34-byte block).
+int64_t row_values(const at::Tensor& buffer) {
+  return buffer.scalar_type() == at::kByte ? buffer.size(3) / 34 * 32 : buffer.size(3);
+}
 
 // One row times the i-th of the blocks `w` (types, rows x cols each), by weightstream::linear: a NativeLinear's
 // one-row forward.
@@ -46,8 +59,8 @@ enum RotKind : int64_t { kRope = 0, kRopeInterleaved = 1, kPairs = 2 };
 // GGML blocks of `types`, rows x cols each; k_b and v_b the absorbed attention's blocks (each head's kv_lora rows of
 // nope, and its v rows of kv_lora). norms/eps: [input, q_a (a q_lora model), kv_a, post-attention]. rot_a/rot_b:
 // (cos, sin) or the complex frequencies (rot_b absent). c_buf (1, 1, capacity, kv_lora) and r_buf (1, 1, capacity,
-// rope): the layer's cache buffers, positions [0, used) filled; `used` gets this row's. dims: heads, nope, rope, v,
-// kv_lora. Returns (h + attention, the post-attention norm of that).
+// rope), or q8_0 blocks of those (uint8): the layer's cache buffers, positions [0, used) filled; `used` gets this
+// row's. dims: heads, nope, rope, v, kv_lora. Returns (h + attention, the post-attention norm of that).
 std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorList w, at::IntArrayRef types,
                                               at::IntArrayRef rows, at::IntArrayRef cols, const at::Tensor& k_b,
                                               int64_t k_type, const at::Tensor& v_b, int64_t v_type,
@@ -68,8 +81,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.size(1) == 1 && h.scalar_type() == at::kFloat,
               "weightstream mla_decode: one float32 row (1, 1, hidden) only");
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], v = dims[3], kv_lora = dims[4];
-  TORCH_CHECK(used >= 0 && used < c_buf.size(2) && used < r_buf.size(2) && c_buf.size(3) == kv_lora &&
-                  r_buf.size(3) == rope,
+  TORCH_CHECK(used >= 0 && used < c_buf.size(2) && used < r_buf.size(2) && row_values(c_buf) == kv_lora &&
+                  row_values(r_buf) == rope && c_buf.scalar_type() == r_buf.scalar_type(),
               "weightstream mla_decode: the cache buffers hold ", c_buf.sizes(), " and ", r_buf.sizes(),
               "; position ", used, " does not fit");
   auto lin = [&](const at::Tensor& x, size_t i) { return product(x, w, types, rows, cols, i); };
@@ -95,8 +108,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& h, at::TensorLis
     TORCH_CHECK(rot_b.has_value(), "weightstream mla_decode: cos and sin needed");
     std::tie(q_rot, k_rot) = rope_op.call(q_parts[1], k_rot_in, rot_a, *rot_b, rot_kind == kRopeInterleaved);
   }
-  c_buf.narrow(2, used, 1).copy_(latent);
-  r_buf.narrow(2, used, 1).copy_(k_rot);
+  write_row(c_buf, used, latent);
+  write_row(r_buf, used, k_rot);
   const at::Tensor c = c_buf.narrow(2, 0, used + 1).select(1, 0);
   const at::Tensor r = r_buf.narrow(2, 0, used + 1).select(1, 0);
   const at::Tensor q_lat = heads_op.call(q_parts[0].view({heads, 1, nope}), k_b, k_type, kv_lora).view({1, heads, kv_lora});

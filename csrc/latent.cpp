@@ -210,8 +210,61 @@ WS_CLONES void bf16_rows(const uint16_t* in, float* out, int64_t n) {
   }
 }
 
-// Rows [p0, p1) of a 16-bit (T, width) cache with `stride` elements a row, as float32 rows of `width` in `out`.
+// An 8-bit cache in llama.cpp's q8_0 (`-ctk q8_0`): each 32 values a GGML block, a float16 scale d then 32 int8
+// codes q, the value d * q; 34 bytes where float16 takes 64. Stored as uint8 rows of whole blocks (latent and rotary
+// key each a multiple of 32 values). Widened a block of positions at a time as a 16-bit cache is: the values are
+// exactly d * q, so the result is the float32 kernel's on those values.
+constexpr int64_t kQ8Values = 32, kQ8Bytes = 34;
+
+WS_CLONES void q8_rows(const uint8_t* in, float* out, int64_t n) {
+  for (int64_t b = 0; b < n / kQ8Values; b++) {
+    const uint8_t* block = in + b * kQ8Bytes;
+    uint16_t bits;
+    __builtin_memcpy(&bits, block, sizeof bits);
+    const float d = c10::detail::fp16_ieee_to_fp32_value(bits);
+    const auto* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int64_t j = 0; j < kQ8Values; j++) out[b * kQ8Values + j] = d * (float)q[j];
+  }
+}
+
+// x (..., n) float32, n a multiple of 32, as q8_0 blocks (..., n / 32 * 34) uint8: ggml's quantize_row_q8_0_ref,
+// d = max |x| / 127 (stored as float16), q = round(x / d) with the float32 d's inverse.
+at::Tensor quantize_q8_0(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) % kQ8Values == 0,
+              "weightstream quantize_q8_0: the last dimension must be whole blocks of 32 values, not ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  auto sizes = x.sizes().vec();
+  const int64_t n = sizes.back(), blocks = x.numel() / kQ8Values;
+  sizes.back() = n / kQ8Values * kQ8Bytes;
+  at::Tensor out = at::empty(sizes, x.options().dtype(at::kByte));
+  const float* in = x.data_ptr<float>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < blocks; b++) {
+    const float* v = in + b * kQ8Values;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kQ8Values; j++) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    const uint16_t bits = c10::detail::fp16_ieee_from_fp32_value(d);
+    uint8_t* block = to + b * kQ8Bytes;
+    __builtin_memcpy(block, &bits, sizeof bits);
+    for (int64_t j = 0; j < kQ8Values; j++) block[2 + j] = (uint8_t)(int8_t)std::round(v[j] * inv);
+  }
+  return out;
+}
+
+// The values a cache row of `bytes` holds: a q8_0 row's 32 a block, a float one's one an element.
+int64_t row_values(const at::Tensor& t) {
+  return t.scalar_type() == at::kByte ? t.size(-1) / kQ8Bytes * kQ8Values : t.size(-1);
+}
+
+// Rows [p0, p1) of a 16-bit or q8_0 (T, width) cache with `stride` elements a row, as float32 rows in `out`.
 void widen(const at::Tensor& t, int64_t b, int64_t p0, int64_t p1, float* out) {
+  if (t.scalar_type() == at::kByte) {
+    const int64_t width = row_values(t), stride = t.stride(1);
+    const uint8_t* base = t.data_ptr<uint8_t>() + b * t.stride(0);
+    for (int64_t p = p0; p < p1; p++) q8_rows(base + p * stride, out + (p - p0) * width, width);
+    return;
+  }
   const int64_t width = t.size(2), stride = t.stride(1);
   const auto* base = reinterpret_cast<const uint16_t*>(t.data_ptr()) + b * t.stride(0);
   const bool half = t.scalar_type() == at::kHalf;
@@ -240,8 +293,9 @@ void merge_head(const Sizes& s, int64_t blocks, const float* m, const float* l, 
 }
 
 // q_lat (B, H, L), q_rot (B, H, R): one query row a sequence, every cached position visible; c (B, T, L) and
-// r (B, T, R) the cached latents and rotary keys (rows may be strided), float32, or both float16 or both bfloat16.
-// Returns (B, H, L): the weighted latents, float32.
+// r (B, T, R) the cached latents and rotary keys (rows may be strided), float32, or both float16 or both bfloat16,
+// or both q8_0 blocks (uint8 (B, T, L / 32 * 34) and (B, T, R / 32 * 34)). Returns (B, H, L): the weighted latents,
+// float32.
 at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in, const at::Tensor& c,
                          const at::Tensor& r, double scale) {
   for (const at::Tensor* t : {&q_lat_in, &q_rot_in, &c, &r}) {
@@ -250,17 +304,19 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
   TORCH_CHECK(q_lat_in.scalar_type() == at::kFloat && q_rot_in.scalar_type() == at::kFloat,
               "weightstream latent_attend: float32 queries only");
   const at::ScalarType cache_type = c.scalar_type();
-  TORCH_CHECK(r.scalar_type() == cache_type &&
-                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16),
-              "weightstream latent_attend: the latents and rotary keys both float32, float16 or bfloat16, not ",
-              c.scalar_type(), " and ", r.scalar_type());
+  TORCH_CHECK(r.scalar_type() == cache_type && (cache_type == at::kFloat || cache_type == at::kHalf ||
+                                                 cache_type == at::kBFloat16 || cache_type == at::kByte),
+              "weightstream latent_attend: the latents and rotary keys both float32, float16, bfloat16 or q8_0 "
+              "blocks (uint8), not ", c.scalar_type(), " and ", r.scalar_type());
   const bool wide = cache_type == at::kFloat;
   TORCH_CHECK(c.stride(2) == 1 && r.stride(2) == 1, "weightstream latent_attend: cache rows must be dense");
   const at::Tensor q_lat = q_lat_in.contiguous(), q_rot = q_rot_in.contiguous();
   const int64_t batch = q_lat.size(0), positions = c.size(1);
   const Sizes s{q_lat.size(1), q_lat.size(2), q_rot.size(2)};
+  const bool blocks_whole = cache_type != at::kByte || (c.size(2) % kQ8Bytes == 0 && r.size(2) % kQ8Bytes == 0);
   TORCH_CHECK(q_rot.size(0) == batch && q_rot.size(1) == s.heads && c.size(0) == batch && r.size(0) == batch &&
-                  c.size(2) == s.lora && r.size(2) == s.rope && r.size(1) == positions && positions > 0,
+                  blocks_whole && row_values(c) == s.lora && row_values(r) == s.rope && r.size(1) == positions &&
+                  positions > 0,
               "weightstream latent_attend: q_lat ", q_lat.sizes(), ", q_rot ", q_rot.sizes(), ", c ", c.sizes(),
               " and r ", r.sizes(), " do not match");
   const int64_t blocks = (positions + kBlock - 1) / kBlock;
@@ -270,11 +326,12 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
   float* mp = ml.data_ptr<float>();
   float* lp = mp + batch * blocks * s.heads;
   const int64_t groups = (s.heads + kGroup - 1) / kGroup;
-  // a float32 cache: a task is a block and a group of heads; a 16-bit one: a block, widened once for all its groups
+  // a float32 cache: a task is a block and a group of heads; a 16- or 8-bit one: a block, widened once for all its
+  // groups
   const int64_t per_task = wide ? 1 : groups;
   at::parallel_for(0, batch * blocks * groups / per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(kGroup * kBlock, 0.f);
-    std::unique_ptr<float[]> rows(wide ? nullptr : new float[kBlock * (s.lora + s.rope)]);  // a 16-bit block, widened
+    std::unique_ptr<float[]> rows(wide ? nullptr : new float[kBlock * (s.lora + s.rope)]);  // a block, widened
     for (int64_t i = begin * per_task; i < end * per_task; i++) {
       const int64_t task = i / groups, group = i % groups, b = task / blocks, block = task % blocks;
       const int64_t p0 = block * kBlock, p1 = std::min(positions, p0 + kBlock);
@@ -311,11 +368,15 @@ at::Tensor latent_attend(const at::Tensor& q_lat_in, const at::Tensor& q_rot_in,
 }  // namespace
 
 // The cache dtypes latent_attend reads (an extension built before 16-bit caches lacks this op: native.has).
-std::vector<std::string> latent_cache_dtypes() { return {"float32", "float16", "bfloat16"}; }
+std::vector<std::string> latent_cache_dtypes() { return {"float32", "float16", "bfloat16", "q8_0"}; }
 
 TORCH_LIBRARY_FRAGMENT(weightstream, m) {
   m.def("latent_attend(Tensor q_lat, Tensor q_rot, Tensor c, Tensor r, float scale) -> Tensor");
   m.def("latent_cache_dtypes() -> str[]", &latent_cache_dtypes);
+  m.def("quantize_q8_0(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(weightstream, CPU, m) { m.impl("latent_attend", &latent_attend); }
+TORCH_LIBRARY_IMPL(weightstream, CPU, m) {
+  m.impl("latent_attend", &latent_attend);
+  m.impl("quantize_q8_0", &quantize_q8_0);
+}

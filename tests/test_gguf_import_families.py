@@ -512,7 +512,7 @@ LEAN_ROUTERS = {
 @pytest.mark.parametrize(
     "arch,routers,kv",
     [(a, r, "auto") for a in ("deepseek_v2", "deepseek_v3") for r in ("lean", "grouped")]
-    + [("deepseek_v3", "lean", "float16"), ("deepseek_v2", "lean", "bfloat16")],
+    + [("deepseek_v3", "lean", "float16"), ("deepseek_v2", "lean", "bfloat16"), ("deepseek_v3", "lean", "q8_0")],
 )
 def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path, arch, routers, kv, monkeypatch):
     """In a file whose dense weights are quantized (as llama-quantize's are), DeepSeek's decoder layers take a decode
@@ -520,14 +520,17 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
     and complex rotary; k_b and v_b as the file's blocks) and its MLP half in one more (the dense layer's MLP; a MoE
     block's router in one call, its experts, then its shared experts and sums in one), and give their own forwards'
     logits bitwise, step by step; a router with groups that hide experts keeps the MoE block's own forward; a hook on
-    a module the call stands for sends the row to the layer's own forward. With a 16-bit latent cache (--kv-dtype)
-    the row writes and reads the cache in that dtype as the layers' own forwards do."""
+    a module the call stands for sends the row to the layer's own forward. With a 16-bit or q8_0 latent cache
+    (--kv-dtype; q8_0 with a rotary key of a whole 32-value block) the row writes and reads the cache in that dtype
+    as the layers' own forwards do."""
     from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 
     src = source(arch)
     if routers == "lean":
         src = str(tmp_path / "src")
-        synthesize(src, {**preset_config("tiny", arch), **SOURCES[arch], **LEAN_ROUTERS[arch]}, dtype="bf16", seed=1)
+        blocks = {"qk_rope_head_dim": 32, "head_dim": 32} if kv == "q8_0" else {}
+        config = {**preset_config("tiny", arch), **SOURCES[arch], **LEAN_ROUTERS[arch], **blocks}
+        synthesize(src, config, dtype="bf16", seed=1)
         _randomize_biases(src)  # V3's correction bias chooses the experts: not zeros
     halves = {"split_kv_b": True, "mla_keys": True, "halves": ("Q5_0", "Q8_0"), "dense_kind": "Q8_0"}
     path = family_gguf(src, tmp_path / "q.gguf", lambda layer, proj: "Q4_K", **halves)
@@ -548,7 +551,7 @@ def test_a_decode_row_in_one_native_call_gives_the_layers_bits(source, tmp_path,
                 out = model(out.argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1]
                 logits.append(out)
         stored = {layer.keys.dtype for layer in cache.layers}
-        assert stored == {torch.float32 if kv == "auto" else getattr(torch, kv)}, stored
+        assert stored == {torch.float32 if kv == "auto" else torch.uint8 if kv == "q8_0" else getattr(torch, kv)}
         return logits
 
     try:

@@ -1,6 +1,7 @@
 """DeepSeek's latent attention absorbed (engine/latent_attention.py): the same attention as transformers' expanded
 form within rounding, bitwise the same streamed or resident, and the expanded form still bitwise transformers'."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -311,8 +312,38 @@ def test_a_16bit_cache_is_attended_as_its_float32_values(dtype, batch, heads, kv
     got = native.latent_attend(q_lat, q_rot, c, r, 0.11)
     assert got.dtype is torch.float32
     assert torch.equal(got, native.latent_attend(q_lat, q_rot, c.float(), r.float(), 0.11))
-    with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="both float32, float16, bfloat16 or q8_0"):
         native.latent_attend(q_lat, q_rot, c, r.float(), 0.11)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built on this machine")
+@pytest.mark.parametrize("batch, heads, kv_lora, rope, positions", [(1, 16, 512, 64, 300), (2, 3, 64, 32, 1)])
+def test_a_q8_0_cache_holds_ggml_s_blocks_and_is_attended_as_their_values(batch, heads, kv_lora, rope, positions):
+    """--kv-dtype q8_0: each row quantized as ggml quantizes q8_0 (byte for byte gguf-py's reference, the format
+    llama.cpp's `-ctk q8_0` keeps), decoded exactly (d * q), and attended in one pass as the float32 kernel attends
+    those values, bitwise (strided rows: a view of a wider buffer)."""
+    import gguf
+
+    from weightstream.engine.kv_cache import widened
+
+    gen = torch.Generator().manual_seed(positions)
+    q_lat, q_rot = torch.randn(batch, heads, kv_lora, generator=gen), torch.randn(batch, heads, rope, generator=gen)
+    rows = torch.randn(batch, positions + 9, kv_lora + rope, generator=gen) * 3
+    rows[0, 0, :32] = 0  # a block of zeros: scale 0, codes 0
+    blocks = native.quantize_q8_0(rows)
+    want = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert blocks.dtype is torch.uint8 and np.array_equal(blocks.numpy(), want.reshape(blocks.shape))
+    values = widened(blocks)
+    assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(want, gguf.GGMLQuantizationType.Q8_0)))
+    assert float((values - rows).abs().max()) <= float(rows.abs().max()) / 127  # half a step of the largest block
+    c = native.quantize_q8_0(rows[..., :kv_lora])[:, :positions]
+    r = native.quantize_q8_0(rows[..., kv_lora:])[:, :positions]
+    got = native.latent_attend(q_lat, q_rot, c, r, 0.11)
+    assert torch.equal(got, native.latent_attend(q_lat, q_rot, widened(c), widened(r), 0.11))
+    with pytest.raises(RuntimeError, match="do not match"):
+        native.latent_attend(q_lat, q_rot, c[..., :-1], r, 0.11)
+    with pytest.raises(RuntimeError, match="whole blocks of 32 values"):
+        native.quantize_q8_0(rows[..., :40])
 
 
 def _decode_steps(model, prompt: torch.Tensor, steps: int, cache=None) -> tuple[list[int], list[torch.Tensor], object]:
@@ -331,19 +362,22 @@ def _decode_steps(model, prompt: torch.Tensor, steps: int, cache=None) -> tuple[
     return tokens, logits, cache
 
 
-# a tiny random model's logits with its latent cache rounded to 16 bits, against the float32 cache's, relative to
-# their largest magnitude (measured 2026-12-07 over 8 steps of V2 and V3: float16 at most 2.2e-4, bfloat16 1.6e-3;
-# a trained model's perplexity in docs/benchmarks.md)
-KV_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}
+# a tiny random model's logits with its latent cache rounded to 16 bits or q8_0, against the float32 cache's,
+# relative to their largest magnitude (measured 2026-12-07 over 8 steps of V2 and V3: float16 at most 2.2e-4,
+# bfloat16 1.6e-3, q8_0 5.1e-3; a trained model's perplexity in docs/benchmarks.md)
+KV_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3, "q8_0": 1.5e-2}
+Q8_SHAPE = dict(qk_rope_head_dim=32, head_dim=32)  # q8_0 keeps whole 32-value blocks: the tiny preset's rope is 8
+# bytes a cached token and layer: the tiny preset's kv_lora 32 and its rope (8, or 32 for q8_0's blocks)
+KV_BYTES = {"float16": (32 + 8) * 2, "bfloat16": (32 + 8) * 2, "q8_0": (32 + 32) // 32 * 34}
 
 
 @pytest.mark.parametrize("kv", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_16bit_latent_cache(tiny_model, arch, kv):
-    """--kv-dtype float16/bfloat16: the cache holds half float32's bytes a token (as stated to --memory and --json),
-    streamed equals resident bitwise at every cache size and thread count, and the logits stay within KV_TOLERANCE
-    of the float32 cache's, fed the same tokens."""
-    model_dir = tiny_model(arch)
+def test_a_16bit_or_8bit_latent_cache(tiny_model, arch, kv):
+    """--kv-dtype float16/bfloat16/q8_0: the cache holds half float32's bytes a token, or q8_0's 34 bytes a 32
+    values (as stated to --memory and --json), streamed equals resident bitwise at every cache size and thread count,
+    and the logits stay within KV_TOLERANCE of the float32 cache's, fed the same tokens."""
+    model_dir = tiny_model(arch, **(Q8_SHAPE if kv == "q8_0" else {}))
     model = load_streaming_model(model_dir, expert_cache="100x")
     try:
         want_tokens, want_logits, _ = _decode_steps(model, PROMPT, 8)
@@ -356,8 +390,8 @@ def test_a_16bit_latent_cache(tiny_model, arch, kv):
             tokens, logits, cache = _decode_steps(model, PROMPT, 8)
             runs.append((tokens, logits))
             text = model.config.get_text_config()
-            assert {layer.keys.dtype for layer in cache.layers} == {getattr(torch, kv)}
-            per_token = text.num_hidden_layers * (32 + 8) * 2
+            assert {layer.keys.dtype for layer in cache.layers} == {torch.uint8 if kv == "q8_0" else getattr(torch, kv)}
+            per_token = text.num_hidden_layers * KV_BYTES[kv]
             assert model.weightstream.kv_cache_bytes_per_token == per_token
             held = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in cache.layers)
             assert held == per_token * (PROMPT.shape[1] + 8)
@@ -384,16 +418,18 @@ def test_a_16bit_latent_cache(tiny_model, arch, kv):
         model.weightstream.close()
 
 
-def test_serve_cache_keeps_the_16bit_latent_and_the_engine_s_bits(tiny_model):
+@pytest.mark.parametrize("kv, stored", [("float16", torch.float16), ("q8_0", torch.uint8)])
+def test_serve_cache_keeps_the_16bit_latent_and_the_engine_s_bits(tiny_model, kv, stored):
     """serve's batched caches (transformers' DynamicLayer rows) store the latent in the chosen dtype too, and a
     sequence decoded on one gives the engine cache's logits bitwise."""
     from weightstream.engine.kv_cache import stored_cache
 
-    model = load_streaming_model(tiny_model("deepseek_v3"), expert_cache="100x", kv_dtype="float16")
+    model_dir = tiny_model("deepseek_v3", **(Q8_SHAPE if kv == "q8_0" else {}))
+    model = load_streaming_model(model_dir, expert_cache="100x", kv_dtype=kv)
     try:
         want_tokens, want, _ = _decode_steps(model, PROMPT, 5)
         tokens, got, cache = _decode_steps(model, PROMPT, 5, cache=stored_cache(model))
-        assert {layer.keys.dtype for layer in cache.layers} == {torch.float16}
+        assert {layer.keys.dtype for layer in cache.layers} == {stored}
         assert tokens == want_tokens
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
@@ -401,8 +437,12 @@ def test_serve_cache_keeps_the_16bit_latent_and_the_engine_s_bits(tiny_model):
 
 
 def test_a_16bit_cache_is_refused_where_it_cannot_apply(tiny_model):
-    with pytest.raises(WeightstreamError, match="--kv-dtype 'int8': choose one of auto, float32, float16, bfloat16"):
+    with pytest.raises(WeightstreamError, match="'int8': choose one of auto, float32, float16, bfloat16, q8_0"):
         load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="int8")
+    with pytest.raises(WeightstreamError, match="whole blocks of 32 values and this model's qk_rope_head_dim 8 is not"):
+        load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="q8_0")
+    with pytest.raises(WeightstreamError, match="--latent-attention expanded runs transformers' form"):
+        load_streaming_model(tiny_model("deepseek_v3", **Q8_SHAPE), kv_dtype="q8_0", latent_attention="expanded")
     with pytest.raises(WeightstreamError, match="--latent-attention expanded runs transformers' form"):
         load_streaming_model(tiny_model("deepseek_v3"), kv_dtype="float16", latent_attention="expanded")
     with pytest.raises(WeightstreamError, match=r"qwen3_moe\) has no latent attention.*drop --kv-dtype"):

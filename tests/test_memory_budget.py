@@ -93,6 +93,26 @@ def test_memory_reserves_a_16bit_latent_cache_at_half(tiny_model):
     assert reserved["auto"] == layers * (32 + 8) * 4 * 4096 == 2 * reserved["float16"]
 
 
+def test_memory_reserves_a_q8_0_latent_cache_at_its_blocks_bytes(tiny_model):
+    """--kv-dtype q8_0: --memory reserves 34 bytes a 32 cached values (27% of float32's); a refusal of a float32 or a
+    16-bit latent cache whose rows are whole blocks names q8_0 (a model whose rows are not: test above)."""
+    model_dir = tiny_model("deepseek_v3", qk_rope_head_dim=32, head_dim=32)
+    with pytest.raises(WeightstreamError, match=r"or --kv-dtype float16: half the KV cache \(q8_0: 27% of it\)\)"):
+        load_streaming_model(model_dir, memory="300MiB", context=64, warmup_tokens=8)
+    with pytest.raises(WeightstreamError, match=r"shorter context, or --kv-dtype q8_0: 53% of the KV cache\)"):
+        load_streaming_model(model_dir, memory="300MiB", context=64, warmup_tokens=8, kv_dtype="float16")
+    reserved = {}
+    for kv in ("auto", "q8_0"):
+        model = load_streaming_model(model_dir, memory="4GiB", context=4096, warmup_tokens=8, kv_dtype=kv)
+        try:
+            reserved[kv] = model.weightstream.footprint.kv_cache
+            assert model.weightstream.kv_cache_bytes_per_token * 4096 == reserved[kv]
+        finally:
+            model.weightstream.close()
+    layers = model.config.get_text_config().num_hidden_layers
+    assert reserved["auto"] == layers * (32 + 32) * 4 * 4096 and reserved["q8_0"] == layers * 2 * 34 * 4096
+
+
 def test_sizing_arithmetic_and_its_refusal():
     m = MIB
     common = dict(libraries=300 * m, steady=500 * m, peak=520 * m, cache_resident=50 * m, embedding=m)

@@ -199,6 +199,12 @@ def latent_attend(
     return torch.ops.weightstream.latent_attend(q_lat, q_rot, c, r, scale)
 
 
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x (..., n), n whole blocks of 32 values, as q8_0 blocks (..., n / 32 * 34) uint8, as ggml rounds them
+    (csrc/latent.cpp): a q8_0 latent cache's rows."""
+    return torch.ops.weightstream.quantize_q8_0(x)
+
+
 GATES = ("silu", "clamped-swiglu")  # the gates moe_layer runs, in the extension's numbering
 
 

@@ -265,7 +265,9 @@ def _shard_list(text: str | None) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",")) if text else ()
     except ValueError:
-        raise WeightstreamError(f"--shard-down {text!r}: give shard numbers separated by commas, e.g. 0 or 0,2")
+        raise WeightstreamError(
+            f"--shard-down {text!r}: give shard numbers separated by commas, e.g. 0 or 0,2"
+        ) from None
 
 
 def _cluster(args, trace) -> int:

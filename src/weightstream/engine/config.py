@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from weightstream.cache.policies import POLICY_NAMES
 from weightstream.cache.sizes import DEFAULT_UPGRADE_AFTER, check_cache_size
 from weightstream.engine import EXPERT_SOURCES, SOURCE_ALIASES
@@ -40,8 +38,9 @@ class EngineConfig:
     warm_restart: read back the experts the cache held when this model last ran with it.
     miss_copy, upgrade_after: a miss computes with the expert's small copy; upgraded at its N-th hit (None: never).
     latent_attention: DeepSeek's attention "absorbed" (over the cached latent) or "expanded" (transformers' form).
-    kv_dtype: the dtype DeepSeek's latent cache is stored in: "auto" (the model's), "float32", or "float16" /
-        "bfloat16" (half float32's bytes; the absorbed form only; engine/kv_cache.py).
+    kv_dtype: the dtype DeepSeek's latent cache is stored in: "auto" (the model's), "float32", "float16" /
+        "bfloat16" (half float32's bytes), or "q8_0" (34 bytes a 32 values, llama.cpp's -ctk q8_0); the absorbed form
+        only for the last three (engine/kv_cache.py).
     """
 
     expert_cache: str | int | None = None
@@ -90,7 +89,7 @@ class EngineConfig:
     def _check_kv_dtype(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise WeightstreamError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-        if KV_DTYPES[self.kv_dtype] in (torch.float16, torch.bfloat16) and self.latent_attention != "absorbed":
+        if self.kv_dtype not in ("auto", "float32") and self.latent_attention != "absorbed":
             raise WeightstreamError(
                 f"--kv-dtype {self.kv_dtype} stores DeepSeek's latent cache for the absorbed attention; "
                 "--latent-attention expanded runs transformers' form on the model's own dtype: drop one of the two"

@@ -12,8 +12,10 @@ in-memory model token for token and logit for logit). Past the hint, or after tr
 A model whose transformers class builds a cache of its own (MiniMax) raises on any other, so it gets none from here.
 
 A layer may store in a dtype of its own (`kv_dtype`): DeepSeek's latent cache in float16 or bfloat16 (EngineConfig
-`kv_dtype`, `--kv-dtype`), half a float32 cache's bytes as llama.cpp's default f16 cache; each update is rounded
-to it as it is written, and the views handed back are of that dtype (engine/latent_attention.py reads them).
+`kv_dtype`, `--kv-dtype`), half a float32 cache's bytes as llama.cpp's default f16 cache, or in q8_0 (llama.cpp's
+`-ctk q8_0`: each 32 values a float16 scale and 32 int8 codes, 34 bytes; uint8 rows of whole blocks, `Q8_0`); each
+update is rounded to it as it is written, and the views handed back are of that dtype (engine/latent_attention.py
+reads them; `widened` gives a q8_0 view's float32 values).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class GrowingLayer(DynamicLayer):
             self.keys, self.values = self.keys.to(self.storage), self.values.to(self.storage)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.storage is Q8_0:
+            key_states, value_states = stored(key_states, Q8_0), stored(value_states, Q8_0)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         used, new = self.get_seq_length(), key_states.shape[-2]
@@ -127,10 +131,10 @@ class StoredLayer(DynamicLayer):
         self.storage = storage
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states.to(self.storage), value_states.to(self.storage))
+        super().lazy_initialization(stored(key_states, self.storage), stored(value_states, self.storage))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return super().update(key_states.to(self.storage), value_states.to(self.storage), *args, **kwargs)
+        return super().update(stored(key_states, self.storage), stored(value_states, self.storage), *args, **kwargs)
 
 
 def stored_cache(model) -> DynamicCache:
@@ -143,7 +147,36 @@ def stored_cache(model) -> DynamicCache:
     return cache
 
 
-KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+Q8_0 = torch.uint8  # a cache of q8_0 blocks is stored as their bytes
+KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "q8_0": Q8_0}
+Q8_VALUES, Q8_BYTES = 32, 34  # a q8_0 block: 32 values in 34 bytes
+
+
+def stored(states: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """`states` as a cache of `storage` keeps them: rounded to a float dtype, or as q8_0 blocks (states already of
+    `storage` as they are)."""
+    if storage is Q8_0 and states.dtype is not Q8_0:
+        return native.quantize_q8_0(states)
+    return states.to(storage)
+
+
+def widened(cached: torch.Tensor) -> torch.Tensor:
+    """A cache view's values in float32: a q8_0 view's blocks decoded (d * q, exactly), any other view as float."""
+    if cached.dtype is not Q8_0:
+        return cached.float()
+    width = cached.shape[-1] // Q8_BYTES * Q8_VALUES
+    rows = cached.reshape(-1, cached.shape[-1]).contiguous()
+    return native.dequantize(rows, "Q8_0", rows.shape[0], width).view(*cached.shape[:-1], width)
+
+
+def value_bytes(storage: torch.dtype) -> float:
+    """Bytes a cached value takes in `storage` (q8_0: 34 bytes a 32-value block)."""
+    return Q8_BYTES / Q8_VALUES if storage is Q8_0 else storage.itemsize
+
+
+def dtype_name(storage: torch.dtype) -> str:
+    """`storage` as --kv-dtype names it."""
+    return "q8_0" if storage is Q8_0 else str(storage).removeprefix("torch.")
 
 
 def kv_dtype_for(kv_dtype: str, latent: bool, model_dir: str, model_type: str) -> torch.dtype | None:
@@ -190,6 +223,8 @@ def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -
             f"{what}: the native extension was built from older sources, whose latent attention reads float32 caches "
             "only: rebuild it (`pip install --no-build-isolation -e .`) or drop --kv-dtype"
         )
+    if storage is Q8_0:
+        _check_q8_0(model, what)
     model._ws_kv_storage = storage
     prepare = model._prepare_cache_for_generation
 
@@ -202,6 +237,26 @@ def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -
         return done
 
     model._prepare_cache_for_generation = stored_for_generation
+
+
+def _check_q8_0(model, what: str) -> None:
+    """Refuses a q8_0 cache where the native kernels that write and read its blocks are not here, or where the latent
+    or the rotary key is not whole 32-value blocks."""
+    if not native.has("quantize_q8_0"):
+        why = native.why_not() or "it was built from older sources, without q8_0 caches"
+        raise WeightstreamError(
+            f"{what}: a q8_0 cache is written and read by the native kernels, which do not run here ({why}); rebuild "
+            "them (`pip install --no-build-isolation -e .`) or give --kv-dtype float16"
+        )
+    text = model.config.get_text_config()
+    sizes = {"kv_lora_rank": int(text.kv_lora_rank), "qk_rope_head_dim": int(text.qk_rope_head_dim)}
+    odd = [f"{name} {size}" for name, size in sizes.items() if size % Q8_VALUES]
+    if odd:
+        raise WeightstreamError(
+            f"{what}: q8_0 stores whole blocks of {Q8_VALUES} values and this model's {' and '.join(odd)} "
+            f"{'are' if len(odd) > 1 else 'is'} not; "
+            "give --kv-dtype float16"
+        )
 
 
 def _stored(layer, storage: torch.dtype):

@@ -46,6 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from weightstream import native
 from weightstream.engine.kernels.dense import NativeLinear
+from weightstream.engine.kv_cache import widened
 from weightstream.errors import WeightstreamError
 from weightstream.store.facts import KV_B_HALVES
 from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
@@ -214,8 +215,8 @@ class LatentAttention:
 
     def _absorbed(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
         """In float32 whatever the model's dtype: bf16 would round the latent-space query and every score. The cache
-        (`latent`, `k_rot`) as it is stored: the native pass widens a 16-bit one a block at a time (exactly), torch's
-        form takes a float32 copy."""
+        (`latent`, `k_rot`) as it is stored: the native pass widens a 16-bit or q8_0 one a block at a time (exactly),
+        torch's form takes a float32 copy."""
         # B batch, H heads, S query rows, T cached positions, L kv_lora, N nope, R rope, V v_head_dim
         batch, heads, rows, _ = query.shape
         q_nope, q_rot = query.split([self.nope, self.rope], dim=-1)  # (B, H, S, N), (B, H, S, R)
@@ -227,7 +228,7 @@ class LatentAttention:
         if rows == 1 and _sees_everything(mask) and native.available():
             weighted = native.latent_attend(q_lat, q_rot, c, r, scaling)  # one pass over the cache
         else:
-            c, r = c.float(), r.float()
+            c, r = widened(c), widened(r)
             rotary = torch.bmm(q_rot, r.transpose(1, 2))  # (B, H*S, T)
             scores = torch.baddbmm(rotary, q_lat, c.transpose(1, 2), beta=scaling, alpha=scaling)
             scores = _masked(scores.view(batch, heads, rows, -1), mask)
@@ -239,7 +240,7 @@ class LatentAttention:
 
     def _expanded(self, query, latent, k_rot, mask, scaling: float) -> torch.Tensor:
         batch, _, positions, _ = latent.shape
-        latent, k_rot = latent.to(query.dtype), k_rot.to(query.dtype)  # a cache stored in another dtype (--kv-dtype)
+        latent, k_rot = widened(latent).to(query.dtype), widened(k_rot).to(query.dtype)  # stored as --kv-dtype
         kv = F.linear(latent, self._kv_b(latent.dtype))  # (B, 1, T, H * (N + V))
         kv = kv.view(batch, positions, self.heads, self.nope + self.v).transpose(1, 2)
         k_nope, values = kv.split([self.nope, self.v], dim=-1)

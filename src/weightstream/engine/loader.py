@@ -34,7 +34,7 @@ from weightstream.engine.grouped_attention import install_grouped_attention
 from weightstream.engine.kernels.choice import choose_kernel
 from weightstream.engine.kernels.dense import NativeLinear, StoredEmbedding, lookup_without_padding
 from weightstream.engine.kernels.quantized import QuantizedExperts
-from weightstream.engine.kv_cache import kv_storage, store_kv_in
+from weightstream.engine.kv_cache import dtype_name, kv_storage, store_kv_in, value_bytes
 from weightstream.engine.latent_attention import absorb_latent_attention, is_latent_attention, keep_kv_b_apart
 from weightstream.engine.lean_layer import install_lean_layers
 from weightstream.engine.lean_moe import install_lean_moe
@@ -46,10 +46,10 @@ from weightstream.errors import WeightstreamError
 from weightstream.io.pagecache import mapped_resident_bytes
 from weightstream.store.convert import runnable_dir
 from weightstream.store.facts import (
-    HALF_LATENT_KV,
     context_temporaries,
     is_lazy_dense,
     longest_context,
+    smaller_latent_kv,
     ties_embeddings,
 )
 from weightstream.store.facts import kv_cache_bytes as kv_cache_for
@@ -171,16 +171,16 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
     return _Built(model, layout, quant, kernels, parts, fused, latent, touched)
 
 
-def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: int) -> str:
-    """--memory's refusal: a latent cache kept in float32 could be kept in half its bytes."""
-    if built.latent and config.latent_attention == "absorbed" and kv_bytes > 2:
-        return HALF_LATENT_KV
+def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: float) -> str:
+    """--memory's refusal: a latent cache could be kept in fewer bytes (float16, q8_0)."""
+    if built.latent and config.latent_attention == "absorbed":
+        return smaller_latent_kv(built.model.config.get_text_config(), kv_bytes)
     return ""
 
 
-def kv_itemsize(model) -> int:
-    """Bytes of one cached value: the cache's storage dtype, else the model's."""
-    return (kv_storage(model) or model.dtype).itemsize
+def kv_itemsize(model) -> float:
+    """Bytes of one cached value: the cache's storage (q8_0: 34 bytes a 32 values), else the model's dtype."""
+    return value_bytes(kv_storage(model) or model.dtype)
 
 
 def _weight_files(layout) -> set[str]:
@@ -219,7 +219,7 @@ def _install(built: _Built, config: EngineConfig, cache, footprint=None, saver=N
         miss_copy_bits=built.quant.miss_copy.bits if config.miss_copy else 0,
         latent_attention=config.latent_attention if built.latent else None,
         kv_cache_bytes_per_token=kv_cache_for(model.config.get_text_config(), 1, kv_itemsize(model)),
-        kv_dtype=str(kv_storage(model) or model.dtype).removeprefix("torch."),
+        kv_dtype=dtype_name(kv_storage(model) or model.dtype),
         config=config,
         file_guard=getattr(model, "_ws_file_guard", None),
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weightstream.cgroup import MARGIN_SHARE, margin_for
 from weightstream.errors import WeightstreamError
-from weightstream.store.facts import HALF_LATENT_KV, is_lazy_dense, kv_cache_bytes, ties_embeddings
+from weightstream.store.facts import is_lazy_dense, kv_cache_bytes, smaller_latent_kv, ties_embeddings
 from weightstream.units import GIB, MIB, format_bytes
 
 # Peak resident memory beyond dense weights + expert cache + KV: the interpreter, torch and transformers (code
@@ -119,7 +119,7 @@ def budget_of(
     )
 
 
-def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: int | None = None) -> Budget:
+def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: float | None = None) -> Budget:
     """`budget_of` a checkpoint opened by `store.model.map_model`: dense tensors as stored, the working set from its
     layout, and the KV cache in the dtype the model is built and computes in (the checkpoint's; for a quantized
     checkpoint the manifest's activation dtype, never the int8 / uint8 of its experts' weights), or `kv_bytes` a
@@ -128,6 +128,7 @@ def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: int | N
     dense = {name: t.nbytes for name, t in layout.dense.items()}
     itemsize = kv_bytes or mapped.model.dtype.itemsize
     budget = budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, itemsize)
-    if itemsize > 2 and getattr(mapped.config.get_text_config(), "kv_lora_rank", None):
-        budget = dataclasses.replace(budget, smaller_kv=HALF_LATENT_KV)
+    text = mapped.config.get_text_config()
+    if getattr(text, "kv_lora_rank", None):
+        budget = dataclasses.replace(budget, smaller_kv=smaller_latent_kv(text, itemsize))
     return budget

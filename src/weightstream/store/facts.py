@@ -44,12 +44,13 @@ def is_lazy_dense(name: str, tied: bool) -> bool:
     return not tied and name.endswith("embed_tokens.weight")
 
 
-def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
+def kv_cache_bytes(text_config, context: int, dtype_bytes: float) -> int:
     """Bytes transformers' DynamicCache holds for `context` tokens of one sequence.
 
     Per layer and token: keys and values of every KV head (2 x kv_heads x head_dim), or for multi-head latent
     attention (DeepSeek V2/V3) the compressed latent and the rotary key (kv_lora_rank + qk_rope_head_dim), which is
-    what transformers caches for them. Sliding-window layers keep at most their window.
+    what transformers caches for them. Sliding-window layers keep at most their window. `dtype_bytes` may be a
+    block type's share (q8_0: 34 / 32; a latent and rotary key are whole blocks).
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -61,10 +62,10 @@ def kv_cache_bytes(text_config, context: int, dtype_bytes: int) -> int:
             continue
         window = kwargs.get("sliding_window")
         total += per_token * (min(context, window) if window else context)
-    return total
+    return int(total)
 
 
-def longest_context(text_config, kv_bytes: int, dtype_bytes: int, positions: int) -> int:
+def longest_context(text_config, kv_bytes: int, dtype_bytes: float, positions: int) -> int:
     """The most positions one sequence can hold in `kv_bytes` of KV cache (`kv_cache_bytes`), at most `positions`."""
     low, high = 0, positions
     while low < high:
@@ -77,7 +78,16 @@ def longest_context(text_config, kv_bytes: int, dtype_bytes: int, positions: int
 
 
 # what a refusal of too small a budget adds where DeepSeek's latent cache is kept in float32 (--memory, tune)
-HALF_LATENT_KV = ", or --kv-dtype float16: half the KV cache"
+def smaller_latent_kv(text_config, value_bytes: float) -> str:
+    """What a refusal adds for a latent cache of `value_bytes` a value (engine/kv_cache.py's storage): a float32 one
+    kept in float16 (half), or q8_0 (34 bytes a 32 values) where the latent and rotary key are whole 32-value blocks;
+    a 16-bit one in q8_0."""
+    blocks = all(int(getattr(text_config, name)) % 32 == 0 for name in ("kv_lora_rank", "qk_rope_head_dim"))
+    if value_bytes > 2:
+        return ", or --kv-dtype float16: half the KV cache" + (" (q8_0: 27% of it)" if blocks else "")
+    if value_bytes > 34 / 32 and blocks:
+        return ", or --kv-dtype q8_0: 53% of the KV cache"
+    return ""
 
 
 def latent_rows_to_expand(kv_lora: int, nope: int, v: int) -> int:
@@ -93,7 +103,7 @@ def context_temporaries(
     text_config,
     context: int,
     chunk: int,
-    dtype_bytes: int,
+    dtype_bytes: float,
     eager: bool,
     latent: str = "absorbed",
     flash_below: int = 0,
@@ -115,9 +125,9 @@ def context_temporaries(
     the compute dtype, and a boolean form of it: counted as 3 bytes a position); the forwards under it late in the
     context (a prompt's last, short chunk; decode rows; sliding-window layers) run eager's arithmetic, whose scores
     and softmax are counted at that chunk's size up to `flash_below` elements."""
-    layer = _kv_elements_per_token(text_config) * dtype_bytes * context
+    layer = int(_kv_elements_per_token(text_config) * dtype_bytes * context)
     if getattr(text_config, "kv_lora_rank", None):
-        return layer + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent)
+        return layer + int(_latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent))
     heads = int(text_config.num_attention_heads)
     groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
     total = layer if flash_below else max(layer, groups * layer)
@@ -125,10 +135,10 @@ def context_temporaries(
         total += heads * chunk * context * (4 + 2 * dtype_bytes)
     if flash_below:
         total += chunk * context * (dtype_bytes + 3) + min(heads * chunk * context, flash_below) * (4 + 2 * dtype_bytes)
-    return total
+    return int(total)
 
 
-def _latent_temporaries(cfg, context: int, chunk: int, dtype_bytes: int, eager: bool, latent: str) -> int:
+def _latent_temporaries(cfg, context: int, chunk: int, dtype_bytes: float, eager: bool, latent: str) -> float:
     heads, lora = int(cfg.num_attention_heads), int(cfg.kv_lora_rank)
     nope, rope, v = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
     if latent == "absorbed" and chunk < latent_rows_to_expand(lora, nope, v):

@@ -32,13 +32,14 @@ def say(msg: str) -> None:
     print(f"[tune] {msg}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout to one object
 
 
-def kv_value_bytes(mapped, kv_dtype: str, model_dir: str) -> int | None:
-    """Bytes a cached value takes under `--kv-dtype` (None: the model's dtype), refused as the engine refuses it."""
-    from weightstream.engine.kv_cache import kv_dtype_for
+def kv_value_bytes(mapped, kv_dtype: str, model_dir: str) -> float | None:
+    """Bytes a cached value takes under `--kv-dtype` (None: the model's dtype; q8_0 34 bytes a 32 values), refused as
+    the engine refuses it."""
+    from weightstream.engine.kv_cache import kv_dtype_for, value_bytes
 
     latent = bool(getattr(mapped.config.get_text_config(), "kv_lora_rank", None))
     storage = kv_dtype_for(kv_dtype, latent, model_dir, mapped.config.model_type)
-    return None if storage is None else storage.itemsize
+    return None if storage is None else value_bytes(storage)
 
 
 class TuneSession:
