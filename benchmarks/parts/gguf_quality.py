@@ -279,9 +279,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument(
         "--kv-dtype",
         default="auto",
-        choices=("auto", "float16", "bfloat16"),
+        choices=("auto", "float16", "bfloat16", "q8_0"),
         help="the dtype our side keeps DeepSeek's latent cache in (generate --kv-dtype; default auto: the model's, "
-        "float32 for an import). llama.cpp's side keeps its default, an f16 KV cache",
+        "float32 for an import). llama.cpp's side keeps its default, an f16 KV cache, unless --llama-ctk",
+    )
+    ap.add_argument(
+        "--llama-ctk",
+        default="f16",
+        choices=("f16", "q8_0"),
+        help="llama.cpp's K cache type (-ctk; its V is a view of K for DeepSeek's latent attention): f16 (default) or "
+        "q8_0, to hold --kv-dtype q8_0 against llama.cpp's own",
     )
     ap.add_argument(
         "--out",
@@ -300,6 +307,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     types += [t for t in EXTRA_TYPES.get(args.arch, ()) if t not in types]
     repack = args.repack == "on" if args.repack else args.arch not in NO_REPACK
     llama_extra = () if repack else ("--no-repack",)
+    if args.llama_ctk != "f16":
+        llama_extra += ("-ctk", args.llama_ctk)
     flags = "".join(" " + a for a in llama_extra)
     bf16 = cache / "bf16"
     if not (bf16 / "config.json").exists():
@@ -317,7 +326,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "training": json.loads((cache / "training.json").read_text()),
         "llama_cpp": llamacpp.source_tree().parents[1].name,
         "llama_cpp_repack": repack,
-        "kv_dtype": {"weightstream": args.kv_dtype, "llama.cpp": "f16 (its default)"},
+        "kv_dtype": {
+            "weightstream": args.kv_dtype,
+            "llama.cpp": "f16 (its default)" if args.llama_ctk == "f16" else f"-ctk {args.llama_ctk}",
+        },
         "protocol": f"llama-perplexity -c {N_CTX} -b {N_CTX} --chunks {args.chunks}{flags}: windows of {N_CTX} tokens, "
         f"positions {N_CTX // 2}..{N_CTX - 2} scored ({N_CTX - 1 - N_CTX // 2} per window), BOS first per window "
         "where the GGUF adds BOS; weightstream the same on llama-tokenize's ids",
