@@ -22,6 +22,8 @@ from weightstream.sim.replay import Options, run_one
 from weightstream.store.quant.pipeline import quantize_checkpoint
 from weightstream.trace import ModelShape, Trace, TraceWriter, save
 
+from cli_support import refused_in_process
+
 WIDE = dict(hidden_size=256, moe_intermediate_size=256)  # every weight's inputs whole blocks: Q2_K copies
 
 
@@ -184,8 +186,8 @@ def test_simulate_reports_miss_copy_per_upgrade_setting(trace_file):
     ],
 )
 def test_simulate_refuses_bad_miss_copy_input_naming_the_option(trace_file, args, says):
-    res = _cli("simulate", str(trace_file), "--policies", "lru", "--sizes", "1x", *args)
-    assert res.returncode == 2 and says in res.stderr, res.stderr
+    code, err = refused_in_process("simulate", trace_file, "--policies", "lru", "--sizes", "1x", *args)
+    assert code == 2 and says in err, err
 
 
 def test_miss_copy_options_are_checked_in_the_library_too():
