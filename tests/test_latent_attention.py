@@ -262,10 +262,11 @@ def test_one_pass_decode_equals_the_two_pass_form(batch, heads, kv_lora, rope, p
 
 def test_memory_reserves_what_a_late_forward_of_either_form_holds():
     """--memory's reserve for a forward late in the context (store/facts.py): absorbed chunks hold float32 scores
-    for every head; a chunk past the crossover (or the expanded form) re-makes every head's keys and values."""
+    for every head; a chunk past the crossover re-makes keys and values and attends a group of heads at a time
+    (`expand_group`: one head at depth 16384, all 16 at 256), transformers' expanded form every head at once."""
     from types import SimpleNamespace
 
-    from weightstream.store.facts import context_temporaries
+    from weightstream.store.facts import EXPAND_GROUP_BYTES, context_temporaries, expand_group
 
     v2_lite = SimpleNamespace(
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=16
@@ -274,8 +275,32 @@ def test_memory_reserves_what_a_late_forward_of_either_form_holds():
     absorbed = context_temporaries(v2_lite, 16384, 32, 4, eager=False)
     assert absorbed == cache_layer + 3 * 16 * 32 * 16384 * 4 + 128 * 16 * 512 * 4
     expanded = cache_layer + 16 * 16384 * (2 * 128 + 64 + 2 * 128) * 4
-    assert context_temporaries(v2_lite, 16384, 171, 4, eager=False) == expanded
+    per_head = 16384 * (2 * 128 + 64 + 2 * 128) * 4 + 3 * 171 * 16384 * 4
+    assert expand_group(16, 16384, 171, 128, 64, 128, 4) == (1, per_head) and 2 * per_head > EXPAND_GROUP_BYTES
+    assert context_temporaries(v2_lite, 16384, 171, 4, eager=False) == cache_layer + per_head + 171 * 16384 * 5
+    assert expand_group(16, 256, 256, 128, 64, 128, 4)[0] == 16
     assert context_temporaries(v2_lite, 16384, 32, 4, eager=False, latent="expanded") == expanded
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_expanded_chunk_a_head_at_a_time_gives_all_heads_at_once_logits(tiny_model, arch, monkeypatch):
+    """A prompt chunk past the crossover is expanded and attended a group of heads at a time (the group sized by
+    store/facts.py's EXPAND_GROUP_BYTES): each head's keys, values and attention are its own, so one head at a time
+    gives the logits of every head at once."""
+    import weightstream.store.facts as facts
+
+    model = load_streaming_model(tiny_model(arch), expert_cache="100x")
+    prompt = torch.arange(40).remainder(300).add(3).reshape(1, -1)
+    try:
+        assert prompt.shape[1] >= model.model.layers[0].self_attn._ws_latent.expand_from
+        with torch.inference_mode():
+            whole = model(prompt).logits
+            monkeypatch.setattr(facts, "EXPAND_GROUP_BYTES", 1)  # one head a group
+            each = model(prompt).logits
+    finally:
+        model.weightstream.close()
+    # bitwise here (2026-12-07); held to float32 rounding, as a GEMM over fewer output rows may block differently
+    assert _relative(each, whole) <= TOLERANCE["fp32"], _relative(each, whole)
 
 
 def test_the_native_complex_pairs_rotation_rounds_each_product_then_the_sum():

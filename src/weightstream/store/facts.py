@@ -138,11 +138,28 @@ def context_temporaries(
     return int(total)
 
 
+EXPAND_GROUP_BYTES = 64 * 2**20  # what one group of heads of an expanded chunk may hold (engine/latent_attention.py)
+
+
+def expand_group(heads: int, context: int, rows: int, nope: int, rope: int, v: int, dtype_bytes: float):
+    """(heads, bytes): how many heads the absorbed form's expanded chunk (a prompt chunk of `latent_rows_to_expand`
+    rows or more) re-makes keys and values for and attends at a time, and what such a group holds: per head, kv_b's
+    output for the context (nope + v values a position), its keys with the rotary key (nope + rope), its values made
+    contiguous (v), and its scores, masked scores and softmax in float32 (torch's attention with a mask, on CPU); as
+    many heads as fit in EXPAND_GROUP_BYTES, one at least. All heads at once held 1.07 GiB more at depth 16384 on
+    V2-Lite's 16 heads (2026-12-07), where `--memory` had reserved 613 MiB; a head at a time, 184 MiB."""
+    per_head = context * (2 * nope + rope + 2 * v) * dtype_bytes + 3 * rows * context * 4
+    group = max(1, min(heads, int(EXPAND_GROUP_BYTES // per_head)))
+    return group, group * per_head
+
+
 def _latent_temporaries(cfg, context: int, chunk: int, dtype_bytes: float, eager: bool, latent: str) -> float:
     heads, lora = int(cfg.num_attention_heads), int(cfg.kv_lora_rank)
     nope, rope, v = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
     if latent == "absorbed" and chunk < latent_rows_to_expand(lora, nope, v):
         return 3 * heads * chunk * context * 4 + -(-context // 128) * heads * lora * 4
+    if latent == "absorbed":  # a chunk expanded a group of heads at a time, under transformers' mask (float, bool)
+        return expand_group(heads, context, chunk, nope, rope, v, dtype_bytes)[1] + chunk * context * 5
     expanded = heads * context * (2 * nope + rope + 2 * v) * dtype_bytes  # kv_b's output, then keys, values
     return expanded + (heads * chunk * context * (4 + 2 * dtype_bytes) if eager else 0)
 
