@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "--llama-ctk",
         default="f16",
         choices=("f16", "q8_0"),
-        help="llama.cpp's K cache type (-ctk; its V is a view of K for DeepSeek's latent attention): f16 (default) or "
-        "q8_0, to hold --kv-dtype q8_0 against llama.cpp's own",
+        help="llama.cpp's KV cache type: f16 (default) or q8_0, to hold --kv-dtype q8_0 against llama.cpp's own (-ctk "
+        "and -ctv both, which DeepSeek's latent attention needs equal, and -fa on, which a quantized V cache needs)",
     )
     ap.add_argument(
         "--out",
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     repack = args.repack == "on" if args.repack else args.arch not in NO_REPACK
     llama_extra = () if repack else ("--no-repack",)
     if args.llama_ctk != "f16":
-        llama_extra += ("-ctk", args.llama_ctk)
+        llama_extra += ("-ctk", args.llama_ctk, "-ctv", args.llama_ctk, "-fa", "on")
     flags = "".join(" " + a for a in llama_extra)
     bf16 = cache / "bf16"
     if not (bf16 / "config.json").exists():
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "llama_cpp_repack": repack,
         "kv_dtype": {
             "weightstream": args.kv_dtype,
-            "llama.cpp": "f16 (its default)" if args.llama_ctk == "f16" else f"-ctk {args.llama_ctk}",
+            "llama.cpp": "f16 (its default)" if args.llama_ctk == "f16" else " ".join(llama_extra[-6:]),
         },
         "protocol": f"llama-perplexity -c {N_CTX} -b {N_CTX} --chunks {args.chunks}{flags}: windows of {N_CTX} tokens, "
         f"positions {N_CTX // 2}..{N_CTX - 2} scored ({N_CTX - 1 - N_CTX // 2} per window), BOS first per window "
