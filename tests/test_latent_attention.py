@@ -261,46 +261,74 @@ def test_one_pass_decode_equals_the_two_pass_form(batch, heads, kv_lora, rope, p
 
 
 def test_memory_reserves_what_a_late_forward_of_either_form_holds():
-    """--memory's reserve for a forward late in the context (store/facts.py): absorbed chunks hold float32 scores
-    for every head; a chunk past the crossover re-makes keys and values and attends a group of heads at a time
-    (`expand_group`: one head at depth 16384, all 16 at 256), transformers' expanded form every head at once."""
+    """--memory's reserve for a forward late in the context (store/facts.py): the cache widened to float32, and a
+    group of heads at a time (`latent_group`: as many as fit in 64 MiB): an absorbed chunk's float32 scores, or, past
+    the crossover, the larger of a group's re-made keys and values with kv_b's float32 weight and a short chunk's
+    scores (a prompt's last chunk); transformers' expanded form re-makes every head's at once."""
     from types import SimpleNamespace
 
-    from weightstream.store.facts import EXPAND_GROUP_BYTES, context_temporaries, expand_group
+    from weightstream.store.facts import GROUP_BYTES, context_temporaries, expand_group
 
     v2_lite = SimpleNamespace(
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=16
     )
-    cache_layer = 16384 * (512 + 64) * 4
-    absorbed = context_temporaries(v2_lite, 16384, 32, 4, eager=False)
-    assert absorbed == cache_layer + 3 * 16 * 32 * 16384 * 4 + 128 * 16 * 512 * 4
-    expanded = cache_layer + 16 * 16384 * (2 * 128 + 64 + 2 * 128) * 4
-    per_head = 16384 * (2 * 128 + 64 + 2 * 128) * 4 + 3 * 171 * 16384 * 4
-    assert expand_group(16, 16384, 171, 128, 64, 128, 4) == (1, per_head) and 2 * per_head > EXPAND_GROUP_BYTES
-    assert context_temporaries(v2_lite, 16384, 171, 4, eager=False) == cache_layer + per_head + 171 * 16384 * 5
-    assert expand_group(16, 256, 256, 128, 64, 128, 4)[0] == 16
-    assert context_temporaries(v2_lite, 16384, 32, 4, eager=False, latent="expanded") == expanded
+    T = 16384
+    widened, partial_sums = T * (512 + 64) * 4, 128 * 16 * 512 * 4
+    scores = 3 * 32 * T * 4  # a head's, for a 32-row chunk: 10 heads fit in 64 MiB
+    assert GROUP_BYTES // scores == 10
+    absorbed = context_temporaries(v2_lite, T, 32, 4, eager=False)
+    assert absorbed == widened + 10 * scores + partial_sums + 32 * T * 5
+    # bf16 models too: the torch paths widen any stored cache to float32
+    assert context_temporaries(v2_lite, T, 32, 2, eager=False) == absorbed
+    per_head = T * (2 * 128 + 64 + 2 * 128) * 4 + 3 * 256 * T * 4
+    assert expand_group(16, T, 256, 128, 64, 128, 4) == (1, per_head)
+    short = 3 * 170 * T * 4  # a 170-row last chunk's scores, a head: 1 fits
+    kv_b = 2 * 16 * 256 * 512 * 4
+    late = context_temporaries(v2_lite, T, 256, 4, eager=False)
+    assert late == widened + max(short + partial_sums, per_head + kv_b) + 256 * T * 5
+    assert expand_group(16, 256, 256, 128, 64, 128, 4)[0] == 16  # a chunk early in the context: all heads at once
+    expanded = T * (512 + 64) * 4 + 16 * T * (2 * 128 + 64 + 2 * 128) * 4
+    assert context_temporaries(v2_lite, T, 32, 4, eager=False, latent="expanded") == expanded
 
 
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_an_expanded_chunk_a_head_at_a_time_gives_all_heads_at_once_logits(tiny_model, arch, monkeypatch):
-    """A prompt chunk past the crossover is expanded and attended a group of heads at a time (the group sized by
-    store/facts.py's EXPAND_GROUP_BYTES): each head's keys, values and attention are its own, so one head at a time
-    gives the logits of every head at once."""
+def test_prompt_chunks_a_head_at_a_time_give_all_heads_at_once_logits(tiny_model, arch, kv, monkeypatch):
+    """A prompt chunk's latent attention by torch runs a group of heads at a time (store/facts.py `latent_group`),
+    absorbed (a chunk under the crossover) and expanded (past it), each under the mask of a chunk after the first:
+    each head's scores, keys, values and attention are its own, so one head a group gives the logits of every head
+    at once; with a q8_0 cache as well (its blocks widened for the expanded form)."""
     import weightstream.store.facts as facts
+    from weightstream.engine.kv_cache import engine_cache, quiet_cache_kwarg
 
-    model = load_streaming_model(tiny_model(arch), expert_cache="100x")
-    prompt = torch.arange(40).remainder(300).add(3).reshape(1, -1)
+    model = load_streaming_model(
+        tiny_model(arch, **(Q8_SHAPE if kv == "q8_0" else {})), expert_cache="100x", kv_dtype=kv
+    )
+    prompt = torch.arange(60).remainder(300).add(3).reshape(1, -1)
+    groups = []
+    latent_group = facts.latent_group
+    monkeypatch.setattr(facts, "latent_group", lambda *a: groups.append(latent_group(*a)[0]) or latent_group(*a))
+
+    def logits() -> list[torch.Tensor]:  # 8 rows, then 12 (absorbed by torch), then 40 (expanded)
+        cache, out = engine_cache(model, 60), []
+        with torch.inference_mode(), quiet_cache_kwarg():
+            for chunk in (prompt[:, :8], prompt[:, 8:20], prompt[:, 20:]):
+                out.append(model(chunk, past_key_values=cache, use_cache=True).logits)
+        return out
+
     try:
-        assert prompt.shape[1] >= model.model.layers[0].self_attn._ws_latent.expand_from
-        with torch.inference_mode():
-            whole = model(prompt).logits
-            monkeypatch.setattr(facts, "EXPAND_GROUP_BYTES", 1)  # one head a group
-            each = model(prompt).logits
+        assert 12 < model.model.layers[0].self_attn._ws_latent.expand_from <= 40
+        whole = logits()
+        assert groups and set(groups) == {model.config.num_attention_heads}
+        groups.clear()
+        monkeypatch.setattr(facts, "GROUP_BYTES", 1)  # one head a group
+        each = logits()
+        assert groups and set(groups) == {1}
     finally:
         model.weightstream.close()
-    # bitwise here (2026-12-07); held to float32 rounding, as a GEMM over fewer output rows may block differently
-    assert _relative(each, whole) <= TOLERANCE["fp32"], _relative(each, whole)
+    for got, want in zip(each, whole, strict=True):
+        # bitwise here (2026-12-07); held to float32 rounding: a product over fewer rows may block differently
+        assert _relative(got, want) <= TOLERANCE["fp32"], _relative(got, want)
 
 
 def test_the_native_complex_pairs_rotation_rounds_each_product_then_the_sum():
@@ -369,6 +397,13 @@ def test_a_q8_0_cache_holds_ggml_s_blocks_and_is_attended_as_their_values(batch,
         native.latent_attend(q_lat, q_rot, c[..., :-1], r, 0.11)
     with pytest.raises(RuntimeError, match="whole blocks of 32 values"):
         native.quantize_q8_0(rows[..., :40])
+    # a block holding a NaN or an infinity: a NaN scale and zero codes (decodes to NaNs); the next block as before
+    bad = rows[0, :2, :64].clone()
+    bad[0, 3], bad[1, 40] = float("nan"), float("inf")
+    got = widened(native.quantize_q8_0(bad))
+    assert got[0, :32].isnan().all() and got[1, 32:].isnan().all()
+    assert torch.equal(got[0, 32:], widened(native.quantize_q8_0(rows[0, 0, 32:64])))
+    assert torch.equal(got[1, :32], widened(native.quantize_q8_0(rows[0, 1, :32])))
 
 
 def _decode_steps(model, prompt: torch.Tensor, steps: int, cache=None) -> tuple[list[int], list[torch.Tensor], object]:

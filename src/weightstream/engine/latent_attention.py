@@ -48,7 +48,7 @@ from weightstream import native
 from weightstream.engine.kernels.dense import NativeLinear
 from weightstream.engine.kv_cache import widened
 from weightstream.errors import WeightstreamError
-from weightstream.store.facts import KV_B_HALVES, expand_group
+from weightstream.store.facts import KV_B_HALVES, absorb_group, expand_group
 from weightstream.store.facts import latent_rows_to_expand as rows_to_expand
 
 FORMS = ("absorbed", "expanded")
@@ -227,13 +227,20 @@ class LatentAttention:
         c, r = latent[:, 0], k_rot[:, 0]  # (B, T, L), (B, T, R)
         if rows == 1 and _sees_everything(mask) and native.available():
             weighted = native.latent_attend(q_lat, q_rot, c, r, scaling)  # one pass over the cache
-        else:
+        else:  # a group of heads at a time (store/facts.py `absorb_group`: the scores grow with the context)
             c, r = widened(c), widened(r)
-            rotary = torch.bmm(q_rot, r.transpose(1, 2))  # (B, H*S, T)
-            scores = torch.baddbmm(rotary, q_lat, c.transpose(1, 2), beta=scaling, alpha=scaling)
-            scores = _masked(scores.view(batch, heads, rows, -1), mask)
-            probs = torch.softmax(scores, dim=-1)
-            weighted = torch.bmm(probs.view(batch, heads * rows, -1), c)  # (B, H*S, L)
+            group, _ = absorb_group(heads, c.shape[1], rows)
+            parts = []
+            for h0 in range(0, heads, group):
+                h = min(group, heads - h0)
+                span = slice(h0 * rows, (h0 + h) * rows)  # these heads' query rows (head-major)
+                rotary = torch.bmm(q_rot[:, span], r.transpose(1, 2))  # (B, h*S, T)
+                scores = torch.baddbmm(rotary, q_lat[:, span], c.transpose(1, 2), beta=scaling, alpha=scaling)
+                scores = _masked(scores.view(batch, h, rows, -1), mask)
+                probs = torch.softmax(scores, dim=-1)
+                parts.append(torch.bmm(probs.view(batch, h * rows, -1), c))  # (B, h*S, L)
+                del rotary, scores, probs
+            weighted = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, H*S, L)
         by_head = weighted.view(batch, heads, rows, self.kv_lora).transpose(0, 1).reshape(heads, batch * rows, -1)
         out = self._to_values(by_head)  # (H, B*S, V)
         return out.view(heads, batch, rows, self.v).permute(1, 2, 0, 3).contiguous()  # (B, S, H, V)

@@ -78,11 +78,13 @@ def longest_context(text_config, kv_bytes: int, dtype_bytes: float, positions: i
 
 
 # what a refusal of too small a budget adds where DeepSeek's latent cache is kept in float32 (--memory, tune)
-def smaller_latent_kv(text_config, value_bytes: float) -> str:
+def smaller_latent_kv(text_config, value_bytes: float, q8_0_runs: bool) -> str:
     """What a refusal adds for a latent cache of `value_bytes` a value (engine/kv_cache.py's storage): a float32 one
-    kept in float16 (half), or q8_0 (34 bytes a 32 values) where the latent and rotary key are whole 32-value blocks;
-    a 16-bit one in q8_0."""
-    blocks = all(int(getattr(text_config, name)) % 32 == 0 for name in ("kv_lora_rank", "qk_rope_head_dim"))
+    kept in float16 (half), or q8_0 (34 bytes a 32 values) where the latent and rotary key are whole 32-value blocks
+    and the native kernels that keep it run here (`q8_0_runs`); a 16-bit one in q8_0."""
+    blocks = q8_0_runs and all(
+        int(getattr(text_config, name)) % 32 == 0 for name in ("kv_lora_rank", "qk_rope_head_dim")
+    )
     if value_bytes > 2:
         return ", or --kv-dtype float16: half the KV cache" + (" (q8_0: 27% of it)" if blocks else "")
     if value_bytes > 34 / 32 and blocks:
@@ -115,9 +117,12 @@ def context_temporaries(
     masked forward, every chunk after the first; eager attention always), whichever is more (the copy is freed
     before attention runs); and eager attention's scores, heads x chunk x context, in float32 for the softmax and
     twice in the model's dtype. DeepSeek's latent attention (`latent` its form, engine/latent_attention.py) holds
-    instead, absorbed: the float32 scores of every head over the context three times (scores, masked, softmax) and
-    a decode row's partial sums (a block of 128 positions, kv_lora floats a head); expanded (the form, or a chunk
-    of `latent_rows_to_expand` rows or more): every head's keys and values re-made for the whole context.
+    instead the cache widened to float32 (the torch paths read any stored dtype so), and: absorbed, a group of heads'
+    float32 scores over the context three times (scores, masked, softmax; `latent_group`) and a decode row's partial
+    sums (a block of 128 positions, kv_lora floats a head), or, for a chunk of `latent_rows_to_expand` rows or more,
+    a group of heads' keys and values re-made for the whole context and attended, with kv_b's weight in float32 (the
+    larger of the two, as a prompt's last, short chunk takes the first), each under transformers' mask; the expanded
+    form: every head's keys and values re-made for the whole context.
 
     `flash_below`: attention with sinks (gpt-oss) runs as flash attention from that many score elements (heads x rows
     x keys; engine/sink_attention.py `EAGER_BELOW`; `eager` then False): a chunk of that size holds no score matrix
@@ -125,9 +130,10 @@ def context_temporaries(
     the compute dtype, and a boolean form of it: counted as 3 bytes a position); the forwards under it late in the
     context (a prompt's last, short chunk; decode rows; sliding-window layers) run eager's arithmetic, whose scores
     and softmax are counted at that chunk's size up to `flash_below` elements."""
-    layer = int(_kv_elements_per_token(text_config) * dtype_bytes * context)
     if getattr(text_config, "kv_lora_rank", None):
-        return layer + int(_latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent))
+        widened = _kv_elements_per_token(text_config) * max(4, dtype_bytes) * context
+        return int(widened + _latent_temporaries(text_config, context, chunk, dtype_bytes, eager, latent))
+    layer = int(_kv_elements_per_token(text_config) * dtype_bytes * context)
     heads = int(text_config.num_attention_heads)
     groups = heads // int(getattr(text_config, "num_key_value_heads", None) or heads)
     total = layer if flash_below else max(layer, groups * layer)
@@ -138,28 +144,42 @@ def context_temporaries(
     return int(total)
 
 
-EXPAND_GROUP_BYTES = 64 * 2**20  # what one group of heads of an expanded chunk may hold (engine/latent_attention.py)
+GROUP_BYTES = 64 * 2**20  # what one group of heads of a prompt chunk's latent attention may hold
+
+
+def latent_group(heads: int, per_head: float) -> tuple[int, float]:
+    """(heads, bytes): as many heads as fit in GROUP_BYTES at `per_head` bytes each, one at least, and what they
+    hold. A prompt chunk's latent attention by torch (engine/latent_attention.py) runs a group at a time: all heads
+    at once held 1.07 GiB more at depth 16384 on V2-Lite's 16 heads (a 256-row chunk, expanded; 2026-12-07), where
+    `--memory` had reserved 613 MiB; a head at a time, 184 MiB."""
+    group = max(1, min(heads, int(GROUP_BYTES // max(1, per_head))))
+    return group, group * per_head
+
+
+def absorb_group(heads: int, context: int, rows: int) -> tuple[int, float]:
+    """`latent_group` for absorbed attention by torch (a chunk of 2 to `latent_rows_to_expand` - 1 rows): per head,
+    its float32 scores over the context, masked, and their softmax."""
+    return latent_group(heads, 3 * rows * context * 4)
 
 
 def expand_group(heads: int, context: int, rows: int, nope: int, rope: int, v: int, dtype_bytes: float):
-    """(heads, bytes): how many heads the absorbed form's expanded chunk (a prompt chunk of `latent_rows_to_expand`
-    rows or more) re-makes keys and values for and attends at a time, and what such a group holds: per head, kv_b's
-    output for the context (nope + v values a position), its keys with the rotary key (nope + rope), its values made
-    contiguous (v), and its scores, masked scores and softmax in float32 (torch's attention with a mask, on CPU); as
-    many heads as fit in EXPAND_GROUP_BYTES, one at least. All heads at once held 1.07 GiB more at depth 16384 on
-    V2-Lite's 16 heads (2026-12-07), where `--memory` had reserved 613 MiB; a head at a time, 184 MiB."""
-    per_head = context * (2 * nope + rope + 2 * v) * dtype_bytes + 3 * rows * context * 4
-    group = max(1, min(heads, int(EXPAND_GROUP_BYTES // per_head)))
-    return group, group * per_head
+    """`latent_group` for the expanded chunk (`latent_rows_to_expand` rows or more): per head, kv_b's output for the
+    context (nope + v values a position), its keys with the rotary key (nope + rope), its values made contiguous (v),
+    and its scores, masked scores and softmax in float32 (torch's attention with a mask, on CPU)."""
+    return latent_group(heads, context * (2 * nope + rope + 2 * v) * dtype_bytes + 3 * rows * context * 4)
 
 
 def _latent_temporaries(cfg, context: int, chunk: int, dtype_bytes: float, eager: bool, latent: str) -> float:
     heads, lora = int(cfg.num_attention_heads), int(cfg.kv_lora_rank)
     nope, rope, v = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim), int(cfg.v_head_dim)
-    if latent == "absorbed" and chunk < latent_rows_to_expand(lora, nope, v):
-        return 3 * heads * chunk * context * 4 + -(-context // 128) * heads * lora * 4
-    if latent == "absorbed":  # a chunk expanded a group of heads at a time, under transformers' mask (float, bool)
-        return expand_group(heads, context, chunk, nope, rope, v, dtype_bytes)[1] + chunk * context * 5
+    crossover = latent_rows_to_expand(lora, nope, v)
+    if latent == "absorbed":  # under transformers' mask (float, bool); a decode row's partial sums
+        absorbed = absorb_group(heads, context, min(chunk, max(1, crossover - 1)))[1]
+        absorbed += -(-context // 128) * heads * lora * 4
+        if chunk >= crossover:  # kv_b's weight in float32: its halves decoded, then joined
+            kv_b = 2 * heads * (nope + v) * lora * 4
+            absorbed = max(absorbed, expand_group(heads, context, chunk, nope, rope, v, dtype_bytes)[1] + kv_b)
+        return absorbed + chunk * context * 5
     expanded = heads * context * (2 * nope + rope + 2 * v) * dtype_bytes  # kv_b's output, then keys, values
     return expanded + (heads * chunk * context * (4 + 2 * dtype_bytes) if eager else 0)
 
