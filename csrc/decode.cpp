@@ -38,9 +38,10 @@ void write_row(const at::Tensor& buffer, int64_t used, const at::Tensor& row) {
   buffer.narrow(2, used, 1).copy_(buffer.scalar_type() == at::kByte ? quantize_op.call(row) : row);
 }
 
-// The values a cache buffer's row holds (q8_0: 32 a 34-byte block).
+// The values a cache buffer's row holds (q8_0: 32 a 34-byte block; -1 for a q8_0 row of part of a block).
 int64_t row_values(const at::Tensor& buffer) {
-  return buffer.scalar_type() == at::kByte ? buffer.size(3) / 34 * 32 : buffer.size(3);
+  if (buffer.scalar_type() != at::kByte) return buffer.size(3);
+  return buffer.size(3) % 34 ? -1 : buffer.size(3) / 34 * 32;
 }
 
 // One row times the i-th of the blocks `w` (types, rows x cols each), by weightstream::linear: a NativeLinear's

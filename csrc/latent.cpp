@@ -228,7 +228,9 @@ WS_CLONES void q8_rows(const uint8_t* in, float* out, int64_t n) {
 }
 
 // x (..., n) float32, n a multiple of 32, as q8_0 blocks (..., n / 32 * 34) uint8: ggml's quantize_row_q8_0_ref,
-// d = max |x| / 127 (stored as float16), q = round(x / d) with the float32 d's inverse.
+// d = max |x| / 127 (stored as float16), q = round(x / d) with the float32 d's inverse. A block holding a NaN or an
+// infinity is stored as a NaN scale and zero codes (it decodes to NaNs, as its attention would), where ggml's cast
+// of a NaN to int8 is undefined.
 at::Tensor quantize_q8_0(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) % kQ8Values == 0,
               "weightstream quantize_q8_0: the last dimension must be whole blocks of 32 values, not ", x_in.sizes());
@@ -242,12 +244,19 @@ at::Tensor quantize_q8_0(const at::Tensor& x_in) {
   for (int64_t b = 0; b < blocks; b++) {
     const float* v = in + b * kQ8Values;
     float amax = 0.f;
-    for (int64_t j = 0; j < kQ8Values; j++) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < kQ8Values; j++) {
+      amax = std::max(amax, std::fabs(v[j]));
+      finite = finite && std::isfinite(v[j]);
+    }
+    const float d = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && d != 0.f ? 1.f / d : 0.f;
     const uint16_t bits = c10::detail::fp16_ieee_from_fp32_value(d);
     uint8_t* block = to + b * kQ8Bytes;
     __builtin_memcpy(block, &bits, sizeof bits);
-    for (int64_t j = 0; j < kQ8Values; j++) block[2 + j] = (uint8_t)(int8_t)std::round(v[j] * inv);
+    for (int64_t j = 0; j < kQ8Values; j++) {
+      block[2 + j] = finite ? (uint8_t)(int8_t)std::round(v[j] * inv) : 0;
+    }
   }
   return out;
 }

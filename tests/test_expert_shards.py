@@ -394,7 +394,7 @@ def test_placement_copies_the_hottest_experts_onto_another_shard_after_its_own_s
     # layers: each layer's hottest copied onto the shard that holds none of that layer
     own = place(keys, 2, heat, "layers")  # shard 0: layer 1, shard 1: layer 3
     assert copies(own, 2, heat) == [[(3, 7)], [(1, 7)]]
-    with pytest.raises(WeightstreamError, match="--shard-replicas 2: .* 2 or more --expert-shards"):
+    with pytest.raises(WeightstreamError, match="--shard-replicas 2: .* 2 or more shards"):
         copies(place(keys, 1), 2)
     with pytest.raises(WeightstreamError, match="--shard-replicas -1: give 0 or more"):
         copies(own, -1)

@@ -226,6 +226,8 @@ def test_tune_prices_a_16bit_latent_cache_and_says_so(tiny_model):
     blocks = tiny_model("deepseek_v3", qk_rope_head_dim=32, head_dim=32)  # whole q8_0 blocks
     q8 = TuneSession(blocks, GIB, 512, 4, "q8_0").budget
     assert q8.kv_cache_bytes == layers * 2 * 34 * 512
+    with pytest.raises(WeightstreamError, match="qk_rope_head_dim 8 is not; give --kv-dtype float16"):
+        TuneSession(model_dir, GIB, 512, 4, "q8_0")  # tune prices no cache the engine would refuse
     with pytest.raises(WeightstreamError, match=r"shorter --context, or --kv-dtype q8_0: 53% of the KV cache"):
         TuneSession(blocks, 64 * MIB, 512, 4, "float16").budget.check()
     rec = type("Rec", (), {"path": "expert-cache", "cache_bytes": 1 << 20, "policy": "lru", "extra": {}})()

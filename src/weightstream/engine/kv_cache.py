@@ -224,7 +224,7 @@ def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -
             "only: rebuild it (`pip install --no-build-isolation -e .`) or drop --kv-dtype"
         )
     if storage is Q8_0:
-        _check_q8_0(model, what)
+        check_q8_0(model.config.get_text_config(), what)
     model._ws_kv_storage = storage
     prepare = model._prepare_cache_for_generation
 
@@ -239,16 +239,15 @@ def store_kv_in(model, kv_dtype: str, latent: bool, form: str, model_dir: str) -
     model._prepare_cache_for_generation = stored_for_generation
 
 
-def _check_q8_0(model, what: str) -> None:
+def check_q8_0(text, what: str) -> None:
     """Refuses a q8_0 cache where the native kernels that write and read its blocks are not here, or where the latent
-    or the rotary key is not whole 32-value blocks."""
+    or the rotary key (of `text`, a model's text config) is not whole 32-value blocks (the engine, and tune's price)."""
     if not native.has("quantize_q8_0"):
         why = native.why_not() or "it was built from older sources, without q8_0 caches"
         raise WeightstreamError(
             f"{what}: a q8_0 cache is written and read by the native kernels, which do not run here ({why}); rebuild "
             "them (`pip install --no-build-isolation -e .`) or give --kv-dtype float16"
         )
-    text = model.config.get_text_config()
     sizes = {"kv_lora_rank": int(text.kv_lora_rank), "qk_rope_head_dim": int(text.qk_rope_head_dim)}
     odd = [f"{name} {size}" for name, size in sizes.items() if size % Q8_VALUES]
     if odd:

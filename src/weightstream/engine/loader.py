@@ -174,7 +174,7 @@ def _build(model_dir: str, config: EngineConfig) -> _Built:
 def _smaller_kv(built: _Built, config: EngineConfig, kv_bytes: float) -> str:
     """--memory's refusal: a latent cache could be kept in fewer bytes (float16, q8_0)."""
     if built.latent and config.latent_attention == "absorbed":
-        return smaller_latent_kv(built.model.config.get_text_config(), kv_bytes)
+        return smaller_latent_kv(built.model.config.get_text_config(), kv_bytes, native.has("quantize_q8_0"))
     return ""
 
 

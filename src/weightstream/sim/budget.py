@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from weightstream import native
 from weightstream.cgroup import MARGIN_SHARE, margin_for
 from weightstream.errors import WeightstreamError
 from weightstream.store.facts import is_lazy_dense, kv_cache_bytes, smaller_latent_kv, ties_embeddings
@@ -130,5 +131,6 @@ def checkpoint_budget(mapped, memory_bytes: int, context: int, kv_bytes: float |
     budget = budget_of(mapped.config, memory_bytes, context, dense, layout.working_set_bytes, itemsize)
     text = mapped.config.get_text_config()
     if getattr(text, "kv_lora_rank", None):
-        budget = dataclasses.replace(budget, smaller_kv=smaller_latent_kv(text, itemsize))
+        q8_0_runs = native.has("quantize_q8_0")
+        budget = dataclasses.replace(budget, smaller_kv=smaller_latent_kv(text, itemsize, q8_0_runs))
     return budget

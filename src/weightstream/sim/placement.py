@@ -75,7 +75,7 @@ def check_replicas(n: int, shards: int) -> None:
     """Refuses `--shard-replicas n` that is negative, or positive with fewer than 2 shards to hold a second copy."""
     if n < 0 or (n and shards < 2):
         raise WeightstreamError(
-            f"--shard-replicas {n}: give 0 or more copies, and 2 or more --expert-shards to hold a second copy"
+            f"--shard-replicas {n}: give 0 or more copies, and 2 or more shards to hold a second copy"
         )
 
 

@@ -35,10 +35,12 @@ def say(msg: str) -> None:
 def kv_value_bytes(mapped, kv_dtype: str, model_dir: str) -> float | None:
     """Bytes a cached value takes under `--kv-dtype` (None: the model's dtype; q8_0 34 bytes a 32 values), refused as
     the engine refuses it."""
-    from weightstream.engine.kv_cache import kv_dtype_for, value_bytes
+    from weightstream.engine.kv_cache import Q8_0, check_q8_0, kv_dtype_for, value_bytes
 
-    latent = bool(getattr(mapped.config.get_text_config(), "kv_lora_rank", None))
-    storage = kv_dtype_for(kv_dtype, latent, model_dir, mapped.config.model_type)
+    text = mapped.config.get_text_config()
+    storage = kv_dtype_for(kv_dtype, bool(getattr(text, "kv_lora_rank", None)), model_dir, mapped.config.model_type)
+    if storage is Q8_0:
+        check_q8_0(text, f"--kv-dtype q8_0: {model_dir} ({mapped.config.model_type})")
     return None if storage is None else value_bytes(storage)
 
 
