@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cli_support import refused_in_process
 from prefetch_support import cli, drop, files, loader, make_checkpoint, tracefs_ok
 
 pytestmark = [
@@ -138,18 +139,20 @@ def test_failed_record_saves_nothing_and_passes_exit_code(tmp_path, ckpt):
     assert not (home / "templates").exists() or not list((home / "templates").iterdir())
 
 
-def test_bad_input_is_refused_before_running(tmp_path):
-    home = tmp_path / "home"
+def test_bad_input_is_refused_before_running(tmp_path, monkeypatch):
+    """Each refused before any work (in this process, as a new one would refuse it: cli_support)."""
+    monkeypatch.setenv("WEIGHTSTREAM_HOME", str(tmp_path / "home"))
     for args, words in (
-        (["prefetch", "run", *SPEC], b"no command given"),
-        (["prefetch", "run", *SPEC, "--memory-budget", "1MiB", "--", "true"], b"below one 2 MiB"),
-        (["prefetch", "run", *SPEC, "--numa-node", "7", "--", "true"], b"--numa-node 7 does not exist"),
-        (["prefetch", "run", "--spec", "oops", "--", "true"], b"is not KEY=VALUE"),
-        (["prefetch", "run", *SPEC, "--", "/no/such/program"], b"not found"),
-        (["prefetch", "record", *SPEC, "--model-dir", "/no/dir", "--", "true"], b"not a directory"),
+        (["prefetch", "run", *SPEC], "no command given"),
+        (["prefetch", "run", *SPEC, "--memory-budget", "1MiB", "--", "true"], "below one 2 MiB"),
+        (["prefetch", "run", *SPEC, "--numa-node", "7", "--", "true"], "--numa-node 7 does not exist"),
+        (["prefetch", "run", "--spec", "oops", "--", "true"], "is not KEY=VALUE"),
+        (["prefetch", "run", *SPEC, "--", "/no/such/program"], "not found"),
+        (["prefetch", "record", *SPEC, "--model-dir", "/no/dir", "--", "true"], "not a directory"),
     ):
-        out = cli(home, *args)
-        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+        code, err = refused_in_process(*args)
+        assert code == 2 and words in err, (args, err)
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").rglob("*.json"))  # nothing recorded
 
 
 def test_record_tells_a_two_pass_loader_from_a_one_pass_one(tmp_path, ckpt):
