@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from weightstream import native
 from weightstream.errors import WeightstreamError
+from weightstream.store.facts import q8_0_odd_dims
 
 
 class GrowingLayer(DynamicLayer):
@@ -149,7 +150,7 @@ def stored_cache(model) -> DynamicCache:
 
 Q8_0 = torch.uint8  # a cache of q8_0 blocks is stored as their bytes
 KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "q8_0": Q8_0}
-Q8_VALUES, Q8_BYTES = 32, 34  # a q8_0 block: 32 values in 34 bytes
+Q8_VALUES, Q8_BYTES = native.BLOCK_TYPES["Q8_0"].elements, native.BLOCK_TYPES["Q8_0"].bytes  # 32 values in 34 bytes
 
 
 def stored(states: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
@@ -248,8 +249,7 @@ def check_q8_0(text, what: str) -> None:
             f"{what}: a q8_0 cache is written and read by the native kernels, which do not run here ({why}); rebuild "
             "them (`pip install --no-build-isolation -e .`) or give --kv-dtype float16"
         )
-    sizes = {"kv_lora_rank": int(text.kv_lora_rank), "qk_rope_head_dim": int(text.qk_rope_head_dim)}
-    odd = [f"{name} {size}" for name, size in sizes.items() if size % Q8_VALUES]
+    odd = q8_0_odd_dims(text)
     if odd:
         raise WeightstreamError(
             f"{what}: q8_0 stores whole blocks of {Q8_VALUES} values and this model's {' and '.join(odd)} "

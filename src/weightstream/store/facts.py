@@ -77,14 +77,18 @@ def longest_context(text_config, kv_bytes: int, dtype_bytes: float, positions: i
     return low
 
 
+def q8_0_odd_dims(text_config) -> list[str]:
+    """The latent cache's rows ("kv_lora_rank N", "qk_rope_head_dim N") that are not whole 32-value q8_0 blocks."""
+    sizes = {name: int(getattr(text_config, name)) for name in ("kv_lora_rank", "qk_rope_head_dim")}
+    return [f"{name} {size}" for name, size in sizes.items() if size % 32]
+
+
 # what a refusal of too small a budget adds where DeepSeek's latent cache is kept in float32 (--memory, tune)
 def smaller_latent_kv(text_config, value_bytes: float, q8_0_runs: bool) -> str:
     """What a refusal adds for a latent cache of `value_bytes` a value (engine/kv_cache.py's storage): a float32 one
     kept in float16 (half), or q8_0 (34 bytes a 32 values) where the latent and rotary key are whole 32-value blocks
     and the native kernels that keep it run here (`q8_0_runs`); a 16-bit one in q8_0."""
-    blocks = q8_0_runs and all(
-        int(getattr(text_config, name)) % 32 == 0 for name in ("kv_lora_rank", "qk_rope_head_dim")
-    )
+    blocks = q8_0_runs and not q8_0_odd_dims(text_config)
     if value_bytes > 2:
         return ", or --kv-dtype float16: half the KV cache" + (" (q8_0: 27% of it)" if blocks else "")
     if value_bytes > 34 / 32 and blocks:
